@@ -1,0 +1,23 @@
+"""Attention backend interface: prepare per-batch metadata once, then attend per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from minisgl.core import Batch
+
+
+class BaseAttnBackend(ABC):
+    """Stores the batch's new K/V into the pool and attends over each request's whole KV."""
+
+    @abstractmethod
+    def prepare_metadata(self, batch: Batch) -> None:
+        """Fill `batch.attn_metadata`; called once per step before the forward."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim]."""

@@ -1,0 +1,88 @@
+"""Reference attention in plain PyTorch (CPU and CUDA): paged KV gathered into padded SDPA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import Batch
+from minisgl.kvcache import BaseKVCache
+
+from .base import BaseAttnBackend
+
+
+@dataclass
+class TorchAttnMetadata:
+    """Padded views of a varlen batch: request b's query j sits at row b * max_q + j."""
+
+    kv_indices: torch.Tensor  # [B, max_kv] slot of each key position (padding: any valid slot)
+    q_rows: torch.Tensor | None  # [tokens] padded row of each token; None when max_q == 1
+    max_q: int
+    masks: dict[int | None, torch.Tensor]  # window -> [B, 1, max_q, max_kv] bool
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def __init__(
+        self,
+        kv_cache: BaseKVCache,
+        page_table: torch.Tensor,
+        sliding_windows: tuple[int | None, ...],
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.page_table = page_table
+        self.sliding_windows = sliding_windows
+        self.device = page_table.device
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.reqs
+        device = self.device
+        seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
+        extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+        max_kv, max_q = int(seq_lens.max()), int(extend_lens.max())
+        table_idx = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=device)
+        kv_indices = self.page_table[table_idx, :max_kv].long()
+
+        seq_lens, extend_lens = seq_lens.to(device), extend_lens.to(device)
+        q_offsets = torch.arange(max_q, device=device)
+        # Position of each padded query; padding rows get position 0 so no row is fully masked.
+        q_pos = (seq_lens - extend_lens)[:, None] + q_offsets[None, :]
+        q_valid = q_offsets[None, :] < extend_lens[:, None]
+        q_pos = torch.where(q_valid, q_pos, 0)
+        q_rows = None
+        if max_q > 1:
+            q_rows = (torch.arange(len(reqs), device=device)[:, None] * max_q + q_offsets)[q_valid]
+        kv_pos = torch.arange(max_kv, device=device)
+        causal = kv_pos[None, None, :] <= q_pos[:, :, None]
+        masks: dict[int | None, torch.Tensor] = {None: causal.unsqueeze(1)}
+        for window in set(self.sliding_windows) - {None}:
+            assert window is not None
+            in_window = kv_pos[None, None, :] > q_pos[:, :, None] - window
+            masks[window] = (causal & in_window).unsqueeze(1)
+        batch.attn_metadata = TorchAttnMetadata(kv_indices, q_rows, max_q, masks)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        meta: TorchAttnMetadata = batch.attn_metadata
+        assert batch.out_loc is not None
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        num_reqs, (_, num_heads, head_dim) = len(batch.reqs), q.shape
+        # [B, kv_heads, max_kv, dim]
+        keys = self.kv_cache.k_cache(layer_id)[meta.kv_indices].transpose(1, 2)
+        values = self.kv_cache.v_cache(layer_id)[meta.kv_indices].transpose(1, 2)
+        if meta.q_rows is None:
+            q_padded = q.unsqueeze(2)  # one query per request: [B, heads, 1, dim]
+        else:
+            q_padded = q.new_zeros(num_reqs * meta.max_q, num_heads, head_dim)
+            q_padded[meta.q_rows] = q
+            q_padded = q_padded.view(num_reqs, meta.max_q, num_heads, head_dim).transpose(1, 2)
+        mask = meta.masks[self.sliding_windows[layer_id]]
+        out = F.scaled_dot_product_attention(
+            q_padded, keys, values, attn_mask=mask, enable_gqa=True
+        )
+        if meta.q_rows is None:
+            return out.squeeze(2)
+        out = out.transpose(1, 2).reshape(num_reqs * meta.max_q, num_heads, head_dim)
+        return out[meta.q_rows]

@@ -1,0 +1,208 @@
+"""Core data model: sampling parameters, requests, batches and the per-process context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+
+class CacheHandle(Protocol):
+    """What a request keeps of its prefix-cache match (see kvcache.base.BaseCacheHandle)."""
+
+    cached_len: int
+
+    def get_matched_indices(self) -> torch.Tensor: ...
+
+
+class KVPool(Protocol):
+    """The KV storage layers write to (see kvcache.base.BaseKVCache)."""
+
+    def k_cache(self, layer_id: int) -> torch.Tensor: ...
+
+    def v_cache(self, layer_id: int) -> torch.Tensor: ...
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None: ...
+
+
+class AttentionBackend(Protocol):
+    """Computes attention for one layer of the current batch (see attention.base)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. Greedy when temperature is 0 or top_k is 1."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range parameter."""
+        checks = [
+            ("temperature", self.temperature >= 0.0),
+            ("top_k", self.top_k == -1 or self.top_k >= 1),
+            ("top_p", 0.0 < self.top_p <= 1.0),
+            ("min_p", 0.0 <= self.min_p <= 1.0),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
+            ("repetition_penalty", self.repetition_penalty > 0.0),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(eq=False)
+class Req:
+    """One running request and where its KV lives.
+
+    `input_ids` holds the prompt plus the tokens generated so far (CPU). Tokens [0, cached_len)
+    have KV in the pool; this step computes [cached_len, device_len).
+    """
+
+    uid: int
+    input_ids: torch.Tensor
+    sampling_params: SamplingParams
+    prompt_len: int
+    max_device_len: int
+    table_idx: int = -1
+    cached_len: int = 0
+    device_len: int = 0
+    cache_handle: CacheHandle | None = None
+    # Prompt tokens served from the prefix cache at admission (for hit-rate accounting).
+    prompt_cached_tokens: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    user_data: Any = None
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def output_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def remain_len(self) -> int:
+        """Tokens this request may still add to its KV footprint."""
+        return self.max_device_len - self.device_len
+
+    @property
+    def is_chunked(self) -> bool:
+        """A prefill that stops short of the known tokens: its step produces no token."""
+        return self.device_len < len(self.input_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Req(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "
+            f"device_len={self.device_len}, prompt_len={self.prompt_len}, "
+            f"output_len={self.output_len})"
+        )
+
+
+@dataclass(eq=False)
+class Batch:
+    """The requests of one forward step and the tensors prepared for it."""
+
+    reqs: list[Req]
+    phase: Literal["prefill", "decode"]
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    out_loc: torch.Tensor | None = None
+    attn_metadata: Any = None
+    # Rows of the logits to sample from (one per request that produces a token this step).
+    logits_indices: torch.Tensor | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass
+class Context:
+    """Per-process engine state shared by layers, backends and caches."""
+
+    page_size: int = 1
+    page_table: torch.Tensor | None = None
+    kv_cache: KVPool | None = None
+    attn_backend: AttentionBackend | None = None
+    _batch: Batch | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+    @property
+    def batch(self) -> Batch:
+        if self._batch is None:
+            raise RuntimeError("no batch is being run: the engine sets it per forward")
+        return self._batch
+
+    def set_batch(self, batch: Batch | None) -> None:
+        self._batch = batch
+
+
+_GLOBAL_CTX: Context | None = None
+
+
+def set_global_ctx(ctx: Context) -> None:
+    global _GLOBAL_CTX
+    _GLOBAL_CTX = ctx
+
+
+def get_global_ctx() -> Context:
+    if _GLOBAL_CTX is None:
+        raise RuntimeError("global context is not set: call set_global_ctx(Context(...)) first")
+    return _GLOBAL_CTX
+
+
+def reset_global_ctx() -> None:
+    global _GLOBAL_CTX
+    _GLOBAL_CTX = None

@@ -1,0 +1,31 @@
+"""Engine settings: what model to run, where, and how big the KV pool is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device = torch.device("cpu")
+    page_size: int = 1
+    max_running_req: int = 256
+    num_page_override: int | None = None
+    max_seq_len_override: int | None = None
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_req < 1:
+            raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
+        if self.num_page_override is not None and self.num_page_override < 1:
+            raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
+            raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -1,0 +1,133 @@
+"""Engine: one per rank. Owns the model, KV pool, page table, attention backend and sampler."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from minisgl.attention import ATTN_BACKENDS
+from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.env import ENV
+from minisgl.kvcache import MHAKVCache
+from minisgl.models import create_model, load_model_config
+from minisgl.utils import div_ceil, init_logger
+
+from .config import EngineConfig
+from .sample import SampleArgs, Sampler
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ForwardInput:
+    """Everything one forward step needs: the prepared batch and its sampling settings."""
+
+    batch: Batch
+    sample_args: SampleArgs
+    # Where the sampled tokens go in the token pool: (table rows, positions).
+    token_rows: torch.Tensor
+    token_cols: torch.Tensor
+
+
+@dataclass
+class ForwardOutput:
+    next_tokens: torch.Tensor  # on device
+    next_tokens_cpu: torch.Tensor
+    logits: torch.Tensor  # [sampled requests, vocab] float32, before sampling
+
+
+def configure_cpu_threads() -> int:
+    """Use one thread per available core unless MINISGL_NUM_THREADS says otherwise."""
+    threads = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        if self.device.type == "cpu":
+            configure_cpu_threads()
+        self.model_config = load_model_config(config.model_path)
+        model_max = self.model_config.max_position_embeddings
+        self.max_seq_len = min(config.max_seq_len_override or model_max, model_max)
+        self.model = create_model(
+            self.model_config, config.model_path, config.dtype, self.device, self.max_seq_len
+        )
+        self.page_size = config.page_size
+        self.num_pages = config.num_page_override or self._pages_from_memory_budget()
+        mc = self.model_config
+        self.kv_cache = MHAKVCache(
+            mc.num_layers,
+            self.num_pages * self.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.dtype,
+            self.device,
+        )
+        table_shape = (config.max_running_req, self.max_seq_len)
+        self.page_table = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
+        self.token_pool = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
+        self.attn_backend = ATTN_BACKENDS[config.attention_backend](
+            self.kv_cache, self.page_table, mc.sliding_windows
+        )
+        self.ctx = Context(
+            page_size=self.page_size,
+            page_table=self.page_table,
+            kv_cache=self.kv_cache,
+            attn_backend=self.attn_backend,
+        )
+        set_global_ctx(self.ctx)
+        self.sampler = Sampler(mc.vocab_size, self.device)
+        logger.info(
+            "engine ready: %s %s on %s, %d KV pages x %d tokens, max_seq_len %d",
+            mc.architecture,
+            str(config.dtype).removeprefix("torch."),
+            self.device,
+            self.num_pages,
+            self.page_size,
+            self.max_seq_len,
+        )
+
+    def _pages_from_memory_budget(self) -> int:
+        mc = self.model_config
+        per_token = MHAKVCache.bytes_per_slot(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.dtype
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * ENV.MEMORY_RATIO.value
+        else:
+            available = psutil.virtual_memory().available * ENV.MEMORY_RATIO.value
+            budget = min(ENV.CPU_KV_CACHE_GB.value * 2**30, available)
+        budget_pages = int(budget // (per_token * self.page_size))
+        # More pages than every slot filled to max_seq_len can never be used.
+        useful_pages = self.config.max_running_req * div_ceil(self.max_seq_len, self.page_size)
+        num_pages = min(budget_pages, useful_pages)
+        if num_pages < div_ceil(self.max_seq_len, self.page_size) // 8 or num_pages < 1:
+            raise RuntimeError(
+                f"KV memory budget {budget / 2**30:.2f} GiB fits only {num_pages} pages; "
+                "raise MINISGL_CPU_KV_CACHE_GB / MINISGL_MEMORY_RATIO or set num_page_override"
+            )
+        return num_pages
+
+    @torch.inference_mode()
+    def forward(self, forward_input: ForwardInput) -> ForwardOutput:
+        """Run the model on the batch, sample, and record the tokens in the token pool."""
+        batch = forward_input.batch
+        self.ctx.set_batch(batch)
+        try:
+            assert batch.input_ids is not None
+            logits = self.model(batch.input_ids, batch.logits_indices)
+        finally:
+            self.ctx.set_batch(None)
+        next_tokens = self.sampler.sample(logits, forward_input.sample_args)
+        self.token_pool[forward_input.token_rows, forward_input.token_cols] = next_tokens
+        next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return ForwardOutput(next_tokens, next_tokens_cpu, logits)

@@ -1,0 +1,146 @@
+"""Per-request sampling inside one batch: penalties, temperature, top-k, top-p, min-p, seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Req
+
+
+@dataclass
+class PenaltyArgs:
+    rows: torch.Tensor  # [R] batch rows that have penalties
+    output_counts: torch.Tensor  # [R, vocab] occurrences of each token in the output so far
+    seen: torch.Tensor  # [R, vocab] token occurs in prompt or output (repetition penalty)
+    presence: torch.Tensor  # [R, 1]
+    frequency: torch.Tensor  # [R, 1]
+    repetition: torch.Tensor  # [R, 1]
+
+
+@dataclass
+class SampleArgs:
+    """Sampling settings of a batch as tensors; `None` fields are switched off for every row."""
+
+    all_greedy: bool
+    greedy_rows: torch.Tensor | None = None  # [B] bool
+    temperatures: torch.Tensor | None = None  # [B, 1]
+    top_k: torch.Tensor | None = None  # [B, 1] long; vocab size where disabled
+    top_p: torch.Tensor | None = None  # [B, 1]
+    min_p: torch.Tensor | None = None  # [B, 1]
+    seeded: list[tuple[int, torch.Generator]] | None = None
+    penalties: PenaltyArgs | None = None
+
+
+class Sampler:
+    """Turns the last-token logits of each request into its next token."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def prepare(self, reqs: list[Req]) -> SampleArgs:
+        params = [r.sampling_params for r in reqs]
+        penalties = self._prepare_penalties(reqs)
+        if all(p.is_greedy for p in params):
+            return SampleArgs(all_greedy=True, penalties=penalties)
+        device = self.device
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+
+        greedy = [p.is_greedy for p in params]
+        args = SampleArgs(
+            all_greedy=False,
+            greedy_rows=torch.tensor(greedy, dtype=torch.bool).to(device),
+            temperatures=column(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32
+            ),
+            penalties=penalties,
+        )
+        if any(p.top_k > 1 for p in params):
+            args.top_k = column(
+                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64
+            )
+        if any(p.top_p < 1.0 for p in params):
+            args.top_p = column([p.top_p for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            args.min_p = column([p.min_p for p in params], torch.float32)
+        seeded = [(i, r.generator) for i, r in enumerate(reqs) if r.generator is not None]
+        args.seeded = [(i, g) for i, g in seeded if g is not None] or None
+        return args
+
+    def _prepare_penalties(self, reqs: list[Req]) -> PenaltyArgs | None:
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
+        if not rows:
+            return None
+        device, vocab = self.device, self.vocab_size
+        output_counts = torch.zeros(len(rows), vocab, dtype=torch.float32)
+        seen = torch.zeros(len(rows), vocab, dtype=torch.bool)
+        for k, i in enumerate(rows):
+            req = reqs[i]
+            ids = req.input_ids.long()
+            output_counts[k].scatter_add_(
+                0, ids[req.prompt_len :], torch.ones(req.output_len, dtype=torch.float32)
+            )
+            seen[k, ids] = True
+        sps = [reqs[i].sampling_params for i in rows]
+        return PenaltyArgs(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            output_counts=output_counts.to(device),
+            seen=seen.to(device),
+            presence=torch.tensor([[p.presence_penalty] for p in sps], device=device),
+            frequency=torch.tensor([[p.frequency_penalty] for p in sps], device=device),
+            repetition=torch.tensor([[p.repetition_penalty] for p in sps], device=device),
+        )
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:
+        rows = logits[pen.rows]
+        # Repetition penalty (as transformers): shrink the logits of every seen token.
+        scaled = torch.where(rows > 0, rows / pen.repetition, rows * pen.repetition)
+        rows = torch.where(pen.seen, scaled, rows)
+        # Presence / frequency penalties (as OpenAI): over generated tokens only.
+        rows = rows - pen.frequency * pen.output_counts
+        rows = rows - pen.presence * (pen.output_counts > 0).float()
+        logits = logits.clone()
+        logits[pen.rows] = rows
+        return logits
+
+    def sample(self, logits: torch.Tensor, args: SampleArgs) -> torch.Tensor:
+        """logits: [B, vocab] float32. Returns [B] int32 token ids."""
+        if args.penalties is not None:
+            logits = self._apply_penalties(logits, args.penalties)
+        if args.all_greedy:
+            return logits.argmax(dim=-1).to(torch.int32)
+        assert args.temperatures is not None and args.greedy_rows is not None
+        probs = torch.softmax(logits / args.temperatures, dim=-1)
+        if args.top_k is not None or args.top_p is not None:
+            probs = self._top_k_top_p(probs, args.top_k, args.top_p)
+        if args.min_p is not None:
+            max_prob = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < args.min_p * max_prob, 0.0)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in args.seeded or ():
+            noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy = logits.argmax(dim=-1)
+        return torch.where(args.greedy_rows, greedy, sampled).to(torch.int32)
+
+    @staticmethod
+    def _top_k_top_p(
+        probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+        if top_k is not None:
+            drop |= ranks >= top_k
+        if top_p is not None:
+            # Drop a token once the mass before it already reaches top_p (the first always stays).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

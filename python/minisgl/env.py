@@ -1,0 +1,50 @@
+"""Typed settings read from MINISGL_* environment variables: `ENV.NAME.value`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {raw!r}")
+
+
+class EnvVar(Generic[T]):
+    """One setting: read once from `MINISGL_<name>`, overridable in code via `.value`."""
+
+    def __init__(self, name: str, default: T, parse: Callable[[str], T]) -> None:
+        self.name = f"MINISGL_{name}"
+        raw = os.environ.get(self.name)
+        try:
+            self.value: T = default if raw is None else parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"bad value for {self.name}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"{self.name}={self.value!r}"
+
+
+class _Env:
+    def __init__(self) -> None:
+        self.DISABLE_OVERLAP_SCHEDULING = EnvVar("DISABLE_OVERLAP_SCHEDULING", False, _parse_bool)
+        self.CACHE_DIR = EnvVar(
+            "CACHE", Path(os.path.expanduser("~/.cache/minisgl")), lambda s: Path(s)
+        )
+        # Fraction of free host memory given to the KV pool on CPU (GPU: of free device memory).
+        self.MEMORY_RATIO = EnvVar("MEMORY_RATIO", 0.9, float)
+        self.CPU_KV_CACHE_GB = EnvVar("CPU_KV_CACHE_GB", 4.0, float)
+        self.NUM_THREADS = EnvVar("NUM_THREADS", 0, int)
+        self.LOG_LEVEL = EnvVar("LOG_LEVEL", "INFO", str)
+
+
+ENV = _Env()

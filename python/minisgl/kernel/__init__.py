@@ -1,0 +1,1 @@
+"""Small ops; `torch_ops` holds the pure-PyTorch versions."""

@@ -1,0 +1,47 @@
+"""Multi-head KV pool: one K and one V buffer per layer, indexed by token slot."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BaseKVCache
+
+
+class MHAKVCache(BaseKVCache):
+    """K/V buffers shaped [num_layers, num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self._k = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        return self._k[layer_id]
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        return self._v[layer_id]
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None:
+        self._k[layer_id].index_copy_(0, out_loc, k)
+        self._v[layer_id].index_copy_(0, out_loc, v)
+
+    @property
+    def num_layers(self) -> int:
+        return self._k.shape[0]
+
+    @staticmethod
+    def bytes_per_slot(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

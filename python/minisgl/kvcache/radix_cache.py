@@ -1,0 +1,299 @@
+"""Radix prefix cache: a compressed prefix tree of token runs and the KV slots that hold them."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+
+from minisgl.core import get_global_ctx
+from minisgl.kernel.torch_ops import fast_compare_key
+from minisgl.utils import align_down
+
+from .base import BaseCacheHandle, BasePrefixCache, InsertResult, MatchResult, SizeInfo
+
+KeyFn: TypeAlias = Callable[[torch.Tensor], Any]
+
+# Rebuild the lazily cleaned heap once stale entries outnumber live leaves this many times over.
+_HEAP_SLACK_FACTOR = 4
+_HEAP_MIN_REBUILD_SIZE = 64
+
+
+class RadixTreeNode:
+    """A run of tokens (`_key`) with the KV slots holding them (`value`); children by first page."""
+
+    counter: int = 0
+
+    def __init__(self, key_fn: KeyFn, tic: int | None = None) -> None:
+        self.key_fn = key_fn
+        self.children: dict[Any, RadixTreeNode] = {}
+        self._parent: RadixTreeNode | None = None
+        self.ref_count = 0
+        self.uuid = RadixTreeNode.counter
+        RadixTreeNode.counter += 1
+        self.timestamp = tic or time.monotonic_ns()
+        self._key: torch.Tensor
+        self._value: torch.Tensor
+        self._length: int
+
+    def set_key_value(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        assert len(key) == len(value)
+        self._key, self._value, self._length = key, value, len(key)
+
+    def set_parent(self, parent: RadixTreeNode) -> None:
+        self._parent = parent
+        parent.children[self.key_fn(self._key)] = self
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def parent(self) -> RadixTreeNode:
+        assert self._parent is not None
+        return self._parent
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self._value
+
+    def is_root(self) -> bool:
+        return self._parent is None
+
+    def is_leaf(self) -> bool:
+        return len(self.children) == 0
+
+    def get_match_len(self, input_ids: torch.Tensor) -> int:
+        return fast_compare_key(self._key, input_ids)
+
+    def split_at(self, pos: int) -> RadixTreeNode:
+        """Split this node at `pos`; the new head becomes this node's parent and is returned."""
+        assert 0 < pos < self.length
+        parent = self.parent
+        new_node = RadixTreeNode(self.key_fn, self.timestamp)
+        new_node.set_key_value(self._key[:pos], self._value[:pos])
+        # Same first page as this node, so it takes over this node's slot in parent.children.
+        new_node.set_parent(parent)
+        new_node.ref_count = self.ref_count
+        self.set_key_value(self._key[pos:], self._value[pos:])
+        self.set_parent(new_node)
+        return new_node
+
+    def __lt__(self, other: RadixTreeNode) -> bool:
+        # Least recently used first; uuid keeps equal timestamps in a deterministic order.
+        return (self.timestamp, self.uuid) < (other.timestamp, other.uuid)
+
+
+# A heap entry: (timestamp when pushed, node uuid as the tie-break, node).
+_HeapEntry: TypeAlias = tuple[int, int, RadixTreeNode]
+
+
+@dataclass(frozen=True)
+class RadixCacheHandle(BaseCacheHandle):
+    """A prefix of `cached_len` tokens ending at `node` (the path from the root to it)."""
+
+    cached_len: int
+    node: RadixTreeNode
+
+    def get_matched_indices(self) -> torch.Tensor:
+        node = self.node
+        values: list[torch.Tensor] = []
+        while not node.is_root():
+            values.append(node.value)
+            node = node.parent
+        if not values:
+            return node.value  # the root's empty value, on the cache's device
+        values.reverse()
+        return torch.cat(values)
+
+
+def _make_key_fn(page_size: int) -> KeyFn:
+    if page_size == 1:
+        return lambda ids: int(ids[0])
+    return lambda ids: tuple(ids[:page_size].tolist())
+
+
+class RadixPrefixCache(BasePrefixCache):
+    """Shares KV of common prefixes across requests; evicts unlocked leaves in LRU order.
+
+    Unlocked leaves are tracked incrementally in `evictable_leaves`, so eviction costs grow with
+    what is evicted rather than with the size of the tree.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.page_size = get_global_ctx().page_size
+        self.key_fn = _make_key_fn(self.page_size)
+        self.empty_tensor = torch.empty(0, dtype=torch.int32, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every cached prefix and start from an empty tree."""
+        self.root_node = RadixTreeNode(self.key_fn)
+        self.root_node.set_key_value(torch.empty(0, dtype=torch.int32), self.empty_tensor)
+        # The root holds no tokens and must never look like an evictable leaf.
+        self.root_node.ref_count = 1
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.evictable_leaves: set[RadixTreeNode] = set()
+        # Lazily cleaned: an entry is stale once its node left `evictable_leaves`, or its
+        # timestamp was refreshed since the push (then it is re-pushed when popped).
+        self._leaf_heap: list[_HeapEntry] = []
+        self._num_nodes = 0
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes in the tree, not counting the root."""
+        return self._num_nodes
+
+    def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
+        node, prefix_len = self._tree_walk(input_ids)
+        return MatchResult(RadixCacheHandle(prefix_len, node))
+
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        """Cache the whole pages of `input_ids`; `cached_len` is what was cached beforehand."""
+        insert_len = align_down(len(input_ids), self.page_size)
+        input_ids, indices = input_ids[:insert_len], indices[:insert_len]
+        node, prefix_len = self._tree_walk(input_ids)
+        if prefix_len != insert_len:
+            new_node = RadixTreeNode(self.key_fn)
+            new_node.set_key_value(input_ids[prefix_len:], indices[prefix_len:].clone())
+            new_node.set_parent(node)
+            self._num_nodes += 1
+            self.evictable_size += new_node.length
+            self.evictable_leaves.discard(node)  # it has a child now
+            self._add_evictable_leaf(new_node)
+            node = new_node
+        return InsertResult(prefix_len, RadixCacheHandle(insert_len, node))
+
+    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        """Pin (or unpin) every node on the path from the handle's node to the root."""
+        assert isinstance(handle, RadixCacheHandle)
+        node = handle.node
+        while not node.is_root():
+            if unlock:
+                node.ref_count -= 1
+                assert node.ref_count >= 0
+                if node.ref_count == 0:
+                    self.evictable_size += node.length
+                    self.protected_size -= node.length
+                    if node.is_leaf():
+                        self._add_evictable_leaf(node)
+            else:
+                if node.ref_count == 0:
+                    self.evictable_size -= node.length
+                    self.protected_size += node.length
+                    self.evictable_leaves.discard(node)
+                node.ref_count += 1
+            node = node.parent
+
+    def evict(self, size: int) -> torch.Tensor:
+        """Free at least `size` tokens by dropping unlocked leaves, least recently used first."""
+        if size == 0:
+            return self.empty_tensor
+        assert size <= self.evictable_size, f"Cannot evict {size}, only {self.evictable_size}"
+        heap = self._leaf_heap
+        evicted: list[torch.Tensor] = []
+        evicted_size = 0
+        while evicted_size < size:
+            assert heap, f"Cannot evict enough cache: need {size}, got {evicted_size}"
+            pushed_at, _, node = heapq.heappop(heap)
+            if node not in self.evictable_leaves:
+                continue  # locked, grew a child, or already evicted since the push
+            if pushed_at != node.timestamp:
+                # Accessed since the push; timestamps only grow, so it belongs further back.
+                heapq.heappush(heap, (node.timestamp, node.uuid, node))
+                continue
+            evicted_size += node.length
+            evicted.append(node.value)
+            self._remove_leaf(node)
+            heap = self._leaf_heap  # _remove_leaf may have rebuilt it
+        return torch.cat(evicted)
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(evictable_size=self.evictable_size, protected_size=self.protected_size)
+
+    def check_integrity(self) -> None:
+        """Re-walk the tree and check the counters and the evictable-leaf set against it."""
+        evictable = protected = num_nodes = 0
+        unlocked_leaves: set[RadixTreeNode] = set()
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            num_nodes += 1
+            assert node.ref_count >= 0
+            assert node.length > 0 and node.length % self.page_size == 0, "unaligned node"
+            assert len(node.value) == node.length
+            for key, child in node.children.items():
+                assert child.parent is node and key == self.key_fn(child._key), "bad child link"
+                assert child.ref_count <= node.ref_count, "child locked more than its parent"
+                stack.append(child)
+            if node.ref_count == 0:
+                evictable += node.length
+                if node.is_leaf():
+                    unlocked_leaves.add(node)
+            else:
+                protected += node.length
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
+            f"size mismatch: tree=({evictable}, {protected}), "
+            f"counter=({self.evictable_size}, {self.protected_size})"
+        )
+        assert num_nodes == self._num_nodes, f"node count: tree={num_nodes}, {self._num_nodes}"
+        assert unlocked_leaves == self.evictable_leaves, (
+            f"evictable leaf set mismatch: {len(unlocked_leaves)} unlocked leaves in the tree, "
+            f"{len(self.evictable_leaves)} tracked"
+        )
+        # Every evictable leaf needs a heap entry no later than its timestamp, or evict misses it.
+        earliest_entry: dict[RadixTreeNode, int] = {}
+        for pushed_at, _, node in self._leaf_heap:
+            earliest_entry[node] = min(pushed_at, earliest_entry.get(node, pushed_at))
+        for node in self.evictable_leaves:
+            assert node in earliest_entry and earliest_entry[node] <= node.timestamp, (
+                "evictable leaf missing from the heap"
+            )
+
+    def _tree_walk(self, input_ids: torch.Tensor) -> tuple[RadixTreeNode, int]:
+        prefix_len, total = 0, len(input_ids)
+        node = self.root_node
+        tic = time.monotonic_ns()
+        while prefix_len < total:
+            child = node.children.get(self.key_fn(input_ids[prefix_len:]))
+            if child is None:
+                return node, prefix_len
+            node = child
+            # Entering the child means its first page matched; page-align the full match.
+            match_len = align_down(node.get_match_len(input_ids[prefix_len:]), self.page_size)
+            prefix_len += match_len
+            if match_len != node.length:
+                # Split so the returned node ends exactly where the match ends; the tail keeps
+                # its old timestamp and its leaf status, the head is internal.
+                node = node.split_at(match_len)
+                self._num_nodes += 1
+                node.timestamp = tic
+                return node, prefix_len
+            # A refreshed evictable leaf keeps its older heap entry; evict re-pushes it lazily.
+            node.timestamp = tic
+        return node, prefix_len
+
+    def _add_evictable_leaf(self, node: RadixTreeNode) -> None:
+        self.evictable_leaves.add(node)
+        heapq.heappush(self._leaf_heap, (node.timestamp, node.uuid, node))
+        live = len(self.evictable_leaves)
+        if len(self._leaf_heap) > _HEAP_SLACK_FACTOR * live + _HEAP_MIN_REBUILD_SIZE:
+            self._leaf_heap = [(n.timestamp, n.uuid, n) for n in self.evictable_leaves]
+            heapq.heapify(self._leaf_heap)
+
+    def _remove_leaf(self, node: RadixTreeNode) -> None:
+        """Detach an evictable leaf; its parent joins the evictable leaves if it becomes one."""
+        self.evictable_leaves.remove(node)
+        self.evictable_size -= node.length
+        self._num_nodes -= 1
+        parent = node.parent
+        del parent.children[self.key_fn(node._key)]
+        if parent.ref_count == 0 and parent.is_leaf() and not parent.is_root():
+            self._add_evictable_leaf(parent)

@@ -1,0 +1,18 @@
+"""Building blocks of the decoder: linear, embedding, norm, rotary, activation, attention."""
+
+from .activation import silu_and_mul
+from .attention import AttentionLayer
+from .embedding import LMHead, VocabEmbedding
+from .linear import Linear
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+__all__ = [
+    "AttentionLayer",
+    "LMHead",
+    "Linear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "VocabEmbedding",
+    "silu_and_mul",
+]

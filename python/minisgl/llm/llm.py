@@ -1,0 +1,150 @@
+"""LLM: the scheduler run in-process over a batch of prompts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from minisgl.core import SamplingParams
+from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.utils.hf import resolve_model_path
+
+Prompt = str | list[int]
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """`None`/"auto" picks bfloat16, the fast type on both CPUs (avx512_bf16) and GPUs."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+class LLM(Scheduler):
+    """Offline generation: tokenizes, runs the scheduler until every prompt is done."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        page_size: int = 1,
+        max_running_req: int = 256,
+        num_page_override: int | None = None,
+        max_seq_len_override: int | None = None,
+        cache_type: str = "radix",
+        max_prefill_length: int | None = None,
+        attention_backend: str = "torch",
+    ) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        path = resolve_model_path(model_path)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model_path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        extra_eos: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            extra_eos.add(self.tokenizer.eos_token_id)
+        if (path / "generation_config.json").exists():
+            eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+            extra_eos.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        config = SchedulerConfig(
+            model_path=str(path),
+            dtype=parse_dtype(dtype),
+            device=torch.device(device),
+            page_size=page_size,
+            max_running_req=max_running_req,
+            num_page_override=num_page_override,
+            max_seq_len_override=max_seq_len_override,
+            cache_type=cache_type,
+            max_prefill_length=max_prefill_length,
+            attention_backend=attention_backend,
+        )
+        super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)))
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise TypeError(f"each prompt must be a string or a list of token ids, got {prompt!r}")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[dict[str, Any]]:
+        """Generate for every prompt; returns one dict per prompt, in order.
+
+        Each dict has `text`, `token_ids` (generated tokens), `finish_reason`,
+        `prompt_tokens` and `cached_tokens` (prompt tokens served from the prefix cache).
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
+        encoded = [self._encode(p) for p in prompts]
+        uids = [self.add_request(ids, sp) for ids, sp in zip(encoded, params_list)]
+        index = {uid: i for i, uid in enumerate(uids)}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        reasons: list[str | None] = [None] * len(prompts)
+        cached = [0] * len(prompts)
+        show = use_tqdm if use_tqdm is not None else len(prompts) >= 16
+        with tqdm(total=len(prompts), desc="generate", disable=not show) as bar:
+            while self.has_work:
+                for out in self.step():
+                    i = index[out.uid]
+                    tokens[i].append(out.token)
+                    if out.finish_reason is not None:
+                        reasons[i] = out.finish_reason
+                        cached[i] = out.cached_tokens
+                        bar.update(1)
+        self.cache_manager.check_integrity()
+        return [
+            {
+                "text": self.tokenizer.decode(toks, skip_special_tokens=True),
+                "token_ids": toks,
+                "finish_reason": reason,
+                "prompt_tokens": len(ids),
+                "cached_tokens": hit,
+            }
+            for ids, toks, reason, hit in zip(encoded, tokens, reasons, cached)
+        ]
+
+    def shutdown(self) -> None:
+        """Release the engine's memory; the object is unusable afterwards."""
+        from minisgl.core import reset_global_ctx
+
+        self.waiting.clear()
+        self.running.clear()
+        del self.engine
+        reset_global_ctx()

@@ -1,0 +1,46 @@
+"""Model definitions and loading: one shared decoder for Llama, Mistral, Qwen2 and Qwen3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .decoder import CausalLM
+from .weight import load_weights
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
+
+
+def create_model(
+    config: ModelConfig,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> CausalLM:
+    """Build the model on `device`, load its checkpoint and cast to `dtype`."""
+    with torch.device("cpu"):
+        model = CausalLM(config, max_positions)
+    load_weights(model, Path(model_dir))
+    # Only parameters take the model dtype: rotary tables stay float32 like transformers'.
+    for param in model.parameters():
+        param.data = param.data.to(device=device, dtype=dtype)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))
+    return model.eval()
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CausalLM",
+    "ModelConfig",
+    "create_model",
+    "load_model_config",
+]

@@ -1,0 +1,105 @@
+"""The one decoder-only transformer shared by every supported architecture."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.layers import (
+    AttentionLayer,
+    Linear,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    silu_and_mul,
+)
+
+from .config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = Linear(inter, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        q_size = config.num_qo_heads * head_dim
+        kv_size = config.num_kv_heads * head_dim
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.attn = AttentionLayer(
+            layer_id,
+            config.num_qo_heads,
+            config.num_kv_heads,
+            head_dim,
+            rotary,
+            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+            sliding_window=config.sliding_windows[layer_id],
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = config.rope_inv_freq()
+        self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual)
+        return self.norm(x, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """Decoder plus LM head; `forward` returns logits only for the rows asked for."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, max_positions)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
+
+    def forward(
+        self, input_ids: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return self.lm_head(hidden).float()

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set everything up on a fresh machine, then run lint and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -q tests "$@"

@@ -1,0 +1,169 @@
+"""Shared test fixtures: tiny random-weight models per architecture, and the HF oracle."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.utils.hf import cache_dir, default_model_path
+
+# Prompts of very different lengths (1 to 100+ tokens) for batch-mix tests.
+LONG_TEXT = (
+    "In the beginning the universe was created. This has made a lot of people very angry and "
+    "been widely regarded as a bad move. Many were increasingly of the opinion that they'd all "
+    "made a big mistake in coming down from the trees in the first place. And some said that "
+    "even the trees had been a bad move, and that no one should ever have left the oceans. "
+    "Far out in the uncharted backwaters of the unfashionable end of the western spiral arm"
+)
+MIXED_PROMPTS: list[str | list[int]] = [
+    [42],
+    "The capital of France is",
+    "Hello, my name is",
+    LONG_TEXT,
+    "1, 2, 3, 4, 5,",
+    "def fibonacci(n):",
+    LONG_TEXT[:200],
+    "Write a haiku about the sea.",
+]
+# The seed chapter's prompts: two share a prefix and are prefilled in the same batch.
+PROMPTS = [
+    "The capital of France is",
+    "The capital of France is a city that",
+    "Once upon a time, in a small village,",
+    "def add(a, b):",
+    "The three primary colors are",
+]
+
+_TINY_BASE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    rms_norm_eps=1e-6,
+)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            head_dim=16,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=1e6))),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=48)),
+}
+
+
+def smollm2() -> Path:
+    return default_model_path()
+
+
+@functools.cache
+def tiny_model(name: str) -> Path:
+    """A random-weight model of the named architecture with SmolLM2's tokenizer, cached on disk."""
+    import transformers
+
+    class_name, overrides = TINY_CONFIGS[name]
+    spec = json.dumps([class_name, _TINY_BASE, overrides], sort_keys=True)
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    target = cache_dir() / "test-models" / f"{name}-{digest}"
+    if (target / "config.json").exists():
+        return target
+    config = getattr(transformers, class_name)(**{**_TINY_BASE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2()))
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    staging.rename(target)
+    return target
+
+
+QWEN3 = "qwen3"  # the seed tests' model fixture: a tiny random Qwen3
+
+
+def model_path(name: str) -> Path:
+    return smollm2() if name == "smollm2" else tiny_model(name)
+
+
+@functools.cache
+def _hf_model(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(path))
+
+
+def hf_encode(name_or_path: str | Path, prompt: str | list[int]) -> list[int]:
+    path = model_path(name_or_path) if isinstance(name_or_path, str) else name_or_path
+    return prompt if isinstance(prompt, list) else _hf_model(path)[1](prompt).input_ids
+
+
+@functools.cache
+def _hf_greedy_one(path: Path, ids: tuple[int, ...], max_new_tokens: int, **kw) -> list[int]:
+    model, _ = _hf_model(path)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            **kw,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def hf_greedy(
+    name: str | Path, prompts: list[str | list[int]], max_new_tokens: int | list[int], **kw
+) -> list[list[int]]:
+    """HF transformers float32 greedy continuation of each prompt, run one at a time."""
+    path = model_path(name) if isinstance(name, str) else name
+    lens = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    return [_hf_greedy_one(path, tuple(hf_encode(path, p)), n, **kw) for p, n in zip(prompts, lens)]
+
+
+def hf_last_logits(name: str, prompt: str | list[int]) -> torch.Tensor:
+    path = model_path(name)
+    model, _ = _hf_model(path)
+    with torch.inference_mode():
+        return model(torch.tensor([hf_encode(path, prompt)])).logits[0, -1].float()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def build_llm(name: str, **kw) -> LLM:
+    """An fp32 LLM on the named test model with a small KV pool."""
+    kw.setdefault("num_page_override", 4096 // kw.get("page_size", 1))
+    kw.setdefault("max_seq_len_override", 512)
+    kw.setdefault("max_running_req", 8)
+    return LLM(str(model_path(name)), dtype=torch.float32, device="cpu", **kw)
+
+
+def assert_all_pages_free(llm: LLM) -> None:
+    llm.cache_manager.check_integrity()
+    cached = llm.cache_manager.prefix_cache.size_info.total_size // llm.page_size
+    assert llm.cache_manager.num_free_pages + cached == llm.engine.num_pages

@@ -1,0 +1,83 @@
+"""Greedy generation equals Hugging Face transformers (float32) token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    MIXED_PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    greedy,
+    hf_greedy,
+    hf_last_logits,
+)
+
+ARCHS = ["llama3", "qwen2", "qwen3", "mistral", "smollm2"]
+# Different lengths make requests leave at different steps, so slots are reused mid-run.
+MAX_NEW = [12, 5, 16, 9, 3, 14, 7, 10]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_with_continuous_batching(arch: str, page_size: int) -> None:
+    # Fewer running slots than prompts: requests join and leave between steps.
+    llm = build_llm(arch, page_size=page_size, max_running_req=3, cache_type="naive")
+    params = [greedy(n) for n in MAX_NEW]
+    outputs = llm.generate(MIXED_PROMPTS, params)
+    expected = hf_greedy(arch, MIXED_PROMPTS, MAX_NEW)
+    for out, want, prompt in zip(outputs, expected, MIXED_PROMPTS):
+        assert out["token_ids"] == want, f"{arch} page_size={page_size} prompt={prompt!r}"
+    assert_all_pages_free(llm)
+    assert llm.cache_manager.num_free_pages == llm.engine.num_pages
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_hf(arch: str) -> None:
+    llm = build_llm(arch, cache_type="naive")
+    captured = []
+    orig = llm._forward
+
+    def spy(forward_input):
+        out = orig(forward_input)
+        if forward_input.batch.is_prefill:
+            captured.append(out.logits.clone())
+        return out
+
+    llm._forward = spy
+    llm.generate(MIXED_PROMPTS, greedy(1))
+    assert len(captured) == 1, "all prompts fit one prefill batch"
+    for row, prompt in zip(captured[0], MIXED_PROMPTS):
+        want = hf_last_logits(arch, prompt)
+        torch.testing.assert_close(row, want, atol=1e-4, rtol=0)
+    llm.shutdown()
+
+
+def test_default_model_says_paris() -> None:
+    llm = build_llm("smollm2", cache_type="naive")
+    out = llm.generate(["The capital of France is"], greedy(4))[0]
+    assert out["text"].startswith(" Paris")
+    assert out["finish_reason"] == "length"
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "smollm2"])
+def test_chunked_prefill_matches_hf(arch: str) -> None:
+    llm = build_llm(arch, max_prefill_length=16, cache_type="naive")
+    computed = []
+    orig = llm._forward
+
+    def spy(forward_input):
+        if forward_input.batch.is_prefill:
+            computed.append(sum(r.extend_len for r in forward_input.batch.reqs))
+        return orig(forward_input)
+
+    llm._forward = spy
+    outputs = llm.generate(MIXED_PROMPTS, greedy(6))
+    prompt_tokens = sum(o["prompt_tokens"] for o in outputs)
+    assert max(computed) <= 16
+    assert sum(computed) == prompt_tokens, "every prompt token is computed exactly once"
+    assert [o["token_ids"] for o in outputs] == hf_greedy(arch, MIXED_PROMPTS, 6)
+    assert_all_pages_free(llm)
+    llm.shutdown()
