@@ -123,7 +123,8 @@ class LLM(Scheduler):
             while self.has_work:
                 for out in self.step():
                     i = index[out.uid]
-                    tokens[i].append(out.token)
+                    if out.token is not None:
+                        tokens[i].append(out.token)
                     if out.finish_reason is not None:
                         reasons[i] = out.finish_reason
                         cached[i] = out.cached_tokens

@@ -25,7 +25,7 @@ class TokenOutput:
     """One generated token of one request; `finish_reason` is set on its last token."""
 
     uid: int
-    token: int
+    token: int | None  # None only for an aborted request's closing output
     finish_reason: FinishReason | None
     # Prompt tokens that came from the prefix cache (reported with the last token).
     cached_tokens: int = 0
@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.stats = CacheStats()
         self._uids = itertools.count()
+        self._aborted: list[TokenOutput] = []
 
     # ---------------------------------------------------------------- requests in
     def add_request(
@@ -93,23 +94,41 @@ class Scheduler:
         self.waiting.append(req)
         return uid
 
+    def abort_request(self, uid: int) -> bool:
+        """Stop a request wherever it is and release what it holds; False if unknown/finished."""
+        req = next((r for r in self.waiting if r.uid == uid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        else:
+            held = self.running + ([self.chunked] if self.chunked else [])
+            req = next((r for r in held if r.uid == uid), None)
+            if req is None:
+                return False
+            if req is self.chunked:
+                self.chunked = None
+            self._release(req)
+        req.finish_reason = "abort"
+        self._aborted.append(TokenOutput(uid, None, "abort", req.prompt_cached_tokens))
+        return True
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self._aborted)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[TokenOutput]:
         """Schedule, run and process one batch; when idle, check the page accounting."""
+        aborted, self._aborted = self._aborted, []
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:
             if self.waiting:
                 raise RuntimeError(f"{len(self.waiting)} queued requests cannot be admitted")
             self.cache_manager.check_integrity()
-            return []
+            return aborted
         forward_input = self._prepare(batch)
         sampled = [r for r in batch.reqs if not r.is_chunked]
         output = self._forward(forward_input)
-        return self._process(batch, sampled, output)
+        return aborted + self._process(batch, sampled, output)
 
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
         return self.engine.forward(forward_input)
