@@ -157,7 +157,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 def build_llm(name: str, **kw) -> LLM:
     """An fp32 LLM on the named test model with a small KV pool."""
-    kw.setdefault("num_page_override", 4096 // kw.get("page_size", 1))
+    kw.setdefault("num_page_override", 4096 // max(kw.get("page_size", 1), 1))
     kw.setdefault("max_seq_len_override", 512)
     kw.setdefault("max_running_req", 8)
     return LLM(str(model_path(name)), dtype=torch.float32, device="cpu", **kw)

@@ -119,6 +119,7 @@ class Engine:
     def forward(self, forward_input: ForwardInput) -> ForwardOutput:
         """Run the model on the batch, sample, and record the tokens in the token pool."""
         batch = forward_input.batch
+        set_global_ctx(self.ctx)  # several engines may live in one process (tests, benchmarks)
         self.ctx.set_batch(batch)
         try:
             assert batch.input_ids is not None

@@ -143,9 +143,13 @@ class LLM(Scheduler):
 
     def shutdown(self) -> None:
         """Release the engine's memory; the object is unusable afterwards."""
-        from minisgl.core import reset_global_ctx
+        from minisgl.core import get_global_ctx, reset_global_ctx
 
         self.waiting.clear()
         self.running.clear()
+        try:
+            if get_global_ctx() is self.engine.ctx:
+                reset_global_ctx()
+        except RuntimeError:
+            pass  # no context set: nothing to reset
         del self.engine
-        reset_global_ctx()

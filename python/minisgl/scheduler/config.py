@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.engine import EngineConfig
+from minisgl.kvcache import PREFIX_CACHES
 
 
 @dataclass
@@ -15,6 +16,10 @@ class SchedulerConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.cache_type not in PREFIX_CACHES:
+            raise ValueError(
+                f"unknown cache_type {self.cache_type!r}; choose one of {PREFIX_CACHES.names()}"
+            )
         if self.max_prefill_length is None:
             self.max_prefill_length = 2048 if self.device.type == "cpu" else 8192
         if self.max_prefill_length < 1:

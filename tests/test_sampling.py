@@ -1,0 +1,94 @@
+"""Sampling: per-request parameters in one batch, seeds, penalties (vs HF where it has them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import MIXED_PROMPTS, build_llm, greedy, hf_greedy
+
+from minisgl.core import Req, SamplingParams
+from minisgl.engine import Sampler
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = build_llm("qwen3")
+    yield llm
+    llm.shutdown()
+
+
+def _req(params: SamplingParams, ids: list[int], prompt_len: int | None = None) -> Req:
+    prompt_len = len(ids) if prompt_len is None else prompt_len
+    return Req(0, torch.tensor(ids, dtype=torch.int32), params, prompt_len, len(ids) + 8)
+
+
+def test_seed_is_reproducible_across_batches(llm) -> None:
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
+    alone = llm.generate(["Once upon a time"], seeded)[0]["token_ids"]
+    mixed = llm.generate(
+        ["Hello", "Once upon a time", "def f(x):"],
+        [SamplingParams(temperature=0.8, max_tokens=5), seeded, greedy(7)],
+    )
+    assert mixed[1]["token_ids"] == alone
+    other_seed = SamplingParams(temperature=1.0, max_tokens=12, seed=99)
+    assert llm.generate(["Once upon a time"], other_seed)[0]["token_ids"] != alone
+
+
+def test_per_request_params_in_one_batch(llm) -> None:
+    want = hf_greedy("qwen3", MIXED_PROMPTS[:4], 6)
+    params = [
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=6),  # top_k=1 is greedy
+        SamplingParams(temperature=0.7, top_p=1e-6, max_tokens=6),  # only the top token left
+        SamplingParams(temperature=1.3, min_p=1.0, max_tokens=6),  # only the max stays
+        SamplingParams(temperature=5.0, top_k=3, max_tokens=6, seed=1),
+    ]
+    outputs = llm.generate(MIXED_PROMPTS[:4], params)
+    assert [o["token_ids"] for o in outputs[:3]] == want[:3]
+    assert len(outputs[3]["token_ids"]) == 6
+
+
+def test_temperature_sampling_varies(llm) -> None:
+    outputs = llm.generate(["Hello"] * 8, SamplingParams(temperature=1.0, max_tokens=4))
+    assert len({tuple(o["token_ids"]) for o in outputs}) > 1
+
+
+def test_sampler_distribution_and_filters() -> None:
+    torch.manual_seed(0)
+    vocab = 6
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0]) + 1e-9)
+    sampler = Sampler(vocab, torch.device("cpu"))
+    rows = 20000
+
+    def frequencies(params: SamplingParams) -> torch.Tensor:
+        reqs = [_req(params, [1])] * rows
+        tokens = sampler.sample(logits.expand(rows, vocab).clone(), sampler.prepare(reqs))
+        return torch.bincount(tokens.long(), minlength=vocab).float() / rows
+
+    free = frequencies(SamplingParams(temperature=1.0))
+    torch.testing.assert_close(free, torch.softmax(logits, -1), atol=0.02, rtol=0)
+    top2 = frequencies(SamplingParams(temperature=1.0, top_k=2))
+    assert top2[2:].sum() == 0
+    torch.testing.assert_close(top2[:2], torch.tensor([4 / 7, 3 / 7]), atol=0.02, rtol=0)
+    nucleus = frequencies(SamplingParams(temperature=1.0, top_p=0.6))  # keeps 0.4 and 0.3
+    assert nucleus[2:].sum() == 0
+    min_p = frequencies(SamplingParams(temperature=1.0, min_p=0.3))  # keeps p >= 0.12
+    assert min_p[3:].sum() == 0 and min_p[2] > 0
+
+
+def test_presence_and_frequency_penalties() -> None:
+    sampler = Sampler(4, torch.device("cpu"))
+    # Prompt [0], output so far [1, 1, 2].
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, max_tokens=8)
+    args = sampler.prepare([_req(params, [0, 1, 1, 2], prompt_len=1)])
+    assert args.penalties is not None
+    logits = torch.zeros(1, 4)
+    out = Sampler._apply_penalties(logits, args.penalties)
+    torch.testing.assert_close(out, torch.tensor([[0.0, -1.0, -0.75, 0.0]]))
+
+
+def test_repetition_penalty_matches_hf(llm) -> None:
+    prompts = MIXED_PROMPTS[1:4]
+    outputs = llm.generate(prompts, greedy(10, repetition_penalty=1.5))
+    assert [o["token_ids"] for o in outputs] == hf_greedy(
+        "qwen3", prompts, 10, repetition_penalty=1.5
+    )
