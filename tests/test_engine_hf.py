@@ -35,7 +35,7 @@ def test_greedy_matches_hf_with_continuous_batching(arch: str, page_size: int) -
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_hf(arch: str) -> None:
-    llm = build_llm(arch, cache_type="naive")
+    llm = build_llm(arch, cache_type="naive", overlap_schedule=False)
     captured = []
     orig = llm._forward
 
@@ -64,7 +64,7 @@ def test_default_model_says_paris() -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "smollm2"])
 def test_chunked_prefill_matches_hf(arch: str) -> None:
-    llm = build_llm(arch, max_prefill_length=16, cache_type="naive")
+    llm = build_llm(arch, max_prefill_length=16, cache_type="naive", overlap_schedule=False)
     computed = []
     orig = llm._forward
 

@@ -58,7 +58,7 @@ def test_page_size_16_caches_whole_pages_only() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_multi_turn_recomputes_only_new_tokens(page_size: int) -> None:
-    llm = build_llm("smollm2", page_size=page_size)
+    llm = build_llm("smollm2", page_size=page_size, overlap_schedule=False)
     computed = _spy_prefill(llm)
     turn1 = hf_encode("smollm2", "User: What is the capital of France?\nAssistant:")
     answer = llm.generate([turn1], greedy(12))[0]["token_ids"]
@@ -82,7 +82,9 @@ def test_multi_turn_recomputes_only_new_tokens(page_size: int) -> None:
 def test_same_prefix_in_one_batch_frees_duplicate_pages(page_size: int) -> None:
     # A small pool so freed duplicate pages are soon handed to other requests: if a request
     # kept reading its freed copy, its output would diverge from HF.
-    llm = build_llm("qwen3", page_size=page_size, num_page_override=320 // page_size)
+    llm = build_llm(
+        "qwen3", page_size=page_size, num_page_override=320 // page_size, overlap_schedule=False
+    )
     shared = list(range(2000, 2040))
     prompts = [shared + [7, 8, 9], shared + [10, 11], shared + [12], list(range(3000, 3030))]
     lens = [30, 25, 28, 40]

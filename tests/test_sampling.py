@@ -19,7 +19,9 @@ def llm():
 
 def _req(params: SamplingParams, ids: list[int], prompt_len: int | None = None) -> Req:
     prompt_len = len(ids) if prompt_len is None else prompt_len
-    return Req(0, torch.tensor(ids, dtype=torch.int32), params, prompt_len, len(ids) + 8)
+    req = Req(0, torch.tensor(ids, dtype=torch.int32), params, prompt_len, len(ids) + 8)
+    req.table_idx, req.device_len = 0, len(ids)
+    return req
 
 
 def test_seed_is_reproducible_across_batches(llm) -> None:
@@ -61,7 +63,8 @@ def test_sampler_distribution_and_filters() -> None:
 
     def frequencies(params: SamplingParams) -> torch.Tensor:
         reqs = [_req(params, [1])] * rows
-        tokens = sampler.sample(logits.expand(rows, vocab).clone(), sampler.prepare(reqs))
+        args = sampler.prepare(reqs)
+        tokens = sampler.sample(logits.expand(rows, vocab).clone(), args, torch.zeros(1, 1))
         return torch.bincount(tokens.long(), minlength=vocab).float() / rows
 
     free = frequencies(SamplingParams(temperature=1.0))
@@ -82,7 +85,8 @@ def test_presence_and_frequency_penalties() -> None:
     args = sampler.prepare([_req(params, [0, 1, 1, 2], prompt_len=1)])
     assert args.penalties is not None
     logits = torch.zeros(1, 4)
-    out = Sampler._apply_penalties(logits, args.penalties)
+    token_pool = torch.tensor([[0, 1, 1, 2, 3, 3]], dtype=torch.int32)  # 3s: not yet known
+    out = Sampler._apply_penalties(logits, args.penalties, token_pool)
     torch.testing.assert_close(out, torch.tensor([[0.0, -1.0, -0.75, 0.0]]))
 
 

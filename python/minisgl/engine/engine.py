@@ -27,6 +27,9 @@ class ForwardInput:
 
     batch: Batch
     sample_args: SampleArgs
+    # Table row of every input token; its id is read from the token pool when the step runs,
+    # so a token sampled by the previous, still-running step is seen (overlap scheduling).
+    input_rows: torch.Tensor
     # Where the sampled tokens go in the token pool: (table rows, positions).
     token_rows: torch.Tensor
     token_cols: torch.Tensor
@@ -37,6 +40,13 @@ class ForwardOutput:
     next_tokens: torch.Tensor  # on device
     next_tokens_cpu: torch.Tensor
     logits: torch.Tensor  # [sampled requests, vocab] float32, before sampling
+    copy_done: torch.cuda.Event | None = None
+
+    def wait(self) -> ForwardOutput:
+        """Block until `next_tokens_cpu` holds the step's tokens."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        return self
 
 
 def configure_cpu_threads() -> int:
@@ -122,13 +132,16 @@ class Engine:
         set_global_ctx(self.ctx)  # several engines may live in one process (tests, benchmarks)
         self.ctx.set_batch(batch)
         try:
-            assert batch.input_ids is not None
+            assert batch.positions is not None
+            batch.input_ids = self.token_pool[forward_input.input_rows, batch.positions]
             logits = self.model(batch.input_ids, batch.logits_indices)
         finally:
             self.ctx.set_batch(None)
-        next_tokens = self.sampler.sample(logits, forward_input.sample_args)
+        next_tokens = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)
         self.token_pool[forward_input.token_rows, forward_input.token_cols] = next_tokens
+        if self.device.type != "cuda":
+            return ForwardOutput(next_tokens, next_tokens, logits)
         next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return ForwardOutput(next_tokens, next_tokens_cpu, logits)
+        copy_done = torch.cuda.Event()
+        copy_done.record()
+        return ForwardOutput(next_tokens, next_tokens_cpu, logits, copy_done)

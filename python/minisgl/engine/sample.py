@@ -11,9 +11,12 @@ from minisgl.core import Req
 
 @dataclass
 class PenaltyArgs:
+    """Penalised rows; their token history is read from the token pool when the step runs."""
+
     rows: torch.Tensor  # [R] batch rows that have penalties
-    output_counts: torch.Tensor  # [R, vocab] occurrences of each token in the output so far
-    seen: torch.Tensor  # [R, vocab] token occurs in prompt or output (repetition penalty)
+    table_rows: torch.Tensor  # [R] their token-pool rows
+    prompt_lens: torch.Tensor  # [R, 1]
+    seq_lens: torch.Tensor  # [R, 1] tokens known when sampling (prompt + output so far)
     presence: torch.Tensor  # [R, 1]
     frequency: torch.Tensor  # [R, 1]
     repetition: torch.Tensor  # [R, 1]
@@ -75,43 +78,52 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
         if not rows:
             return None
-        device, vocab = self.device, self.vocab_size
-        output_counts = torch.zeros(len(rows), vocab, dtype=torch.float32)
-        seen = torch.zeros(len(rows), vocab, dtype=torch.bool)
-        for k, i in enumerate(rows):
-            req = reqs[i]
-            ids = req.input_ids.long()
-            output_counts[k].scatter_add_(
-                0, ids[req.prompt_len :], torch.ones(req.output_len, dtype=torch.float32)
-            )
-            seen[k, ids] = True
-        sps = [reqs[i].sampling_params for i in rows]
+        device = self.device
+
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device).unsqueeze(1)
+
+        penalised = [reqs[i] for i in rows]
+        sps = [r.sampling_params for r in penalised]
         return PenaltyArgs(
-            rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            output_counts=output_counts.to(device),
-            seen=seen.to(device),
-            presence=torch.tensor([[p.presence_penalty] for p in sps], device=device),
-            frequency=torch.tensor([[p.frequency_penalty] for p in sps], device=device),
-            repetition=torch.tensor([[p.repetition_penalty] for p in sps], device=device),
+            rows=torch.tensor(rows, dtype=torch.int64).to(device),
+            table_rows=torch.tensor([r.table_idx for r in penalised], dtype=torch.int64).to(device),
+            prompt_lens=column([r.prompt_len for r in penalised], torch.int64),
+            seq_lens=column([r.device_len for r in penalised], torch.int64),
+            presence=column([p.presence_penalty for p in sps]),
+            frequency=column([p.frequency_penalty for p in sps]),
+            repetition=column([p.repetition_penalty for p in sps]),
         )
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:
+    def _apply_penalties(
+        logits: torch.Tensor, pen: PenaltyArgs, token_pool: torch.Tensor
+    ) -> torch.Tensor:
+        max_len = int(pen.seq_lens.max())
+        history = token_pool[pen.table_rows, :max_len].long()
+        positions = torch.arange(max_len, device=logits.device)[None, :]
+        known = (positions < pen.seq_lens).float()
+        generated = known * (positions >= pen.prompt_lens).float()
+        vocab = logits.shape[-1]
+        output_counts = logits.new_zeros(len(pen.rows), vocab).scatter_add_(1, history, generated)
+        seen = logits.new_zeros(len(pen.rows), vocab).scatter_add_(1, history, known) > 0
         rows = logits[pen.rows]
         # Repetition penalty (as transformers): shrink the logits of every seen token.
         scaled = torch.where(rows > 0, rows / pen.repetition, rows * pen.repetition)
-        rows = torch.where(pen.seen, scaled, rows)
+        rows = torch.where(seen, scaled, rows)
         # Presence / frequency penalties (as OpenAI): over generated tokens only.
-        rows = rows - pen.frequency * pen.output_counts
-        rows = rows - pen.presence * (pen.output_counts > 0).float()
+        rows = rows - pen.frequency * output_counts
+        rows = rows - pen.presence * (output_counts > 0).float()
         logits = logits.clone()
         logits[pen.rows] = rows
         return logits
 
-    def sample(self, logits: torch.Tensor, args: SampleArgs) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, args: SampleArgs, token_pool: torch.Tensor
+    ) -> torch.Tensor:
         """logits: [B, vocab] float32. Returns [B] int32 token ids."""
         if args.penalties is not None:
-            logits = self._apply_penalties(logits, args.penalties)
+            logits = self._apply_penalties(logits, args.penalties, token_pool)
         if args.all_greedy:
             return logits.argmax(dim=-1).to(torch.int32)
         assert args.temperatures is not None and args.greedy_rows is not None

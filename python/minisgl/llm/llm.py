@@ -51,6 +51,8 @@ class LLM(Scheduler):
         cache_type: str = "radix",
         max_prefill_length: int | None = None,
         attention_backend: str = "torch",
+        schedule_policy: str = "fcfs",
+        overlap_schedule: bool | None = None,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -76,6 +78,8 @@ class LLM(Scheduler):
             cache_type=cache_type,
             max_prefill_length=max_prefill_length,
             attention_backend=attention_backend,
+            schedule_policy=schedule_policy,
+            overlap_schedule=overlap_schedule,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)))
 
@@ -145,6 +149,7 @@ class LLM(Scheduler):
         """Release the engine's memory; the object is unusable afterwards."""
         from minisgl.core import get_global_ctx, reset_global_ctx
 
+        super().shutdown()
         self.waiting.clear()
         self.running.clear()
         try:

@@ -2,14 +2,18 @@
 
 from .cache import CacheManager
 from .config import SchedulerConfig
-from .scheduler import CacheStats, Scheduler, TokenOutput
+from .output import CacheStats, SchedulerStats, TokenOutput
+from .policy import SCHEDULE_POLICIES
+from .scheduler import Scheduler
 from .table import TableManager
 
 __all__ = [
     "CacheManager",
+    "SCHEDULE_POLICIES",
     "CacheStats",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerStats",
     "TableManager",
     "TokenOutput",
 ]

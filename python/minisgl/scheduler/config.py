@@ -7,10 +7,16 @@ from dataclasses import dataclass
 from minisgl.engine import EngineConfig
 from minisgl.kvcache import PREFIX_CACHES
 
+# Chosen by measurement: benchmark/overlap.py prints decode tok/s with overlap on and off.
+OVERLAP_DEFAULT = {"cpu": True, "cuda": True}
+
 
 @dataclass
 class SchedulerConfig(EngineConfig):
     cache_type: str = "radix"
+    schedule_policy: str = "fcfs"
+    # Overlap scheduling (prepare step N+1 while step N runs); None picks the device default.
+    overlap_schedule: bool | None = None
     # Prompt tokens computed per prefill step; longer prompts are prefilled in chunks.
     max_prefill_length: int | None = None
 
@@ -20,6 +26,15 @@ class SchedulerConfig(EngineConfig):
             raise ValueError(
                 f"unknown cache_type {self.cache_type!r}; choose one of {PREFIX_CACHES.names()}"
             )
+        from .policy import SCHEDULE_POLICIES
+
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"unknown schedule_policy {self.schedule_policy!r}; "
+                f"choose one of {SCHEDULE_POLICIES.names()}"
+            )
+        if self.overlap_schedule is None:
+            self.overlap_schedule = OVERLAP_DEFAULT[self.device.type]
         if self.max_prefill_length is None:
             self.max_prefill_length = 2048 if self.device.type == "cpu" else 8192
         if self.max_prefill_length < 1:

@@ -1,48 +1,54 @@
-"""Scheduler: continuous batching over one engine (prefill first, chunked; else decode all)."""
+"""Scheduler: continuous batching with chunked prefill, retraction and overlap scheduling."""
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from minisgl.core import Batch, FinishReason, Req, SamplingParams
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
-from minisgl.kvcache import create_prefix_cache
+from minisgl.env import ENV
+from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
 from minisgl.utils import div_ceil, init_logger
 
 from .cache import CacheManager
 from .config import SchedulerConfig
+from .output import SchedulerStats, TokenOutput
+from .policy import SCHEDULE_POLICIES
 from .table import TableManager
 
 logger = init_logger(__name__)
 
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """One generated token of one request; `finish_reason` is set on its last token."""
-
-    uid: int
-    token: int | None  # None only for an aborted request's closing output
-    finish_reason: FinishReason | None
-    # Prompt tokens that came from the prefix cache (reported with the last token).
-    cached_tokens: int = 0
+# Admission reserves this share of each running request's remaining output (SGLang's
+# new_token_ratio): it starts cautious, decays while decode runs fine, and jumps after a
+# retraction. Retraction is what keeps an optimistic estimate safe.
+_RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.001
 
 
 @dataclass
-class CacheStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+class InFlight:
+    """A launched step whose tokens have not been processed yet."""
 
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    batch: Batch
+    sampled: list[Req]
+    result: ForwardOutput | Future[ForwardOutput]
+
+    def output(self) -> ForwardOutput:
+        result = self.result
+        return (result.result() if isinstance(result, Future) else result).wait()
 
 
 class Scheduler:
-    """Admits requests, builds each step's batch, runs it and hands tokens back."""
+    """Admits requests, builds each step's batch, runs it and hands tokens back.
+
+    With overlap scheduling, step N+1 is scheduled and launched before step N's tokens are
+    processed; a request therefore learns it finished one step late, and nothing it holds is
+    released while a launched step still uses it.
+    """
 
     def __init__(self, config: SchedulerConfig, extra_eos_ids: tuple[int, ...] = ()) -> None:
         self.config = config
@@ -57,12 +63,21 @@ class Scheduler:
             self.engine.page_table,
             create_prefix_cache(config.cache_type, self.device),
         )
+        self.order_queue = SCHEDULE_POLICIES[config.schedule_policy]
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
         self.running: list[Req] = []
-        self.stats = CacheStats()
+        self.stats = SchedulerStats()
+        self.new_token_ratio = _RATIO_INIT
         self._uids = itertools.count()
-        self._aborted: list[TokenOutput] = []
+        self._outbox: list[TokenOutput] = []
+        self._in_flight: InFlight | None = None
+        self._last_was_prefill = False
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def overlap(self) -> bool:
+        return not ENV.DISABLE_OVERLAP_SCHEDULING.value and self.config.overlap_schedule
 
     # ---------------------------------------------------------------- requests in
     def add_request(
@@ -104,39 +119,82 @@ class Scheduler:
             req = next((r for r in held if r.uid == uid), None)
             if req is None:
                 return False
-            if req is self.chunked:
-                self.chunked = None
-            self._release(req)
+            self._drop(req)
+            if not self._is_in_flight(req):  # else released once its step is processed
+                self._release(req)
         req.finish_reason = "abort"
-        self._aborted.append(TokenOutput(uid, None, "abort", req.prompt_cached_tokens))
+        self._outbox.append(TokenOutput(uid, None, "abort", req.prompt_cached_tokens))
         return True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._aborted)
+        return bool(self.waiting or self.running or self.chunked or self._outbox or self._in_flight)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[TokenOutput]:
-        """Schedule, run and process one batch; when idle, check the page accounting."""
-        aborted, self._aborted = self._aborted, []
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None:
+        """Launch the next batch and process the previous one (overlap) or this one."""
+        if self._in_flight is not None and not self._decode_fits():
+            # Decode would need retraction, which must not touch a step still running.
+            self._process(self._in_flight)
+            self._in_flight = None
+        batch = self._schedule()
+        launched = self._launch(batch) if batch is not None else None
+        previous, self._in_flight = self._in_flight, launched if self.overlap else None
+        if previous is not None:
+            self._process(previous)
+        if launched is not None and not self.overlap:
+            self._process(launched)
+        if batch is None and previous is None:  # nothing ran, nothing was pending
             if self.waiting:
                 raise RuntimeError(f"{len(self.waiting)} queued requests cannot be admitted")
             self.cache_manager.check_integrity()
-            return aborted
-        forward_input = self._prepare(batch)
-        sampled = [r for r in batch.reqs if not r.is_chunked]
-        output = self._forward(forward_input)
-        return aborted + self._process(batch, sampled, output)
+        outputs, self._outbox = self._outbox, []
+        return outputs
 
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
         return self.engine.forward(forward_input)
 
+    def _launch(self, batch: Batch) -> InFlight:
+        forward_input = self._prepare(batch)
+        sampled = [r for r in batch.reqs if not r.is_chunked]
+        result: ForwardOutput | Future[ForwardOutput]
+        if self.overlap and self.device.type == "cpu":
+            # PyTorch releases the GIL inside ops, so the next step is scheduled meanwhile.
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="minisgl-forward")
+            result = self._executor.submit(self._forward, forward_input)
+        else:
+            result = self._forward(forward_input)
+        for req in batch.reqs:  # steps run in order: later steps see this step's KV
+            req.cached_len = req.device_len
+        return InFlight(batch, sampled, result)
+
+    # ---------------------------------------------------------------- scheduling
+    def _schedule(self) -> Batch | None:
+        # Alternate while a long prompt is chunked, so running decodes are not starved.
+        prefill_first = not (self._last_was_prefill and self.running)
+        batch = None
+        if prefill_first:
+            batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        if batch is None and not prefill_first:
+            batch = self._schedule_prefill()
+        self._last_was_prefill = batch is not None and batch.is_prefill
+        return batch
+
     def _reserved_pages(self) -> int:
-        """Pages admitted requests may still claim to reach their max length."""
-        held = self.running + ([self.chunked] if self.chunked else [])
-        return sum(self.cache_manager.pages_to_grow(r, r.max_device_len) for r in held)
+        """Pages admitted requests are expected to claim before they finish."""
+        reserved = 0.0
+        for req in self.running:
+            remaining = req.max_device_len - req.device_len
+            reserved += div_ceil(int(remaining * self.new_token_ratio), self.page_size)
+        if self.chunked is not None:
+            chunked = self.chunked
+            reserved += self.cache_manager.pages_to_grow(chunked, len(chunked.input_ids))
+            remaining_out = chunked.max_device_len - len(chunked.input_ids)
+            reserved += div_ceil(int(remaining_out * self.new_token_ratio), self.page_size)
+        return int(reserved)
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.config.max_prefill_length
@@ -149,29 +207,23 @@ class Scheduler:
             reqs.append(req)
             new_lens.append(req.device_len + extend)
             budget -= extend
+        if self.waiting and budget > 0:
+            self.order_queue(self.waiting, lambda r: self.cache_manager.match_req(r).cached_len)
         reserved = self._reserved_pages()
         while self.waiting and budget > 0 and self.table_manager.available > 0:
             req = self.waiting[0]
             handle = self.cache_manager.match_req(req)
             self.cache_manager.lock(handle)
-            need = (
-                div_ceil(req.max_device_len, self.page_size) - handle.cached_len // self.page_size
-            )
-            free_pages = self.cache_manager.available_size // self.page_size - reserved
-            if need > free_pages:
+            remaining_out = req.max_device_len - len(req.input_ids)
+            prompt_pages = div_ceil(len(req.input_ids), self.page_size)
+            need = prompt_pages - handle.cached_len // self.page_size
+            need += div_ceil(int(remaining_out * self.new_token_ratio), self.page_size)
+            if need > self.cache_manager.available_size // self.page_size - reserved:
                 self.cache_manager.unlock(handle)
                 break
             self.waiting.popleft()
             reserved += need
-            req.table_idx = self.table_manager.allocate()
-            self.engine.token_pool[req.table_idx, : len(req.input_ids)] = req.input_ids.to(
-                self.device
-            )
-            self.cache_manager.attach(req, handle)
-            if req.output_len == 0:
-                req.prompt_cached_tokens = handle.cached_len
-                self.stats.prompt_tokens += req.prompt_len
-                self.stats.cached_tokens += handle.cached_len
+            self._admit(req, handle)
             extend = min(len(req.input_ids) - req.cached_len, budget)
             reqs.append(req)
             new_lens.append(req.cached_len + extend)
@@ -181,41 +233,79 @@ class Scheduler:
         self.cache_manager.allocate(reqs, new_lens)
         for req, new_len in zip(reqs, new_lens):
             req.device_len = new_len
+            if req.is_chunked:
+                self.chunked = req
+            else:
+                self.running.append(req)
         return Batch(reqs, "prefill")
 
+    def _admit(self, req: Req, handle: BaseCacheHandle) -> None:
+        req.table_idx = self.table_manager.allocate()
+        self.engine.token_pool[req.table_idx, : len(req.input_ids)] = req.input_ids.to(self.device)
+        self.cache_manager.attach(req, handle)
+        if req.output_len == 0:  # not a resumed (retracted) request
+            req.prompt_cached_tokens = handle.cached_len
+            self.stats.prompt_tokens += req.prompt_len
+            self.stats.cached_tokens += handle.cached_len
+
+    def _decode_reqs(self) -> list[Req]:
+        # With overlap, a request whose last token is still being sampled is not decoded again.
+        return [r for r in self.running if r.device_len + 1 < r.max_device_len]
+
+    def _decode_fits(self) -> bool:
+        need = sum(
+            self.cache_manager.pages_to_grow(r, r.device_len + 1) for r in self._decode_reqs()
+        )
+        return need * self.page_size <= self.cache_manager.available_size
+
     def _schedule_decode(self) -> Batch | None:
-        if not self.running:
+        while self.running and not self._decode_fits():
+            self._retract(self.running[-1])
+        reqs = self._decode_reqs()
+        if not reqs:
             return None
-        reqs = list(self.running)
         self.cache_manager.allocate(reqs, [r.device_len + 1 for r in reqs])
         for req in reqs:
             req.device_len += 1
+        self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
         return Batch(reqs, "decode")
+
+    def _retract(self, req: Req) -> None:
+        """Send the most recently admitted request back to the queue; its KV stays cached."""
+        assert not self._is_in_flight(req), "retracting a request of a running step"
+        self._drop(req)
+        self._release(req)
+        req.cached_len = req.device_len = 0
+        req.table_idx = -1
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+        logger.debug("retracted %s", req)
 
     def _prepare(self, batch: Batch) -> ForwardInput:
         reqs, device = batch.reqs, self.device
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
         if batch.is_decode:
             positions = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
-            token_rows = rows
+            input_rows = rows
             logits_indices = None
         else:
             extend = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
             positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
-            token_rows = rows.repeat_interleave(extend)
+            input_rows = rows.repeat_interleave(extend)
             last = extend.cumsum(0) - 1
             keep = torch.tensor([not r.is_chunked for r in reqs], dtype=torch.bool)
             logits_indices = last[keep].to(device)
-        positions, token_rows = positions.to(device), token_rows.to(device)
+        positions, input_rows = positions.to(device), input_rows.to(device)
         batch.positions = positions
-        batch.input_ids = self.engine.token_pool[token_rows, positions]
-        batch.out_loc = self.engine.page_table[token_rows, positions].long()
+        batch.out_loc = self.engine.page_table[input_rows, positions].long()
         batch.logits_indices = logits_indices
         self.engine.attn_backend.prepare_metadata(batch)
         sampled = [r for r in reqs if not r.is_chunked]
         return ForwardInput(
             batch=batch,
             sample_args=self.engine.sampler.prepare(sampled),
+            input_rows=input_rows,
             token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
             token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),
         )
@@ -229,30 +319,40 @@ class Scheduler:
             return "length"
         return None
 
-    def _process(
-        self, batch: Batch, sampled: list[Req], output: ForwardOutput
-    ) -> list[TokenOutput]:
-        for req in batch.reqs:
-            req.cached_len = req.device_len
-        results = []
-        for req, token in zip(sampled, output.next_tokens_cpu.tolist()):
+    def _process(self, step: InFlight) -> None:
+        tokens = step.output().next_tokens_cpu.tolist()
+        for req, token in zip(step.sampled, tokens):
+            if req.finish_reason is not None:
+                continue  # finished or aborted while this step ran: its token is not sent
             req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
             req.finish_reason = self._finish_reason(req, token)
+            self.stats.generated_tokens += 1
             cached = req.prompt_cached_tokens if req.finish_reason else 0
-            results.append(TokenOutput(req.uid, token, req.finish_reason, cached))
-        for req in batch.reqs:
+            self._outbox.append(TokenOutput(req.uid, token, req.finish_reason, cached))
             if req.finish_reason is not None:
-                self._release(req)
-            elif batch.is_prefill:
+                self._drop(req)
+        for req in step.batch.reqs:
+            if req.finish_reason is not None:
+                if not self._is_in_flight(req) and req.cache_handle is not None:
+                    self._release(req)
+            elif step.batch.is_prefill:
                 self.cache_manager.cache_req(req, finished=False)
-                if req not in sampled:  # a chunk: the prompt is not done yet
-                    self.chunked = req
-                else:
-                    self.running.append(req)
-        return results
+
+    def _is_in_flight(self, req: Req) -> bool:
+        return self._in_flight is not None and any(r is req for r in self._in_flight.batch.reqs)
+
+    def _drop(self, req: Req) -> None:
+        """Stop scheduling the request (it stays allocated until released)."""
+        if req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
 
     def _release(self, req: Req) -> None:
         self.cache_manager.cache_req(req, finished=True)
         self.table_manager.free(req.table_idx)
-        if req in self.running:
-            self.running.remove(req)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

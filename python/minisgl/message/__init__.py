@@ -1,0 +1,29 @@
+"""Messages between the server's processes, serialised with msgpack (no pickle)."""
+
+from .codec import decode, encode, register_message
+from .messages import (
+    AbortMsg,
+    AcceptedMsg,
+    BatchMsg,
+    ErrorMsg,
+    OutputMsg,
+    StatsMsg,
+    TokenizeMsg,
+    TokenMsg,
+    UserMsg,
+)
+
+__all__ = [
+    "AbortMsg",
+    "AcceptedMsg",
+    "BatchMsg",
+    "ErrorMsg",
+    "OutputMsg",
+    "StatsMsg",
+    "TokenMsg",
+    "TokenizeMsg",
+    "UserMsg",
+    "decode",
+    "encode",
+    "register_message",
+]

@@ -1,0 +1,128 @@
+"""The messages that travel between the server's processes.
+
+API server -> tokenizer -> scheduler -> detokenizer -> API server. Every socket carries one
+encoded object per frame: a message, or a `BatchMsg` of several (fewer syscalls under load).
+Request ids (`rid`) are assigned by the API server; the scheduler keeps its own uids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.core import SamplingParams
+
+from .codec import register_message
+
+
+@register_message
+@dataclass
+class BatchMsg:
+    """Several messages sent as one frame."""
+
+    items: list[Any]
+
+
+@register_message
+@dataclass
+class TokenizeMsg:
+    """API server -> tokenizer: one generation request (exactly one prompt form is set)."""
+
+    rid: int
+    sampling_params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    # Chat messages ({"role", "content"} with string content), rendered by the chat template.
+    messages: list[dict[str, str]] | None = None
+    skip_special_tokens: bool = True
+
+
+@register_message
+@dataclass
+class AbortMsg:
+    """Stop a request: API server -> tokenizer -> scheduler (client gone) or detokenizer ->
+    scheduler (a stop string matched, so the remaining tokens are not needed)."""
+
+    rid: int
+
+
+@register_message
+@dataclass
+class UserMsg:
+    """Tokenizer -> scheduler: a tokenized request."""
+
+    rid: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    skip_special_tokens: bool = True
+
+
+@register_message
+@dataclass
+class AcceptedMsg:
+    """Scheduler -> detokenizer (-> API server): the request is queued.
+
+    Sent on the same socket as the request's tokens and before them, so the detokenizer
+    always knows a request's stop strings when its first token arrives.
+    """
+
+    rid: int
+    prompt_tokens: int
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+@register_message
+@dataclass
+class TokenMsg:
+    """Scheduler -> detokenizer: one generated token (None only when the request aborted)."""
+
+    rid: int
+    token: int | None
+    finish_reason: str | None = None
+    # Prompt tokens served from the prefix cache; set on the request's first token.
+    cached_tokens: int = 0
+
+
+@register_message
+@dataclass
+class OutputMsg:
+    """Detokenizer -> API server: new text of one request (possibly empty while a partial
+    character or a possible stop-string prefix is held back)."""
+
+    rid: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@register_message
+@dataclass
+class ErrorMsg:
+    """Tokenizer or scheduler -> (detokenizer ->) API server: the request was rejected."""
+
+    rid: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@register_message
+@dataclass
+class StatsMsg:
+    """Scheduler -> API server (via the detokenizer): load and KV-cache state for /metrics."""
+
+    running: int
+    waiting: int
+    num_pages: int
+    free_pages: int
+    cached_pages: int
+    # Cumulative prefix-cache accounting (prompt tokens admitted / served from cache).
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    idle: bool
+    # When idle: did free + cached pages account for every page? (None while busy.)
+    pages_ok: bool | None = None

@@ -1,0 +1,163 @@
+"""The scheduler process: a message loop around `Scheduler`.
+
+Receives tokenized requests and aborts, steps the scheduler while it has work, and sends
+each step's tokens to the detokenizer. When idle it blocks on its socket (no polling loop);
+before every step it drains everything queued, so new requests join the next batch.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minisgl.message import AbortMsg, AcceptedMsg, ErrorMsg, StatsMsg, TokenMsg, UserMsg
+from minisgl.scheduler import Scheduler, TokenOutput
+from minisgl.utils import init_logger
+
+logger = init_logger(__name__)
+
+
+class SchedulerIO:
+    """Connects a `Scheduler` to its inbox and to the detokenizer.
+
+    `inbox` needs `get()` (block, then drain) and `drain()`; `outbox` needs `put_many(list)`.
+    Request ids (`rid`, from the API server) are mapped to the scheduler's own uids here.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, inbox: Any, outbox: Any, stats_interval_s: float = 0.5
+    ) -> None:
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.outbox = outbox
+        self.stats_interval_s = stats_interval_s
+        self.uid_to_rid: dict[int, int] = {}
+        self.rid_to_uid: dict[int, int] = {}
+        self._started: set[int] = set()  # uids that produced their first token
+        self._last_stats = 0.0
+
+    # ---------------------------------------------------------------- messages in
+    def handle(self, msgs: list[Any]) -> list[Any]:
+        """Apply received messages to the scheduler; return replies for the detokenizer."""
+        replies: list[Any] = []
+        for msg in msgs:
+            if isinstance(msg, UserMsg):
+                replies.append(self._add(msg))
+            elif isinstance(msg, AbortMsg):
+                uid = self.rid_to_uid.get(msg.rid)
+                # Unknown: finished already, or rejected; nothing to stop.
+                if uid is not None:
+                    self.scheduler.abort_request(uid)
+            else:
+                logger.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
+        return replies
+
+    def _add(self, msg: UserMsg) -> AcceptedMsg | ErrorMsg:
+        try:
+            uid = self.scheduler.add_request(msg.input_ids, msg.sampling_params)
+        except ValueError as exc:
+            text = str(exc)
+            param = "max_tokens" if "max_tokens" in text else None
+            code = "context_length_exceeded" if "context" in text else "invalid_value"
+            return ErrorMsg(msg.rid, text, param, code)
+        self.uid_to_rid[uid] = msg.rid
+        self.rid_to_uid[msg.rid] = uid
+        return AcceptedMsg(
+            msg.rid, len(msg.input_ids), list(msg.sampling_params.stop), msg.skip_special_tokens
+        )
+
+    # ---------------------------------------------------------------- tokens out
+    def convert(self, outputs: list[TokenOutput]) -> list[TokenMsg]:
+        """Scheduler outputs -> messages; a request's first token carries its cache hit."""
+        live = None
+        msgs = []
+        for out in outputs:
+            rid = self.uid_to_rid.get(out.uid)
+            if rid is None:
+                continue
+            cached = out.cached_tokens
+            if out.uid not in self._started:
+                self._started.add(out.uid)
+                if out.finish_reason is None:
+                    if live is None:  # built at most once per step
+                        s = self.scheduler
+                        live = {r.uid: r for r in (*s.running, *s.waiting)}
+                    req = live.get(out.uid)
+                    cached = req.prompt_cached_tokens if req is not None else 0
+            msgs.append(TokenMsg(rid, out.token, out.finish_reason, cached))
+            if out.finish_reason is not None:
+                del self.uid_to_rid[out.uid], self.rid_to_uid[rid]
+                self._started.discard(out.uid)
+        return msgs
+
+    def stats(self) -> StatsMsg:
+        s = self.scheduler
+        cm = s.cache_manager
+        cached_pages = cm.prefix_cache.size_info.total_size // s.page_size
+        idle = not s.has_work
+        pages_ok = None
+        if idle:
+            try:
+                cm.check_integrity()
+                pages_ok = cm.num_free_pages + cached_pages == s.engine.num_pages
+            except AssertionError as exc:
+                logger.error("page accounting broken while idle: %s", exc)
+                pages_ok = False
+        return StatsMsg(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            num_pages=s.engine.num_pages,
+            free_pages=cm.num_free_pages,
+            cached_pages=cached_pages,
+            prompt_tokens=s.stats.prompt_tokens,
+            cached_tokens=s.stats.cached_tokens,
+            hit_rate=s.stats.hit_rate,
+            idle=idle,
+            pages_ok=pages_ok,
+        )
+
+    # ---------------------------------------------------------------- the loop
+    def run_once(self) -> None:
+        """Receive (blocking only when there is nothing to run), then step once."""
+        was_busy = self.scheduler.has_work
+        msgs = self.inbox.drain() if was_busy else self.inbox.get()
+        out = self.handle(msgs)
+        if self.scheduler.has_work:
+            out.extend(self.convert(self.scheduler.step()))
+        now = time.monotonic()
+        # Stats: periodically while busy, and always on becoming idle (so a client that waits
+        # for idleness sees final numbers), and right after waking up.
+        if now - self._last_stats >= self.stats_interval_s or was_busy != self.scheduler.has_work:
+            out.append(self.stats())
+            self._last_stats = now
+        self.outbox.put_many(out)
+
+    def run_forever(self) -> None:
+        self.outbox.put_many([self.stats()])
+        while True:
+            self.run_once()
+
+
+def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
+    """Process entry: build the engine (on all cores), report its limits, serve forever."""
+    from minisgl.tokenizer import extra_eos_ids, load_tokenizer
+    from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, worker_setup
+
+    worker_setup()
+    eos = extra_eos_ids(config.model_path, load_tokenizer(config.model_path))
+    scheduler = Scheduler(config, extra_eos_ids=eos)
+    io = SchedulerIO(scheduler, ZmqPullQueue(addrs.scheduler), ZmqPushQueue(addrs.detokenizer))
+    ready.send(
+        {
+            "max_seq_len": scheduler.engine.max_seq_len,
+            "num_pages": scheduler.engine.num_pages,
+            "page_size": scheduler.page_size,
+        }
+    )
+    ready.close()
+    try:
+        io.run_forever()
+    except Exception:
+        logger.exception("scheduler process failed")
+        raise

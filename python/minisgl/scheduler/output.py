@@ -1,0 +1,35 @@
+"""What the scheduler hands back: tokens per request, and cache statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.core import FinishReason
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token of one request; `finish_reason` is set on its last output."""
+
+    uid: int
+    token: int | None  # None only for an aborted request's closing output
+    finish_reason: FinishReason | None
+    # Prompt tokens that came from the prefix cache (reported with the last output).
+    cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals: prompt tokens seen, served from cache, and retractions."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+CacheStats = SchedulerStats  # the name the offline API documented first

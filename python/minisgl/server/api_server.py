@@ -1,0 +1,310 @@
+"""The FastAPI app: OpenAI-compatible endpoints over the frontend manager."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisgl.core import SamplingParams
+from minisgl.message import TokenizeMsg
+from minisgl.utils import init_logger
+
+from .frontend import FrontendManager, RequestGroup
+from .metrics import ServerMetrics
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    now,
+    parse_request,
+    usage,
+)
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ServerState:
+    """What the endpoints need to know about the running server."""
+
+    model_name: str
+    model_path: str
+    max_seq_len: int
+    frontend: FrontendManager
+    metrics: ServerMetrics
+    api_key: str | None = None
+    created: int = dataclasses.field(default_factory=now)
+
+
+@dataclass
+class _Endpoint:
+    """How one endpoint shapes its output."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+    n: int  # samples per prompt
+
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text or ""}
+            obj = "text_completion"
+        choice.update(logprobs=None, finish_reason=finish)
+        return self._sse({"choices": [choice]}, obj)
+
+    def _sse(self, payload: dict[str, Any], obj: str) -> str:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        body.update(payload)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._sse({"choices": [], "usage": usage_body}, obj)
+
+    def response(
+        self, texts: list[str], finish: list[str | None], usage_body: dict[str, Any]
+    ) -> dict[str, Any]:
+        choices = []
+        for i, (text, reason) in enumerate(zip(texts, finish)):
+            if self.chat:
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                }
+            else:
+                choice = {"index": i, "text": text}
+            choice.update(logprobs=None, finish_reason=reason)
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_body,
+        }
+
+
+def _usage(group: RequestGroup, n: int, completion: list[int], cached: list[int]) -> dict:
+    # Each prompt is counted once however many samples (n) it has, as OpenAI bills it.
+    firsts = range(0, len(group.rids), n)
+    return usage(
+        sum(group.prompt_tokens[i] for i in firsts),
+        sum(completion),
+        sum(cached[i] for i in firsts),
+    )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """Build the app; `state.frontend` is started and stopped with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.frontend.start()
+        try:
+            yield
+        finally:
+            await state.frontend.stop()
+
+    app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
+    app.state.minisgl = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status != 401:
+            state.metrics.errors.labels(str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(str(exc.detail), status=exc.status_code, code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(str(exc), code="invalid_value").response()
+
+    @app.middleware("http")
+    async def _check_api_key(request: Request, call_next: Any) -> Response:
+        if state.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                return APIError(
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    status=401,
+                    code="invalid_api_key",
+                ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.frontend.healthy:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "minisgl",
+            "root": state.model_path,
+            "max_model_len": state.max_seq_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in (state.model_name, state.model_path):
+            raise APIError(
+                f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        check_model(req.model)
+        req.check_unsupported()
+        messages = req.chat_messages()
+        if req.max_completion_tokens is not None:
+            max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        # No limit given: up to the end of the context (the scheduler caps it there).
+        sp = req.sampling_params(state.max_seq_len if max_tokens is None else max_tokens, param)
+        endpoint = _Endpoint(True, new_id("chatcmpl"), state.model_name, now(), req.n)
+        return await serve(request, req, endpoint, [{"messages": messages}], sp, "messages")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        check_model(req.model)
+        req.check_unsupported()
+        prompts = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in req.prompts()]
+        # OpenAI's legacy default for completions is 16 tokens.
+        sp = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, "max_tokens")
+        endpoint = _Endpoint(False, new_id("cmpl"), state.model_name, now(), req.n)
+        return await serve(request, req, endpoint, prompts, sp, "prompt")
+
+    async def serve(
+        request: Request,
+        req: Any,
+        endpoint: _Endpoint,
+        prompts: list[dict[str, Any]],
+        sp: SamplingParams,
+        default_param: str,
+    ) -> Response:
+        msgs = []
+        for prompt in prompts:
+            for j in range(req.n):
+                # n samples of one prompt must differ even with a seed: seed j-th as seed + j.
+                sp_j = sp if sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j)
+                msgs.append(TokenizeMsg(state.frontend.new_rid(), sp_j, **prompt))
+        group = RequestGroup(state.frontend, msgs)
+        try:
+            await group.wait_accepted(default_param)
+        except asyncio.CancelledError:
+            group.abort("request cancelled")
+            raise
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                stream(group, endpoint, include_usage), media_type="text/event-stream"
+            )
+        return await collect(request, group, endpoint)
+
+    async def stream(
+        group: RequestGroup, endpoint: _Endpoint, include_usage: bool
+    ) -> AsyncIterator[str]:
+        k = len(group.rids)
+        completion, cached = [0] * k, [0] * k
+        try:
+            if endpoint.chat:
+                for i in range(k):
+                    yield endpoint.chunk(i, None, None, role=True)
+            async for index, out in group.outputs():
+                completion[index], cached[index] = out.completion_tokens, out.cached_tokens
+                if out.text:
+                    yield endpoint.chunk(index, out.text, None)
+                if out.finish_reason is not None:  # the reason comes on a chunk of its own
+                    yield endpoint.chunk(index, None, out.finish_reason)
+            if include_usage:
+                yield endpoint.usage_chunk(_usage(group, endpoint.n, completion, cached))
+            yield "data: [DONE]\n\n"
+        except APIError as exc:  # headers are sent already: report in the stream
+            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            # Runs on normal end (nothing left to abort) and when the client went away
+            # (the response task is cancelled): stop generating for nobody.
+            group.abort("client disconnected mid-stream")
+
+    async def collect(request: Request, group: RequestGroup, endpoint: _Endpoint) -> Response:
+        k = len(group.rids)
+        texts: list[list[str]] = [[] for _ in range(k)]
+        finish: list[str | None] = [None] * k
+        completion, cached = [0] * k, [0] * k
+
+        async def consume() -> None:
+            async for index, out in group.outputs():
+                texts[index].append(out.text)
+                completion[index], cached[index] = out.completion_tokens, out.cached_tokens
+                if out.finish_reason is not None:
+                    finish[index] = out.finish_reason
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+                group.abort("client disconnected")
+        if consumer.cancelled():
+            return Response(status_code=499)  # nobody is listening
+        consumer.result()  # re-raises a mid-generation error
+        body = endpoint.response(
+            ["".join(t) for t in texts], finish, _usage(group, endpoint.n, completion, cached)
+        )
+        return JSONResponse(body)
+
+    return app

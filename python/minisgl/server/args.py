@@ -1,0 +1,105 @@
+"""Command-line arguments of `python -m minisgl` (server and shell)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 1919
+
+
+@dataclass
+class ServerArgs:
+    """Everything the launcher needs; `model_path` None means the default model."""
+
+    model_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    page_size: int = 1
+    max_running_req: int = 256
+    num_page_override: int | None = None
+    max_seq_len_override: int | None = None
+    cache_type: str = "radix"
+    max_prefill_length: int | None = None
+    attention_backend: str = "torch"
+    # None: the engine's default (only passed on when given).
+    schedule_policy: str | None = None
+    overlap_schedule: bool | None = None
+    log_level: str = "info"
+    shell: bool = False
+    shell_max_tokens: int = 512
+    shell_temperature: float = 0.0
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments shared by SchedulerConfig and LLM (optional ones only if set)."""
+        kwargs: dict[str, Any] = dict(
+            page_size=self.page_size,
+            max_running_req=self.max_running_req,
+            num_page_override=self.num_page_override,
+            max_seq_len_override=self.max_seq_len_override,
+            cache_type=self.cache_type,
+            max_prefill_length=self.max_prefill_length,
+            attention_backend=self.attention_backend,
+        )
+        if self.schedule_policy is not None:
+            kwargs["schedule_policy"] = self.schedule_policy
+        if self.overlap_schedule is not None:
+            kwargs["overlap_schedule"] = self.overlap_schedule
+        return kwargs
+
+    def model_name(self, resolved_path: Path) -> str:
+        """The name clients pass as `model`: --served-model-name, else the folder's name."""
+        return self.served_model_name or resolved_path.name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl",
+        description="Serve a model over the OpenAI HTTP API, or chat with it (--shell).",
+    )
+    p.add_argument(
+        "--model",
+        dest="model_path",
+        default=None,
+        help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model name in the API")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--max-running-requests", dest="max_running_req", type=int, default=256)
+    p.add_argument("--num-pages", dest="num_page_override", type=int, default=None)
+    p.add_argument("--max-seq-len", dest="max_seq_len_override", type=int, default=None)
+    p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
+    p.add_argument("--max-prefill-length", type=int, default=None)
+    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--schedule-policy", default=None, help="e.g. fcfs (default: the engine's)")
+    p.add_argument(
+        "--overlap-schedule",
+        default=None,
+        type=lambda s: {"on": True, "off": False}[s],
+        metavar="{on,off}",
+        help="overlap CPU scheduling with the forward pass (default: the engine's)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--shell", action="store_true", help="interactive chat in this terminal")
+    p.add_argument("--shell-max-tokens", type=int, default=512)
+    p.add_argument("--shell-temperature", type=float, default=0.0)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse the command line into `ServerArgs`."""
+    ns = build_parser().parse_args(argv)
+    names = {f.name for f in fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

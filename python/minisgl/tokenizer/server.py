@@ -1,0 +1,175 @@
+"""The tokenizer and detokenizer worker processes.
+
+tokenizer:   API server --TokenizeMsg/AbortMsg--> [encode] --UserMsg/AbortMsg--> scheduler
+detokenizer: scheduler --AcceptedMsg/TokenMsg/StatsMsg--> [decode, stop strings] --> API server
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minisgl.message import (
+    AbortMsg,
+    AcceptedMsg,
+    ErrorMsg,
+    OutputMsg,
+    StatsMsg,
+    TokenizeMsg,
+    TokenMsg,
+    UserMsg,
+)
+from minisgl.utils import init_logger
+
+from .detokenize import IncrementalDetokenizer
+from .tokenize import encode_chat, encode_text, load_tokenizer
+
+logger = init_logger(__name__)
+
+
+def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
+    """Encode the request's prompt; raises ValueError for prompts that cannot be encoded."""
+    if msg.messages is not None:
+        ids = encode_chat(tokenizer, msg.messages)
+    elif msg.text is not None:
+        ids = encode_text(tokenizer, msg.text)
+    elif msg.input_ids is not None:
+        ids = list(msg.input_ids)
+    else:
+        raise ValueError("the request has no prompt")
+    return UserMsg(msg.rid, ids, msg.sampling_params, msg.skip_special_tokens)
+
+
+@dataclass
+class _DetokState:
+    detok: IncrementalDetokenizer
+    cached_tokens: int = 0
+    pending_tokens: int = 0  # tokens consumed since the last OutputMsg
+    text: list[str] = field(default_factory=list)
+
+
+class DetokenizeManager:
+    """Per-request incremental detokenizers: scheduler messages in, API-server messages out.
+
+    A request whose text hits a stop string is finished here (`finish_reason="stop"`), and an
+    `AbortMsg` for it is returned for the scheduler, which otherwise would keep generating;
+    the scheduler's later outputs for it are dropped.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[int, _DetokState] = {}
+
+    def handle(self, msgs: list[Any]) -> tuple[list[Any], list[AbortMsg]]:
+        """Process a batch of messages; return (messages for the API server, aborts)."""
+        to_api: list[Any] = []
+        aborts: list[AbortMsg] = []
+        touched: dict[int, _DetokState] = {}
+        for msg in msgs:
+            if isinstance(msg, AcceptedMsg):
+                detok = IncrementalDetokenizer(self.tokenizer, msg.stop, msg.skip_special_tokens)
+                self.states[msg.rid] = _DetokState(detok)
+                to_api.append(msg)
+            elif isinstance(msg, TokenMsg):
+                out = self._on_token(msg, touched, aborts)
+                if out is not None:
+                    to_api.append(out)
+            elif isinstance(msg, ErrorMsg):
+                self.states.pop(msg.rid, None)
+                to_api.append(msg)
+            elif isinstance(msg, StatsMsg):
+                to_api.append(msg)
+            else:
+                logger.warning("detokenizer: ignoring unexpected %s", type(msg).__name__)
+        # Unfinished requests: one OutputMsg each per batch, however many tokens arrived.
+        for rid, state in touched.items():
+            if rid in self.states and state.pending_tokens:
+                to_api.append(self._output(rid, state, None))
+        return to_api, aborts
+
+    def _on_token(
+        self, msg: TokenMsg, touched: dict[int, _DetokState], aborts: list[AbortMsg]
+    ) -> OutputMsg | None:
+        state = self.states.get(msg.rid)
+        if state is None:  # finished here already (stop string): late tokens are moot
+            return None
+        if msg.cached_tokens:
+            state.cached_tokens = msg.cached_tokens
+        if msg.token is not None:
+            state.pending_tokens += 1
+            state.text.append(state.detok.add_token(msg.token))
+        if state.detok.stopped:
+            aborts.append(AbortMsg(msg.rid))
+            return self._finish(msg.rid, state, "stop")
+        if msg.finish_reason is not None:
+            if msg.finish_reason != "abort":
+                state.text.append(state.detok.finish())
+            return self._finish(msg.rid, state, msg.finish_reason)
+        touched[msg.rid] = state
+        return None
+
+    def _finish(self, rid: int, state: _DetokState, reason: str) -> OutputMsg:
+        del self.states[rid]
+        return self._output(rid, state, reason)
+
+    def _output(self, rid: int, state: _DetokState, reason: str | None) -> OutputMsg:
+        out = OutputMsg(
+            rid,
+            "".join(state.text),
+            state.pending_tokens,
+            reason,
+            completion_tokens=len(state.detok.token_ids),
+            cached_tokens=state.cached_tokens,
+        )
+        state.text.clear()
+        state.pending_tokens = 0
+        return out
+
+
+def run_tokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None:
+    """Process entry: encode requests and pass them (and aborts) on to the scheduler."""
+    from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, set_worker_threads, worker_setup
+
+    worker_setup()
+    set_worker_threads(1)
+    tokenizer = load_tokenizer(model_path)
+    inbox = ZmqPullQueue(addrs.tokenizer)
+    to_scheduler = ZmqPushQueue(addrs.scheduler)
+    to_detokenizer = ZmqPushQueue(addrs.detokenizer)
+    ready.send("ready")
+    ready.close()
+    while True:
+        forward: list[Any] = []
+        errors: list[ErrorMsg] = []
+        for msg in inbox.get():
+            if isinstance(msg, TokenizeMsg):
+                try:
+                    forward.append(tokenize_request(tokenizer, msg))
+                except Exception as exc:  # a bad chat template input must not kill the worker
+                    param = "messages" if msg.messages is not None else "prompt"
+                    errors.append(ErrorMsg(msg.rid, f"cannot tokenize the prompt: {exc}", param))
+            elif isinstance(msg, AbortMsg):
+                forward.append(msg)
+            else:
+                logger.warning("tokenizer: ignoring unexpected %s", type(msg).__name__)
+        to_scheduler.put_many(forward)
+        to_detokenizer.put_many(errors)
+
+
+def run_detokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None:
+    """Process entry: turn the scheduler's tokens into text for the API server."""
+    from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, set_worker_threads, worker_setup
+
+    worker_setup()
+    set_worker_threads(1)
+    manager = DetokenizeManager(load_tokenizer(model_path))
+    inbox = ZmqPullQueue(addrs.detokenizer)
+    to_api = ZmqPushQueue(addrs.api_server)
+    to_scheduler = ZmqPushQueue(addrs.scheduler)
+    ready.send("ready")
+    ready.close()
+    while True:
+        out, aborts = manager.handle(inbox.get())
+        to_scheduler.put_many(aborts)  # first: stop computing as early as possible
+        to_api.put_many(out)

@@ -1,0 +1,472 @@
+"""The OpenAI-compatible server, end to end: a real `python -m minisgl` on a free port,
+driven with the official `openai` client (and raw HTTP where the client would refuse).
+
+One server per module (startup costs seconds): the default model in float32, so that greedy
+text can be compared with the offline `LLM` on the same prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from helpers import PROMPTS, build_llm, greedy, smollm2
+from prometheus_client.parser import text_string_to_metric_families
+
+from minisgl.tokenizer import encode_chat
+
+API_KEY = "test-key"
+MAX_TOKENS = 12
+# The offline reference uses the same engine settings as the server below (build_llm's).
+SERVER_ARGS = ["--dtype", "float32", "--num-pages", "4096", "--max-seq-len", "512"]
+STREAM_PROMPTS = [*PROMPTS, "Hello, my name is", "1, 2, 3, 4, 5,", "Write a haiku about the sea."]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three colors."},
+    ],
+]
+STOP_PROMPT = "The three primary colors are"
+
+
+# ---------------------------------------------------------------- server process helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def start_server(model: Path, args: list[str], log: Path, timeout: float = 240.0) -> ServerProcess:
+    """Launch `python -m minisgl` and wait until /health answers (fail early if it exits)."""
+    port = free_port()
+    env = {**os.environ, "MINISGL_NUM_THREADS": str(min(2, os.cpu_count() or 1))}
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(port), *args]
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"server did not start in {timeout}s:\n{server.log_text()}")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name{labels}."""
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(smollm2(), [*SERVER_ARGS, "--api-key", API_KEY], log)
+    yield srv
+    srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def expected(server):
+    """Offline greedy outputs (the oracle), computed while the server is up."""
+    llm = build_llm("smollm2")
+    tok = llm.tokenizer
+    out = {}
+    texts = llm.generate(STREAM_PROMPTS, greedy(MAX_TOKENS))
+    out.update({p: o["text"] for p, o in zip(STREAM_PROMPTS, texts)})
+    chat_ids = [encode_chat(tok, msgs) for msgs in CHATS]
+    for i, o in enumerate(llm.generate(chat_ids, greedy(MAX_TOKENS))):
+        out[f"chat{i}"] = o["text"]
+    out["stop"] = llm.generate([STOP_PROMPT], greedy(32))[0]["text"]
+    llm.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+# ---------------------------------------------------------------- tests
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct"
+
+
+def test_completions_greedy_matches_offline(client, model, expected):
+    resp = client.completions.create(
+        model=model, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [c.index for c in resp.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in resp.choices] == [expected[p] for p in PROMPTS]
+    assert all(c.finish_reason in ("stop", "length") for c in resp.choices)
+    assert resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_completions_token_ids_prompt(client, model, expected):
+    from minisgl.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(smollm2())(PROMPTS[0]).input_ids
+    resp = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[0].text == expected[PROMPTS[0]]
+    assert resp.usage.prompt_tokens == len(ids)
+
+
+def test_chat_greedy_matches_offline_streaming_and_not(client, model, expected):
+    for i, messages in enumerate(CHATS):
+        resp = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert resp.choices[0].message.role == "assistant"
+        assert resp.choices[0].message.content == expected[f"chat{i}"]
+        stream = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected[f"chat{i}"]
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert (
+            reasons[-1] == resp.choices[0].finish_reason and reasons.count(None) == len(reasons) - 1
+        )
+        assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_chat_content_parts_and_n(client, model, expected):
+    parts = [
+        {"type": "text", "text": "What is the capital "},
+        {"type": "text", "text": "of France?"},
+    ]
+    resp = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        n=2,
+    )
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert all(c.message.content == expected["chat0"] for c in resp.choices)
+
+
+def test_eight_concurrent_streams(server, model, expected):
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, list[str]]:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        pieces = [c.choices[0].text async for c in stream]
+        return "".join(pieces), pieces
+
+    async def run() -> list[tuple[str, list[str]]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in STREAM_PROMPTS))
+
+    results = asyncio.run(run())
+    assert len(STREAM_PROMPTS) == 8
+    for prompt, (text, pieces) in zip(STREAM_PROMPTS, results):
+        assert text == expected[prompt], prompt
+        assert all("\ufffd" not in p for p in pieces)
+        assert len(pieces) > 1  # really streamed, not one blob
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_and_never_leak(client, model, expected, stream):
+    full = expected["stop"]
+    # A multi-token stop string from the middle of the greedy output.
+    start = len(full) // 3
+    stop = full[start : start + 6]
+    want = full[: full.find(stop)]
+    kwargs = dict(model=model, prompt=STOP_PROMPT, max_tokens=32, temperature=0, stop=[stop, "@@"])
+    if stream:
+        pieces = list(client.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].text for c in pieces)
+        assert pieces[-1].choices[0].finish_reason == "stop"
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        text = choice.text
+        assert choice.finish_reason == "stop"
+    assert text == want
+    assert stop not in text
+
+
+def test_stop_token_ids_and_ignore_eos(client, model):
+    resp = client.completions.create(
+        model=model,
+        prompt="1, 2, 3, 4, 5,",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"stop_token_ids": [28], "ignore_eos": True},  # 28 = ","
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 20
+
+
+def test_sampling_parameters_are_accepted(client, model):
+    resp = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    again = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert resp.choices[0].text == again.choices[0].text  # seeded sampling is reproducible
+
+
+BAD_REQUESTS = [
+    # (endpoint, raw body, status, param)
+    ("completions", b"{not json", 400, None),
+    ("completions", b'{"max_tokens": 4}', 400, "prompt"),
+    ("chat/completions", b'{"max_tokens": 4}', 400, "messages"),
+    ("chat/completions", b'{"messages": "hi"}', 400, "messages"),
+    ("completions", b'{"prompt": "hi", "max_tokens": "4"}', 400, "max_tokens"),
+    ("completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}',
+        400,
+        "max_completion_tokens",
+    ),
+    ("completions", b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
+    ("completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
+    ("completions", b'{"prompt": "hi", "model": "gpt-9"}', 404, "model"),
+    ("completions", b'{"prompt": "' + b"hello " * 600 + b'"}', 400, "prompt"),
+    ("completions", b'{"prompt": [99999999]}', 400, "prompt"),
+    ("completions", b'{"prompt": "hi", "logprobs": 1}', 400, "logprobs"),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}',
+        400,
+        "logprobs",
+    ),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+        400,
+        "top_logprobs",
+    ),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": '
+        b'[{"type": "function", "function": {"name": "f"}}]}',
+        400,
+        "tools",
+    ),
+    ("completions", b'{"prompt": "hi", "n": 0}', 400, "n"),
+    ("completions", b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
+    ("completions", b'{"prompt": "hi", "echo": true}', 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD_REQUESTS)
+def test_bad_input_gets_openai_error_then_server_still_serves(
+    server, client, model, endpoint, body, status, param
+):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/{endpoint}", content=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok = client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_openai_client_sees_errors_as_exceptions(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+
+
+def test_api_key_is_required(server):
+    r = httpx.get(f"{server.url}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_client_disconnect_aborts_and_frees_pages(server):
+    before = metrics(server.url)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = 0
+            for line in r.iter_lines():
+                lines += bool(line)
+                if lines == 3:
+                    break  # leaving the block closes the connection mid-stream
+
+    def settled():
+        m = metrics(server.url)
+        done = (
+            m["minisgl_aborted_requests_total"] == before["minisgl_aborted_requests_total"] + 1
+            and m["minisgl_num_requests_running"] == 0
+            and m["minisgl_num_requests_waiting"] == 0
+        )
+        return m if done else None
+
+    m = wait_for(settled, what="the aborted request to be gone")
+    pages = wait_for(
+        lambda: (mm := metrics(server.url))["minisgl_page_accounting_ok"] == 1 and mm,
+        what="page accounting",
+    )
+    assert (
+        pages["minisgl_kv_pages{state=free}"] + pages["minisgl_kv_pages{state=cached}"]
+        == pages["minisgl_kv_pages{state=total}"]
+    )
+    assert m["minisgl_requests_total{finish_reason=abort}"] >= 1
+    assert "client disconnected" in server.log_text()
+    # The generation stopped early: far fewer than 400 tokens were produced.
+    generated = m["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"]
+    assert generated < 400
+
+
+def test_multi_turn_chat_reuses_the_cache(client, model):
+    messages = [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Hi! Who are you?"},
+    ]
+    cached = []
+    for question in ["What is 2 + 2?", "And what is 3 + 3?", "Thanks. Goodbye!"]:
+        resp = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+        assert cached[-1] < resp.usage.prompt_tokens
+        messages += [
+            {"role": "assistant", "content": resp.choices[0].message.content},
+            {"role": "user", "content": question},
+        ]
+    assert cached[0] < cached[1] < cached[2], cached
+
+
+def test_metrics_parse_and_move_with_traffic(server, client, model):
+    before = metrics(server.url)
+    for _ in range(2):  # the second one hits the prefix cache
+        client.completions.create(model=model, prompt="The sky is", max_tokens=5, temperature=0)
+
+    def moved():
+        m = metrics(server.url)
+        key = "minisgl_cached_prompt_tokens_total"
+        return m if m[key] > before[key] else None
+
+    after = wait_for(moved, what="counters")
+    for name in [
+        "minisgl_prompt_tokens_total",
+        "minisgl_generation_tokens_total",
+        "minisgl_time_to_first_token_seconds_count",
+        "minisgl_e2e_request_latency_seconds_count",
+    ]:
+        assert after[name] > before[name], name
+    assert (
+        after["minisgl_inter_token_latency_seconds_count"]
+        >= before["minisgl_inter_token_latency_seconds_count"] + 3
+    )
+    for gauge in [
+        "minisgl_num_requests_running",
+        "minisgl_num_requests_waiting",
+        "minisgl_kv_cache_usage_ratio",
+        "minisgl_prefix_cache_hit_rate",
+    ]:
+        assert gauge in after
+    assert (
+        after["minisgl_cached_prompt_tokens_total"] > before["minisgl_cached_prompt_tokens_total"]
+    )
+    assert 0 < after["minisgl_prefix_cache_hit_rate"] <= 1
+
+
+def test_zz_shutdown_leaves_no_child_process(server):
+    """Runs last in this module: SIGTERM stops the server and every process it started."""
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert len(children) >= 3  # scheduler, tokenizer, detokenizer
+    assert server.stop(signal.SIGTERM) == 0
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [p.pid for p in alive]
+    assert "all server processes stopped" in server.log_text()
