@@ -1,0 +1,240 @@
+"""Scheduling: chunked prefill, overlap hazards, retraction, aborts, policies."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import (
+    MIXED_PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    greedy,
+    hf_encode,
+    hf_greedy,
+)
+
+from minisgl.core import SamplingParams
+
+
+def _random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(100, 40000) for _ in range(rng.randint(low, high))] for _ in range(count)
+    ]
+
+
+def _run_collecting(llm, prompts, params):
+    """Drive step() by hand; return every TokenOutput per uid, in order."""
+    uids = [llm.add_request(hf_encode("qwen3", p), sp) for p, sp in zip(prompts, params)]
+    seen: dict[int, list] = {uid: [] for uid in uids}
+    while llm.has_work:
+        for out in llm.step():
+            seen[out.uid].append(out)
+    return uids, seen
+
+
+def test_chunked_prefill_budget_16_computes_each_token_once() -> None:
+    prompts = MIXED_PROMPTS + _random_prompts(2, 150, 200, seed=1)
+    llm = build_llm("qwen3", max_prefill_length=16, cache_type="naive", overlap_schedule=False)
+    computed: list[int] = []
+    orig = llm._forward
+
+    def spy(forward_input):
+        if forward_input.batch.is_prefill:
+            computed.append(sum(r.extend_len for r in forward_input.batch.reqs))
+        return orig(forward_input)
+
+    llm._forward = spy
+    outputs = llm.generate(prompts, greedy(5))
+    assert max(computed) <= 16
+    assert sum(computed) == sum(o["prompt_tokens"] for o in outputs)
+    assert [o["token_ids"] for o in outputs] == hf_greedy("qwen3", prompts, 5)
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def test_decode_is_not_starved_by_a_long_chunked_prompt() -> None:
+    llm = build_llm("qwen3", max_prefill_length=8, cache_type="naive")
+    short = llm.add_request([5, 6, 7], greedy(20))
+    llm.step()  # prefill the short request
+    llm.add_request(list(range(1000, 1200)), greedy(2))  # 25 chunks of 8
+    tokens_of_short = 0
+    for _ in range(20):
+        tokens_of_short += sum(o.uid == short and o.token is not None for o in llm.step())
+    assert tokens_of_short >= 8, "decode must progress while the long prompt is chunked"
+    while llm.has_work:
+        llm.step()
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(page_size=1, cache_type="naive"),
+        dict(page_size=4, cache_type="radix"),
+        dict(page_size=16, cache_type="radix", max_prefill_length=32),
+    ],
+)
+def test_overlap_on_off_and_hf_agree(config) -> None:
+    prompts = MIXED_PROMPTS
+    lens = [1, 2, 3, 9, 4, 12, 6, 8]
+    expected = hf_greedy("qwen3", prompts, lens)
+    for overlap in (False, True):
+        llm = build_llm("qwen3", max_running_req=3, overlap_schedule=overlap, **config)
+        for _ in range(2):  # the second round hits the radix cache
+            outputs = llm.generate(prompts, [greedy(n) for n in lens])
+            assert [o["token_ids"] for o in outputs] == expected, f"overlap={overlap}"
+            assert_all_pages_free(llm)
+        llm.shutdown()
+
+
+def test_hazard_late_finish_flag_sends_no_extra_token() -> None:
+    llm = build_llm("qwen3", overlap_schedule=True)
+    lens = [1, 2, 3, 5]
+    prompts = MIXED_PROMPTS[:4]
+    uids, seen = _run_collecting(llm, prompts, [greedy(n) for n in lens])
+    for uid, n, want in zip(uids, lens, hf_greedy("qwen3", prompts, lens)):
+        outs = seen[uid]
+        assert [o.token for o in outs] == want and len(outs) == n
+        assert [o.finish_reason for o in outs] == [None] * (n - 1) + ["length"]
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def test_hazard_no_token_after_eos() -> None:
+    llm = build_llm("qwen3", overlap_schedule=True)
+    free = llm.generate(["Hello there"], greedy(8))[0]["token_ids"]
+    stop = free[2]
+    llm.eos_ids = llm.eos_ids | {stop}
+    ids = llm.tokenizer("Hello there").input_ids
+    uids, seen = _run_collecting(llm, [ids, ids[:1]], [greedy(8), greedy(8, ignore_eos=True)])
+    outs = seen[uids[0]]
+    assert [o.token for o in outs] == free[: free.index(stop) + 1]
+    assert outs[-1].finish_reason == "stop"
+    assert len(seen[uids[1]]) == 8  # ignore_eos keeps going in the same batches
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def test_hazard_table_row_not_reused_while_in_flight() -> None:
+    llm = build_llm("qwen3", max_running_req=2, overlap_schedule=True)
+    # Short requests that finish on a stop token (known only one step late, so their row is
+    # still in the next, already launched step); long prompts then take their rows.
+    short = [[11, 12], [13]]
+    stops = [hf_greedy("qwen3", [p], 3)[0][1] for p in short]
+    prompts = short + _random_prompts(4, 40, 60, seed=3)
+    params = [greedy(8, stop_token_ids=[stop]) for stop in stops] + [
+        greedy(n) for n in (4, 3, 5, 2)
+    ]
+    allocate = llm.table_manager.allocate
+    reuses_checked = 0
+
+    def checked_allocate() -> int:
+        nonlocal reuses_checked
+        row = allocate()
+        in_flight = llm._in_flight
+        if in_flight is not None:
+            reuses_checked += 1
+            assert row not in [r.table_idx for r in in_flight.batch.reqs], "row still in flight"
+        return row
+
+    llm.table_manager.allocate = checked_allocate
+    outputs = llm.generate(prompts, params)
+    assert reuses_checked > 0
+    expected = [
+        want[: want.index(stop) + 1] for want, stop in zip(hf_greedy("qwen3", short, 3), stops)
+    ]
+    expected += hf_greedy("qwen3", prompts[2:], [4, 3, 5, 2])
+    assert [o["token_ids"] for o in outputs] == expected
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hazard_abort_during_in_flight_prefill_frees_once(overlap: bool) -> None:
+    llm = build_llm("qwen3", page_size=4, overlap_schedule=overlap)
+    prompts = _random_prompts(3, 20, 40, seed=4)
+    uids = [llm.add_request(p, greedy(6)) for p in prompts]
+    outs: dict[int, list] = {uid: [] for uid in uids}
+    for out in llm.step():  # the prefill is launched (and, with overlap, still in flight)
+        outs[out.uid].append(out)
+    assert llm.abort_request(uids[1])
+    assert not llm.abort_request(uids[1])
+    while llm.has_work:
+        for out in llm.step():
+            outs[out.uid].append(out)
+    assert outs[uids[1]][-1].finish_reason == "abort"
+    assert len(outs[uids[1]]) <= 2 and outs[uids[1]][-1].token is None
+    expected = hf_greedy("qwen3", [prompts[0], prompts[2]], 6)
+    assert [o.token for o in outs[uids[0]]] == expected[0]
+    assert [o.token for o in outs[uids[2]]] == expected[1]
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_when_kv_runs_out(overlap: bool) -> None:
+    llm = build_llm("qwen3", num_page_override=128, max_running_req=32, overlap_schedule=overlap)
+    prompts = _random_prompts(32, 20, 60, seed=5)
+    outputs = llm.generate(prompts, greedy(40))
+    assert llm.stats.retractions > 0
+    assert all(o["finish_reason"] == "length" for o in outputs)
+    assert [o["token_ids"] for o in outputs] == hf_greedy("qwen3", prompts, 40)
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def test_abort_random_requests_at_random_moments() -> None:
+    rng = random.Random(6)
+    llm = build_llm("qwen3", page_size=4, max_running_req=12, num_page_override=160)
+    prompts = _random_prompts(50, 5, 40, seed=7)
+    lens = [rng.randint(1, 12) for _ in prompts]
+    uids = [llm.add_request(p, greedy(n)) for p, n in zip(prompts, lens)]
+    victims = set(rng.sample(uids, 10))
+    abort_at = {uid: rng.randint(0, 30) for uid in victims}
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    finished: dict[int, str] = {}
+    step = 0
+    while llm.has_work:
+        for uid, at in abort_at.items():
+            if at == step and uid not in finished:
+                assert llm.abort_request(uid)
+        for out in llm.step():
+            if out.token is not None:
+                tokens[out.uid].append(out.token)
+            if out.finish_reason is not None:
+                assert out.uid not in finished, "a request finished twice"
+                finished[out.uid] = out.finish_reason
+        step += 1
+    assert set(finished) == set(uids)
+    keep = [i for i, uid in enumerate(uids) if finished[uid] != "abort"]
+    assert len(keep) >= 40
+    expected = hf_greedy("qwen3", [prompts[i] for i in keep], [lens[i] for i in keep])
+    assert [tokens[uids[i]] for i in keep] == expected
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def _hit_rate(policy: str) -> float:
+    rng = random.Random(8)
+    groups = [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(8)]
+    prompts = [g + [rng.randrange(100, 40000) for _ in range(8)] for g in groups for _ in range(8)]
+    rng.shuffle(prompts)
+    llm = build_llm(
+        "qwen3",
+        max_running_req=4,
+        num_page_override=400,
+        schedule_policy=policy,
+        overlap_schedule=False,
+    )
+    llm.generate(prompts, SamplingParams(max_tokens=2))
+    rate = llm.stats.hit_rate
+    llm.shutdown()
+    return rate
+
+
+def test_lpm_beats_fcfs_on_shuffled_prefix_groups() -> None:
+    assert _hit_rate("lpm") > _hit_rate("fcfs")
