@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from helpers import (
     MIXED_PROMPTS,
     assert_all_pages_free,
