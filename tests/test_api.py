@@ -118,3 +118,16 @@ def test_gguf_file_as_model_path() -> None:
     out = llm.generate(["The capital of France is"], greedy(3))[0]
     assert out["text"].startswith(" Paris")
     llm.shutdown()
+
+
+def test_stop_strings_cut_the_text(llm) -> None:
+    free = llm.generate(["The capital of France is"], greedy(12))[0]
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    out = llm.generate(["The capital of France is"], greedy(12, stop=[stop, "never-there"]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.index(stop)]
+    assert stop not in out["text"]
+    assert out["token_ids"] == free["token_ids"][: len(out["token_ids"])]
+    assert_all_pages_free(llm)

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from minisgl.core import SamplingParams
 from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.hf import resolve_model_path
 
 Prompt = str | list[int]
@@ -122,27 +123,44 @@ class LLM(Scheduler):
         tokens: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
         cached = [0] * len(prompts)
+        # Stop strings are matched on the text as it is produced; a match ends the request.
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, sp.stop) if sp.stop else None
+            for sp in params_list
+        ]
         show = use_tqdm if use_tqdm is not None else len(prompts) >= 16
         with tqdm(total=len(prompts), desc="generate", disable=not show) as bar:
             while self.has_work:
                 for out in self.step():
-                    i = index[out.uid]
-                    if out.token is not None:
+                    i, detok = index[out.uid], detoks[index[out.uid]]
+                    if out.token is not None and not (detok is not None and detok.stopped):
                         tokens[i].append(out.token)
+                        if detok is not None:
+                            detok.add_token(out.token)
+                            if detok.stopped and out.finish_reason is None:
+                                self.abort_request(out.uid)  # its abort output closes it
                     if out.finish_reason is not None:
                         reasons[i] = out.finish_reason
                         cached[i] = out.cached_tokens
                         bar.update(1)
         self.cache_manager.check_integrity()
+        texts = [
+            detok.output_text + detok.finish()
+            if detok is not None
+            else self.tokenizer.decode(toks, skip_special_tokens=True)
+            for detok, toks in zip(detoks, tokens)
+        ]
         return [
             {
-                "text": self.tokenizer.decode(toks, skip_special_tokens=True),
+                "text": text,
                 "token_ids": toks,
-                "finish_reason": reason,
+                "finish_reason": "stop" if detok is not None and detok.stopped else reason,
                 "prompt_tokens": len(ids),
                 "cached_tokens": hit,
             }
-            for ids, toks, reason, hit in zip(encoded, tokens, reasons, cached)
+            for ids, toks, reason, hit, text, detok in zip(
+                encoded, tokens, reasons, cached, texts, detoks
+            )
         ]
 
     def shutdown(self) -> None:
