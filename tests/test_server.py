@@ -68,19 +68,23 @@ class ServerProcess:
             raise
 
 
-def start_server(model: Path, args: list[str], log: Path, timeout: float = 240.0) -> ServerProcess:
-    """Launch `python -m minisgl` and wait until /health answers (fail early if it exits)."""
+def spawn_server(model: Path, args: list[str], log: Path) -> ServerProcess:
+    """Launch `python -m minisgl` in its own session (process group); do not wait."""
     port = free_port()
     env = {**os.environ, "MINISGL_NUM_THREADS": str(min(2, os.cpu_count() or 1))}
     cmd = [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(port), *args]
     proc = subprocess.Popen(
         cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log)
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log)
+
+
+def wait_healthy(server: ServerProcess, timeout: float = 300.0) -> ServerProcess:
+    """Wait until /health answers; fail early (with the log) if the server exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_text()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
                 return server
@@ -89,6 +93,10 @@ def start_server(model: Path, args: list[str], log: Path, timeout: float = 240.0
         time.sleep(0.25)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server did not start in {timeout}s:\n{server.log_text()}")
+
+
+def start_server(model: Path, args: list[str], log: Path) -> ServerProcess:
+    return wait_healthy(spawn_server(model, args, log))
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -114,27 +122,35 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def started(tmp_path_factory):
+    """The server, and the offline greedy outputs (the oracle) computed while it starts."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(smollm2(), [*SERVER_ARGS, "--api-key", API_KEY], log)
-    yield srv
-    srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
+    srv = spawn_server(smollm2(), [*SERVER_ARGS, "--api-key", API_KEY], log)
+    try:
+        llm = build_llm("smollm2")
+        tok = llm.tokenizer
+        out = {}
+        texts = llm.generate(STREAM_PROMPTS, greedy(MAX_TOKENS))
+        out.update({p: o["text"] for p, o in zip(STREAM_PROMPTS, texts)})
+        chat_ids = [encode_chat(tok, msgs) for msgs in CHATS]
+        for i, o in enumerate(llm.generate(chat_ids, greedy(MAX_TOKENS))):
+            out[f"chat{i}"] = o["text"]
+        out["stop"] = llm.generate([STOP_PROMPT], greedy(32))[0]["text"]
+        llm.shutdown()
+        del llm
+        yield wait_healthy(srv), out
+    finally:
+        srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")
-def expected(server):
-    """Offline greedy outputs (the oracle), computed while the server is up."""
-    llm = build_llm("smollm2")
-    tok = llm.tokenizer
-    out = {}
-    texts = llm.generate(STREAM_PROMPTS, greedy(MAX_TOKENS))
-    out.update({p: o["text"] for p, o in zip(STREAM_PROMPTS, texts)})
-    chat_ids = [encode_chat(tok, msgs) for msgs in CHATS]
-    for i, o in enumerate(llm.generate(chat_ids, greedy(MAX_TOKENS))):
-        out[f"chat{i}"] = o["text"]
-    out["stop"] = llm.generate([STOP_PROMPT], greedy(32))[0]["text"]
-    llm.shutdown()
-    return out
+def server(started):
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def expected(started):
+    return started[1]
 
 
 @pytest.fixture(scope="module")
@@ -370,18 +386,24 @@ def test_api_key_is_required(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_client_disconnect_aborts_and_frees_pages(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(server, stream):
     before = metrics(server.url)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            assert r.status_code == 200
-            lines = 0
-            for line in r.iter_lines():
-                lines += bool(line)
-                if lines == 3:
-                    break  # leaving the block closes the connection mid-stream
+    if stream:
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = 0
+                for line in r.iter_lines():
+                    lines += bool(line)
+                    if lines == 3:
+                        break  # leaving the block closes the connection mid-stream
+    else:
+        # A non-streaming client that gives up (times out) while the text is generated.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=2.0)
 
     def settled():
         m = metrics(server.url)
@@ -463,10 +485,15 @@ def test_metrics_parse_and_move_with_traffic(server, client, model):
 
 
 def test_zz_shutdown_leaves_no_child_process(server):
-    """Runs last in this module: SIGTERM stops the server and every process it started."""
+    """Runs last in this module: SIGTERM to the whole process group (as systemd or
+    `kill -- -PGID` send it) is a clean shutdown, not a worker failure, and leaves no
+    process behind. (The launcher stopping live children itself is covered by
+    test_server_lifecycle.py, where the scheduler is killed.)"""
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert len(children) >= 3  # scheduler, tokenizer, detokenizer
-    assert server.stop(signal.SIGTERM) == 0
+    os.killpg(server.proc.pid, signal.SIGTERM)  # the server leads its own session
+    assert server.proc.wait(30) == 0, server.log_text()
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [p.pid for p in alive]
-    assert "all server processes stopped" in server.log_text()
+    log = server.log_text()
+    assert "all server processes stopped" in log and "died" not in log

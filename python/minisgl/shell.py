@@ -7,7 +7,9 @@ line after each reply shows how many prompt tokens came from the cache).
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -18,6 +20,27 @@ from minisgl.tokenizer import IncrementalDetokenizer, encode_chat
 from .server.args import ServerArgs
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."
+
+
+class _DeferredInterrupt:
+    """Within the block, Ctrl-C only sets `requested`: an engine step is never cut in the
+    middle (that could leave the scheduler's bookkeeping half-updated)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 class ChatSession:
@@ -34,16 +57,16 @@ class ChatSession:
     def turn(self, text: str, write: Callable[[str], None]) -> dict[str, Any]:
         """Answer `text`, streaming the reply through `write`; returns the turn's numbers.
 
-        On Ctrl-C the reply is aborted (its pages are released) and the turn is dropped
-        from the history; KeyboardInterrupt propagates after that.
+        On Ctrl-C the reply is aborted between two engine steps (its pages are released),
+        the turn is dropped from the history, and KeyboardInterrupt is raised.
         """
         messages = [*self.history, {"role": "user", "content": text}]
         ids = encode_chat(self.llm.tokenizer, messages)
         uid = self.llm.add_request(ids, self.sampling_params)  # ValueError: too long
         detok = IncrementalDetokenizer(self.llm.tokenizer)
         start, cached, reason = time.perf_counter(), 0, None
-        try:
-            while reason is None:
+        with _DeferredInterrupt() as interrupt:
+            while reason is None and not interrupt.requested:
                 for out in self.llm.step():
                     if out.uid != uid:
                         continue
@@ -51,12 +74,12 @@ class ChatSession:
                         write(detok.add_token(out.token))
                     if out.finish_reason is not None:
                         reason, cached = out.finish_reason, out.cached_tokens
-            write(detok.finish())
-        except KeyboardInterrupt:
-            self.llm.abort_request(uid)
-            while self.llm.has_work:  # hand the aborted request's pages back
-                self.llm.step()
-            raise
+            if reason is None:  # Ctrl-C: stop the reply, hand its pages back
+                self.llm.abort_request(uid)
+                while self.llm.has_work:
+                    self.llm.step()
+                raise KeyboardInterrupt
+        write(detok.finish())
         elapsed = time.perf_counter() - start
         self.history = [*messages, {"role": "assistant", "content": detok.output_text}]
         return {

@@ -22,15 +22,8 @@ from minisgl.utils import init_logger
 
 from .frontend import FrontendManager, RequestGroup
 from .metrics import ServerMetrics
-from .protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    new_id,
-    now,
-    parse_request,
-    usage,
-)
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_request
+from .responses import APIError, ResponseFormatter, new_id, now, total_usage
 
 logger = init_logger(__name__)
 
@@ -48,70 +41,29 @@ class ServerState:
     created: int = dataclasses.field(default_factory=now)
 
 
-@dataclass
-class _Endpoint:
-    """How one endpoint shapes its output."""
+class _APIKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on /v1 (health and metrics stay open).
 
-    chat: bool
-    id: str
-    model: str
-    created: int
-    n: int  # samples per prompt
+    Plain ASGI rather than FastAPI's `@app.middleware`, which wraps every response and
+    interferes with streaming and disconnect detection.
+    """
 
-    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": index, "delta": delta}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text or ""}
-            obj = "text_completion"
-        choice.update(logprobs=None, finish_reason=finish)
-        return self._sse({"choices": [choice]}, obj)
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
 
-    def _sse(self, payload: dict[str, Any], obj: str) -> str:
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-        body.update(payload)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._sse({"choices": [], "usage": usage_body}, obj)
-
-    def response(
-        self, texts: list[str], finish: list[str | None], usage_body: dict[str, Any]
-    ) -> dict[str, Any]:
-        choices = []
-        for i, (text, reason) in enumerate(zip(texts, finish)):
-            if self.chat:
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                }
-            else:
-                choice = {"index": i, "text": text}
-            choice.update(logprobs=None, finish_reason=reason)
-            choices.append(choice)
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage_body,
-        }
-
-
-def _usage(group: RequestGroup, n: int, completion: list[int], cached: list[int]) -> dict:
-    # Each prompt is counted once however many samples (n) it has, as OpenAI bills it.
-    firsts = range(0, len(group.rids), n)
-    return usage(
-        sum(group.prompt_tokens[i] for i in firsts),
-        sum(completion),
-        sum(cached[i] for i in firsts),
-    )
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    status=401,
+                    code="invalid_api_key",
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -148,17 +100,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return APIError(str(exc), code="invalid_value").response()
 
-    @app.middleware("http")
-    async def _check_api_key(request: Request, call_next: Any) -> Response:
-        if state.api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return APIError(
-                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                    status=401,
-                    code="invalid_api_key",
-                ).response()
-        return await call_next(request)
+    if state.api_key is not None:
+        app.add_middleware(_APIKeyMiddleware, api_key=state.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -210,7 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
             max_tokens, param = req.max_tokens, "max_tokens"
         # No limit given: up to the end of the context (the scheduler caps it there).
         sp = req.sampling_params(state.max_seq_len if max_tokens is None else max_tokens, param)
-        endpoint = _Endpoint(True, new_id("chatcmpl"), state.model_name, now(), req.n)
+        endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
         return await serve(request, req, endpoint, [{"messages": messages}], sp, "messages")
 
     @app.post("/v1/completions")
@@ -221,13 +164,13 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in req.prompts()]
         # OpenAI's legacy default for completions is 16 tokens.
         sp = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, "max_tokens")
-        endpoint = _Endpoint(False, new_id("cmpl"), state.model_name, now(), req.n)
+        endpoint = ResponseFormatter(False, new_id("cmpl"), state.model_name, now(), req.n)
         return await serve(request, req, endpoint, prompts, sp, "prompt")
 
     async def serve(
         request: Request,
-        req: Any,
-        endpoint: _Endpoint,
+        req: GenerateRequest,
+        endpoint: ResponseFormatter,
         prompts: list[dict[str, Any]],
         sp: SamplingParams,
         default_param: str,
@@ -252,7 +195,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await collect(request, group, endpoint)
 
     async def stream(
-        group: RequestGroup, endpoint: _Endpoint, include_usage: bool
+        group: RequestGroup, endpoint: ResponseFormatter, include_usage: bool
     ) -> AsyncIterator[str]:
         k = len(group.rids)
         completion, cached = [0] * k, [0] * k
@@ -267,7 +210,9 @@ def create_app(state: ServerState) -> FastAPI:
                 if out.finish_reason is not None:  # the reason comes on a chunk of its own
                     yield endpoint.chunk(index, None, out.finish_reason)
             if include_usage:
-                yield endpoint.usage_chunk(_usage(group, endpoint.n, completion, cached))
+                yield endpoint.usage_chunk(
+                    total_usage(group.prompt_tokens, endpoint.n, completion, cached)
+                )
             yield "data: [DONE]\n\n"
         except APIError as exc:  # headers are sent already: report in the stream
             yield f"data: {json.dumps(exc.body())}\n\n"
@@ -277,7 +222,9 @@ def create_app(state: ServerState) -> FastAPI:
             # (the response task is cancelled): stop generating for nobody.
             group.abort("client disconnected mid-stream")
 
-    async def collect(request: Request, group: RequestGroup, endpoint: _Endpoint) -> Response:
+    async def collect(
+        request: Request, group: RequestGroup, endpoint: ResponseFormatter
+    ) -> Response:
         k = len(group.rids)
         texts: list[list[str]] = [[] for _ in range(k)]
         finish: list[str | None] = [None] * k
@@ -296,14 +243,17 @@ def create_app(state: ServerState) -> FastAPI:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not consumer.done():
+            gone = not consumer.done()  # the client left (or this handler was cancelled)
+            if gone:
                 consumer.cancel()
                 group.abort("client disconnected")
-        if consumer.cancelled():
+        if gone:
             return Response(status_code=499)  # nobody is listening
         consumer.result()  # re-raises a mid-generation error
         body = endpoint.response(
-            ["".join(t) for t in texts], finish, _usage(group, endpoint.n, completion, cached)
+            ["".join(t) for t in texts],
+            finish,
+            total_usage(group.prompt_tokens, endpoint.n, completion, cached),
         )
         return JSONResponse(body)
 

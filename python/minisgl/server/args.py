@@ -76,12 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--max-running-requests", dest="max_running_req", type=int, default=256)
-    p.add_argument("--num-pages", dest="num_page_override", type=int, default=None)
-    p.add_argument("--max-seq-len", dest="max_seq_len_override", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=1, metavar="N", help="tokens per KV page")
+    p.add_argument(
+        "--max-running-requests", dest="max_running_req", type=int, default=256, metavar="N"
+    )
+    p.add_argument(
+        "--num-pages",
+        dest="num_page_override",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV pool size (default: from the memory budget)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        dest="max_seq_len_override",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context length (default: the model's)",
+    )
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
-    p.add_argument("--max-prefill-length", type=int, default=None)
+    p.add_argument("--max-prefill-length", type=int, default=None, metavar="N")
     p.add_argument("--attention-backend", default="torch")
     p.add_argument("--schedule-policy", default=None, help="e.g. fcfs (default: the engine's)")
     p.add_argument(

@@ -21,7 +21,7 @@ from minisgl.utils import init_logger
 from minisgl.utils.mp import ZmqAddresses, ZmqAsyncPullQueue, ZmqPushQueue
 
 from .metrics import ServerMetrics
-from .protocol import APIError
+from .responses import APIError
 
 logger = init_logger(__name__)
 
@@ -137,9 +137,8 @@ class FrontendManager:
             tracked.prompt_tokens = msg.prompt_tokens
         elif isinstance(msg, OutputMsg):
             self._record(msg, tracked)
-        elif isinstance(msg, ErrorMsg):
+        elif isinstance(msg, ErrorMsg):  # counted as an error by the HTTP handler
             del self._tracked[msg.rid]
-            self.metrics.errors.labels("400").inc()
         tracked.queue.put_nowait((tracked.index, msg))
 
     def _record(self, msg: OutputMsg, tracked: _Tracked) -> None:

@@ -39,8 +39,13 @@ def _describe(p: BaseProcess) -> str:
     return f"the {p.name} process (pid {p.pid}) died ({how})"
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+class Terminated(BaseException):
+    """SIGTERM, as an exception: unwinds (and cleans up) like Ctrl-C, but code that catches
+    KeyboardInterrupt to stop one action (the shell's Ctrl-C) does not swallow it."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(f"signal {signum}")
 
 
 def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
@@ -200,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     # Children inherit the environment, so they log at the same level.
     os.environ["MINISGL_LOG_LEVEL"] = args.log_level.upper()
     logging.getLogger("minisgl").setLevel(args.log_level.upper())
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.shell:
             from minisgl.shell import run_shell
 
             return run_shell(args)
         return launch_server(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         return 0
 
 

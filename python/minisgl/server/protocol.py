@@ -1,21 +1,20 @@
-"""OpenAI API request models, their conversion to SamplingParams, and error bodies.
+"""OpenAI API request models and their conversion to SamplingParams.
 
 Requests are validated strictly (a string where a number belongs is an error, not coerced).
 Every parameter the API defines is either honoured or rejected with HTTP 400 naming it;
-fields the API does not define are ignored, as OpenAI's own server does.
+fields the API does not define are ignored.
 """
 
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minisgl.core import SamplingParams
+
+from .responses import APIError
 
 # Parameters of the OpenAI API that minisgl does not implement: rejected when given a
 # value other than their "off" value, never silently dropped.
@@ -33,38 +32,10 @@ UNSUPPORTED_PARAMS = (
 )
 
 
-class APIError(Exception):
-    """An error returned to the client as `{"error": {message, type, param, code}}`."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = (
-            message,
-            status,
-            param,
-            code,
-            type,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+def _unsupported(name: str) -> APIError:
+    return APIError(
+        f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
+    )
 
 
 class _Strict(BaseModel):
@@ -85,7 +56,9 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
 
 
-class _GenerateRequest(_Strict):
+class GenerateRequest(_Strict):
+    """Parameters shared by chat and text completions."""
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -111,7 +84,7 @@ class _GenerateRequest(_Strict):
             if name == "response_format" and value in ({"type": "text"}, None):
                 continue
             if value not in (None, [], {}, "none"):
-                raise APIError(f"'{name}' is not supported by this server", param=name)
+                raise _unsupported(name)
 
     def sampling_params(self, max_tokens: int | None, max_tokens_param: str) -> SamplingParams:
         """Build and validate the sampling parameters (ValueError -> 400 naming the field)."""
@@ -147,7 +120,7 @@ class _GenerateRequest(_Strict):
             raise APIError(message, param=param, code="invalid_value") from exc
 
 
-class ChatCompletionRequest(_GenerateRequest):
+class ChatCompletionRequest(GenerateRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -156,9 +129,9 @@ class ChatCompletionRequest(_GenerateRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs:
-            raise APIError("'logprobs' is not supported by this server", param="logprobs")
+            raise _unsupported("logprobs")
         if self.top_logprobs:
-            raise APIError("'top_logprobs' is not supported by this server", param="top_logprobs")
+            raise _unsupported("top_logprobs")
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages with string content (text parts joined); other part types -> 400."""
@@ -183,7 +156,7 @@ class ChatCompletionRequest(_GenerateRequest):
         return out
 
 
-class CompletionRequest(_GenerateRequest):
+class CompletionRequest(GenerateRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -193,13 +166,13 @@ class CompletionRequest(_GenerateRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs is not None:
-            raise APIError("'logprobs' is not supported by this server", param="logprobs")
+            raise _unsupported("logprobs")
         if self.echo:
-            raise APIError("'echo' is not supported by this server", param="echo")
+            raise _unsupported("echo")
         if self.suffix:
-            raise APIError("'suffix' is not supported by this server", param="suffix")
+            raise _unsupported("suffix")
         if self.best_of is not None and self.best_of != 1:
-            raise APIError("'best_of' is not supported by this server", param="best_of")
+            raise _unsupported("best_of")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""
@@ -215,7 +188,7 @@ class CompletionRequest(_GenerateRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-def parse_request(model: type[_GenerateRequest], body: bytes) -> Any:
+def parse_request(model: type[GenerateRequest], body: bytes) -> Any:
     """Validate a JSON body; malformed JSON and wrong types -> APIError 400."""
     try:
         return model.model_validate_json(body)
@@ -229,20 +202,3 @@ def parse_request(model: type[_GenerateRequest], body: bytes) -> Any:
         message = f"{where}: {err['msg']}" if where else err["msg"]
         code = "missing_required_parameter" if err["type"] == "missing" else "invalid_type"
         raise APIError(message, param=param, code=code) from exc
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }

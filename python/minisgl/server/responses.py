@@ -1,0 +1,129 @@
+"""OpenAI response bodies: errors, completions and their streamed (SSE) chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error returned to the client as `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass
+class ResponseFormatter:
+    """Shapes one request's output as OpenAI chat or text completions (JSON or SSE)."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+    n: int  # samples per prompt
+
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text or ""}
+            obj = "text_completion"
+        choice.update(logprobs=None, finish_reason=finish)
+        return self._sse({"choices": [choice]}, obj)
+
+    def _sse(self, payload: dict[str, Any], obj: str) -> str:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        body.update(payload)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._sse({"choices": [], "usage": usage_body}, obj)
+
+    def response(
+        self, texts: list[str], finish: list[str | None], usage_body: dict[str, Any]
+    ) -> dict[str, Any]:
+        choices = []
+        for i, (text, reason) in enumerate(zip(texts, finish)):
+            if self.chat:
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                }
+            else:
+                choice = {"index": i, "text": text}
+            choice.update(logprobs=None, finish_reason=reason)
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_body,
+        }
+
+
+def total_usage(
+    prompt_tokens: list[int], n: int, completion: list[int], cached: list[int]
+) -> dict[str, Any]:
+    """Usage over all choices (choice i is sample i % n of prompt i // n)."""
+    # Each prompt is counted once however many samples (n) it has, as OpenAI bills it.
+    firsts = range(0, len(prompt_tokens), n)
+    return usage(
+        sum(prompt_tokens[i] for i in firsts),
+        sum(completion),
+        sum(cached[i] for i in firsts),
+    )
