@@ -17,7 +17,7 @@ from .base import BaseAttnBackend
 class TorchAttnMetadata:
     """Padded views of a varlen batch: request b's query j sits at row b * max_q + j."""
 
-    kv_indices: torch.Tensor  # [B, max_kv] slot of each key position (padding: any valid slot)
+    kv_indices: torch.Tensor  # [B * max_kv] slot of each key position (padding: any valid slot)
     q_rows: torch.Tensor | None  # [tokens] padded row of each token; None when max_q == 1
     max_q: int
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, max_q, max_kv] bool
@@ -42,7 +42,7 @@ class TorchAttnBackend(BaseAttnBackend):
         extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
         max_kv, max_q = int(seq_lens.max()), int(extend_lens.max())
         table_idx = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=device)
-        kv_indices = self.page_table[table_idx, :max_kv].long()
+        kv_indices = self.page_table[table_idx, :max_kv].flatten().long()
 
         seq_lens, extend_lens = seq_lens.to(device), extend_lens.to(device)
         q_offsets = torch.arange(max_q, device=device)
@@ -69,9 +69,12 @@ class TorchAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         num_reqs, (_, num_heads, head_dim) = len(batch.reqs), q.shape
-        # [B, kv_heads, max_kv, dim]
-        keys = self.kv_cache.k_cache(layer_id)[meta.kv_indices].transpose(1, 2)
-        values = self.kv_cache.v_cache(layer_id)[meta.kv_indices].transpose(1, 2)
+        # [B, kv_heads, max_kv, dim]; index_select is ~5x faster than advanced indexing here.
+        padded_shape = (num_reqs, -1, *k.shape[1:])
+        keys = self.kv_cache.k_cache(layer_id).index_select(0, meta.kv_indices)
+        values = self.kv_cache.v_cache(layer_id).index_select(0, meta.kv_indices)
+        keys = keys.view(padded_shape).transpose(1, 2)
+        values = values.view(padded_shape).transpose(1, 2)
         if meta.q_rows is None:
             q_padded = q.unsqueeze(2)  # one query per request: [B, heads, 1, dim]
         else:

@@ -134,7 +134,7 @@ class Engine:
         try:
             assert batch.positions is not None
             batch.input_ids = self.token_pool[forward_input.input_rows, batch.positions]
-            logits = self.model(batch.input_ids, batch.logits_indices)
+            logits = self.model(batch.input_ids, batch.positions, batch.logits_indices)
         finally:
             self.ctx.set_batch(None)
         next_tokens = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)

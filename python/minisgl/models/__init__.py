@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+from minisgl.layers import Linear, LMHead
+from minisgl.layers.linear import onednn_packing_available
+
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM
 from .weight import load_weights
@@ -34,6 +37,10 @@ def create_model(
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             setattr(module, name, buf.to(device))
+    if device.type == "cpu" and onednn_packing_available():
+        for module in model.modules():
+            if isinstance(module, (Linear, LMHead)):
+                module.pack_for_cpu()
     return model.eval()
 
 

@@ -47,8 +47,8 @@ class SelfAttention(nn.Module):
             sliding_window=config.sliding_windows[layer_id],
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(x)))
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x), cos_sin))
 
 
 class DecoderLayer(nn.Module):
@@ -60,10 +60,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x)
+        x = self.self_attn(x, cos_sin)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -79,10 +82,11 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(x, residual)
+            x, residual = layer(x, residual, cos_sin)
         return self.norm(x, residual)[0]
 
 
@@ -97,9 +101,12 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
 
     def forward(
-        self, input_ids: torch.Tensor, logits_indices: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.model(input_ids)
+        hidden = self.model(input_ids, positions)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(hidden).float()
