@@ -167,3 +167,17 @@ def assert_all_pages_free(llm: LLM) -> None:
     llm.cache_manager.check_integrity()
     cached = llm.cache_manager.prefix_cache.size_info.total_size // llm.page_size
     assert llm.cache_manager.num_free_pages + cached == llm.engine.num_pages
+
+
+def spy_prefill_tokens(llm: LLM) -> list[int]:
+    """Record the tokens each prefill step computes (the seed chapter's `_forward` spy)."""
+    computed: list[int] = []
+    orig = llm._forward
+
+    def spy(forward_input):
+        if forward_input.batch.is_prefill:
+            computed.append(sum(r.extend_len for r in forward_input.batch.reqs))
+        return orig(forward_input)
+
+    llm._forward = spy
+    return computed

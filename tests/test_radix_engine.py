@@ -12,20 +12,8 @@ from helpers import (
     greedy,
     hf_encode,
     hf_greedy,
+    spy_prefill_tokens,
 )
-
-
-def _spy_prefill(llm) -> list[int]:
-    computed: list[int] = []
-    orig = llm._forward
-
-    def spy(forward_input):
-        if forward_input.batch.is_prefill:
-            computed.append(sum(r.extend_len for r in forward_input.batch.reqs))
-        return orig(forward_input)
-
-    llm._forward = spy
-    return computed
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -59,7 +47,7 @@ def test_page_size_16_caches_whole_pages_only() -> None:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_multi_turn_recomputes_only_new_tokens(page_size: int) -> None:
     llm = build_llm("smollm2", page_size=page_size, overlap_schedule=False)
-    computed = _spy_prefill(llm)
+    computed = spy_prefill_tokens(llm)
     turn1 = hf_encode("smollm2", "User: What is the capital of France?\nAssistant:")
     answer = llm.generate([turn1], greedy(12))[0]["token_ids"]
     question = hf_encode("smollm2", "\nUser: And of Italy?\nAssistant:")

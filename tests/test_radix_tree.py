@@ -45,19 +45,7 @@ def test_fast_compare_key() -> None:
     assert fast_compare_key(t(1, 2), t(1, 2)) == 2
 
 
-def test_lock_protects_from_eviction_and_lru_order():
-    c = _cache()
-    c.insert_prefix(t(1, 2, 3), t(10, 11, 12))
-    c.insert_prefix(t(7, 8), t(20, 21))
-    c.insert_prefix(t(4, 5), t(30, 31))
-    handle = c.match_prefix(t(7, 8)).cuda_handle  # 刚访问过 [7, 8]
-    c.lock_handle(handle)
-    assert c.size_info == (5, 2)
-    evicted = c.evict(3)  # 锁住的 [7, 8] 不能淘汰；另外两个里 [1, 2, 3] 最久没用
-    assert evicted.tolist() == [10, 11, 12]
-    c.lock_handle(handle, unlock=True)
-    assert c.evict(2).tolist() == [30, 31]  # 解锁后，[4, 5] 比 [7, 8] 更久没用
-    c.check_integrity()
+# The seed's test_lock_protects_from_eviction_and_lru_order lives in test_ch09_radix.py.
 
 
 def test_seed_example_tree() -> None:

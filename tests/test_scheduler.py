@@ -12,6 +12,7 @@ from helpers import (
     greedy,
     hf_encode,
     hf_greedy,
+    spy_prefill_tokens,
 )
 
 from minisgl.core import SamplingParams
@@ -34,22 +35,15 @@ def _run_collecting(llm, prompts, params):
     return uids, seen
 
 
-def test_chunked_prefill_budget_16_computes_each_token_once() -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "smollm2"])
+def test_chunked_prefill_budget_16_computes_each_token_once(arch: str) -> None:
     prompts = MIXED_PROMPTS + _random_prompts(2, 150, 200, seed=1)
-    llm = build_llm("qwen3", max_prefill_length=16, cache_type="naive", overlap_schedule=False)
-    computed: list[int] = []
-    orig = llm._forward
-
-    def spy(forward_input):
-        if forward_input.batch.is_prefill:
-            computed.append(sum(r.extend_len for r in forward_input.batch.reqs))
-        return orig(forward_input)
-
-    llm._forward = spy
+    llm = build_llm(arch, max_prefill_length=16, cache_type="naive", overlap_schedule=False)
+    computed = spy_prefill_tokens(llm)
     outputs = llm.generate(prompts, greedy(5))
     assert max(computed) <= 16
     assert sum(computed) == sum(o["prompt_tokens"] for o in outputs)
-    assert [o["token_ids"] for o in outputs] == hf_greedy("qwen3", prompts, 5)
+    assert [o["token_ids"] for o in outputs] == hf_greedy(arch, prompts, 5)
     assert_all_pages_free(llm)
     llm.shutdown()
 
