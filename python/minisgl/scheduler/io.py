@@ -141,8 +141,9 @@ class SchedulerIO:
 
 def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
     """Process entry: build the engine (on all cores), report its limits, serve forever."""
+    from minisgl.message.queue import ZmqPullQueue, ZmqPushQueue
     from minisgl.tokenizer import extra_eos_ids, load_tokenizer
-    from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, worker_setup
+    from minisgl.utils.mp import worker_setup
 
     worker_setup()
     eos = extra_eos_ids(config.model_path, load_tokenizer(config.model_path))

@@ -17,8 +17,8 @@ from minisgl.message import (
     StatsMsg,
     TokenizeMsg,
 )
+from minisgl.message.queue import ZmqAddresses, ZmqAsyncPullQueue, ZmqPushQueue
 from minisgl.utils import init_logger
-from minisgl.utils.mp import ZmqAddresses, ZmqAsyncPullQueue, ZmqPushQueue
 
 from .metrics import ServerMetrics
 from .responses import APIError

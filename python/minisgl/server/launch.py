@@ -127,8 +127,9 @@ def launch_server(args: ServerArgs) -> int:
     """Run the server until a signal or a dead child; returns the exit code."""
     import uvicorn
 
+    from minisgl.message.queue import ZmqAddresses
     from minisgl.utils.hf import resolve_model_path
-    from minisgl.utils.mp import ZmqAddresses, set_worker_threads, stop_processes
+    from minisgl.utils.mp import set_worker_threads, stop_processes
 
     from .api_server import ServerState, create_app
     from .frontend import FrontendManager
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.shell:
-            from minisgl.shell import run_shell
+            from minisgl.server.shell import run_shell
 
             return run_shell(args)
         return launch_server(args)

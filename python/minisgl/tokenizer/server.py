@@ -129,7 +129,8 @@ class DetokenizeManager:
 
 def run_tokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None:
     """Process entry: encode requests and pass them (and aborts) on to the scheduler."""
-    from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, set_worker_threads, worker_setup
+    from minisgl.message.queue import ZmqPullQueue, ZmqPushQueue
+    from minisgl.utils.mp import set_worker_threads, worker_setup
 
     worker_setup()
     set_worker_threads(1)
@@ -159,7 +160,8 @@ def run_tokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None
 
 def run_detokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None:
     """Process entry: turn the scheduler's tokens into text for the API server."""
-    from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, set_worker_threads, worker_setup
+    from minisgl.message.queue import ZmqPullQueue, ZmqPushQueue
+    from minisgl.utils.mp import set_worker_threads, worker_setup
 
     worker_setup()
     set_worker_threads(1)

@@ -1,4 +1,4 @@
-"""Multiprocessing and ZeroMQ helpers for the server's worker processes."""
+"""Multiprocessing helpers for the server's worker processes: spawn, stop, thread setup."""
 
 from __future__ import annotations
 
@@ -11,95 +11,9 @@ from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
-from minisgl.message import BatchMsg, decode, encode
-
 from .logging import init_logger
 
 logger = init_logger(__name__)
-
-
-def ipc_address(directory: str, name: str) -> str:
-    """A ZeroMQ ipc endpoint inside `directory` (a private temp dir of the launcher)."""
-    return f"ipc://{os.path.join(directory, name)}.sock"
-
-
-def unbatch(msg: Any) -> list[Any]:
-    """The messages inside one received frame."""
-    return list(msg.items) if isinstance(msg, BatchMsg) else [msg]
-
-
-def _configure(sock: zmq.Socket) -> None:
-    # Unbounded queues: a slow peer must delay messages, never drop them or block the sender
-    # forever; LINGER 0 so a closing process never waits on a peer that is already gone.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 0)
-
-
-class ZmqPushQueue:
-    """Sending end (PUSH, connects): `put` one message or `put_many` as one frame."""
-
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
-        self.socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
-        _configure(self.socket)
-        self.socket.connect(address)
-
-    def put(self, msg: Any) -> None:
-        self.socket.send(encode(msg), copy=False)
-
-    def put_many(self, msgs: list[Any]) -> None:
-        if msgs:
-            self.put(msgs[0] if len(msgs) == 1 else BatchMsg(msgs))
-
-    def close(self) -> None:
-        self.socket.close()
-
-
-class ZmqPullQueue:
-    """Receiving end (PULL, binds): blocking or draining reads, batches unwrapped."""
-
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
-        self.socket = (context or zmq.Context.instance()).socket(zmq.PULL)
-        _configure(self.socket)
-        self.socket.bind(address)
-
-    def get(self) -> list[Any]:
-        """Block until a frame arrives, then return it and everything else already queued."""
-        msgs = unbatch(decode(self.socket.recv()))
-        return msgs + self.drain()
-
-    def drain(self) -> list[Any]:
-        """Every message queued now, without blocking."""
-        msgs: list[Any] = []
-        while True:
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return msgs
-            msgs.extend(unbatch(decode(frame)))
-
-    def close(self) -> None:
-        self.socket.close()
-
-
-class ZmqAsyncPullQueue:
-    """asyncio receiving end (PULL, binds) for the API server's event loop."""
-
-    def __init__(self, address: str) -> None:
-        self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.PULL)
-        _configure(self.socket)
-        self.socket.bind(address)
-
-    async def get(self) -> list[Any]:
-        return unbatch(decode(await self.socket.recv()))
-
-    def close(self) -> None:
-        self.socket.close()
-        self.context.term()
 
 
 def set_worker_threads(num_threads: int = 1) -> None:
@@ -154,17 +68,3 @@ def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> 
             logger.warning("%s (pid %s) ignored SIGTERM; killing it", p.name, p.pid)
             p.kill()
             p.join(1.0)
-
-
-class ZmqAddresses:
-    """Where each process's inbox (PULL socket) is bound; every sender connects to it."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.tokenizer = ipc_address(directory, "tokenizer")
-        self.scheduler = ipc_address(directory, "scheduler")
-        self.detokenizer = ipc_address(directory, "detokenizer")
-        self.api_server = ipc_address(directory, "api_server")
-
-    def __repr__(self) -> str:
-        return f"ZmqAddresses({self.directory!r})"

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from minisgl.core import SamplingParams
 from minisgl.tokenizer import IncrementalDetokenizer, encode_chat
 
-from .server.args import ServerArgs
+from .args import ServerArgs
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."
 
