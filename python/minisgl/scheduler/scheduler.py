@@ -19,6 +19,7 @@ from .cache import CacheManager
 from .config import SchedulerConfig
 from .output import SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
+from .prepare import prepare_forward_input, validate_request
 from .table import TableManager
 
 logger = init_logger(__name__)
@@ -84,24 +85,7 @@ class Scheduler:
         self, input_ids: list[int] | torch.Tensor, sampling_params: SamplingParams
     ) -> int:
         """Queue a request; raises ValueError naming the parameter when it can never run."""
-        ids = torch.as_tensor(input_ids, dtype=torch.int32).flatten().cpu()
-        vocab, max_seq_len = self.engine.model_config.vocab_size, self.engine.max_seq_len
-        if len(ids) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {ids.tolist()}")
-        if len(ids) >= max_seq_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context holds {max_seq_len} "
-                "(prompt + at least one generated token)"
-            )
-        max_device_len = min(len(ids) + sampling_params.max_tokens, max_seq_len)
-        pool_tokens = self.engine.num_pages * self.page_size
-        if div_ceil(max_device_len, self.page_size) > self.engine.num_pages:
-            raise ValueError(
-                f"prompt ({len(ids)}) + max_tokens ({sampling_params.max_tokens}) needs "
-                f"{max_device_len} KV slots; the pool holds {pool_tokens}"
-            )
+        ids, max_device_len = validate_request(self.engine, input_ids, sampling_params)
         uid = next(self._uids)
         req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
         if sampling_params.seed is not None:
@@ -155,7 +139,7 @@ class Scheduler:
         return self.engine.forward(forward_input)
 
     def _launch(self, batch: Batch) -> InFlight:
-        forward_input = self._prepare(batch)
+        forward_input = prepare_forward_input(batch, self.engine)
         sampled = [r for r in batch.reqs if not r.is_chunked]
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":
@@ -281,34 +265,6 @@ class Scheduler:
         self.stats.retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
         logger.debug("retracted %s", req)
-
-    def _prepare(self, batch: Batch) -> ForwardInput:
-        reqs, device = batch.reqs, self.device
-        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
-        if batch.is_decode:
-            positions = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
-            input_rows = rows
-            logits_indices = None
-        else:
-            extend = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
-            positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
-            input_rows = rows.repeat_interleave(extend)
-            last = extend.cumsum(0) - 1
-            keep = torch.tensor([not r.is_chunked for r in reqs], dtype=torch.bool)
-            logits_indices = last[keep].to(device)
-        positions, input_rows = positions.to(device), input_rows.to(device)
-        batch.positions = positions
-        batch.out_loc = self.engine.page_table[input_rows, positions].long()
-        batch.logits_indices = logits_indices
-        self.engine.attn_backend.prepare_metadata(batch)
-        sampled = [r for r in reqs if not r.is_chunked]
-        return ForwardInput(
-            batch=batch,
-            sample_args=self.engine.sampler.prepare(sampled),
-            input_rows=input_rows,
-            token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
-            token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),
-        )
 
     # ---------------------------------------------------------------- results out
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:

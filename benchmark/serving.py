@@ -1,0 +1,745 @@
+"""Online serving: streaming latency (TTFT, TPOT, ITL) and throughput of the OpenAI server.
+
+Workload: --num-prompts requests of --input-len random token ids (never special tokens), each
+sent to `POST /v1/completions` as a list of token ids with `max_tokens=--output-len`,
+`ignore_eos`, `temperature=0` and `stream=true`, so every request streams exactly
+--output-len tokens. Arrivals are Poisson at --request-rate req/s (`inf`: all at once);
+--max-concurrency C caps the requests in flight, so `--max-concurrency C` alone is a closed loop
+with C streams busy at all times. A short untimed warm-up (fresh ids, 4 tokens each) comes first.
+
+The benchmark starts `python -m minisgl` itself on a free port (its KV pool and context sized
+to the workload; --server-args adds flags) and always stops it, or it uses a running server
+(--url). Per request it records TTFT (send to the first streamed text), TPOT ((e2e - TTFT) /
+(output tokens - 1)), ITL (every gap between streamed text chunks; a chunk that carries k
+tokens counts as k gaps of 1/k each) and e2e latency; it prints p50/p90/p99, request and token
+throughput as a Markdown table and writes a PNG of the latency CDFs and a JSON under
+benchmark/out/. With --compare-offline it then stops the server and measures the decode step
+time of the offline `LLM` at batch size --max-concurrency on the same shapes, and prints the
+server's TPOT p50 / that step time (issue 6, acceptance 4). Figures only: nothing is asserted.
+
+    python benchmark/serving.py --quick                      # smoke test, < 1 minute
+    python benchmark/serving.py --max-concurrency 8 --num-prompts 32 --compare-offline
+    python benchmark/serving.py --request-rate 4             # Poisson arrivals, 4 req/s
+    python benchmark/serving.py --url http://127.0.0.1:1919  # a server that is running
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    OUT_DIR,
+    QWEN3_RANDOM,
+    MinisglRunner,
+    TokenSource,
+    format_table,
+    machine_note,
+    median_run,
+    model_label,
+    resolve_bench_model,
+    save_json,
+    single_phase,
+    stamp,
+)
+
+PERCENTILES = (50, 90, 99)
+WARMUP_TOKENS = 4
+# Read timeout of one stream: a request queued behind many others may wait long for its first
+# token on a slow CPU, and the benchmark should measure that rather than give up.
+STREAM_TIMEOUT_S = 900.0
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- arguments
+def parse_rate(text: str) -> float:
+    """Requests per second: a positive number or `inf`."""
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"bad request rate {text!r}: want > 0 or inf")
+    return rate
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"default model when omitted; '{QWEN3_RANDOM}' (built once); or an HF folder/GGUF",
+    )
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="benchmark this running server (e.g. http://127.0.0.1:1919) instead of starting one",
+    )
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra flags for the server this script starts: --server-args='--page-size 16'",
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 64)")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128)")
+    p.add_argument("--output-len", type=int, default=None, help="new tokens (default 64)")
+    p.add_argument(
+        "--request-rate",
+        type=parse_rate,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s; inf (default) sends all at once",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        metavar="C",
+        help="at most C requests in flight (with the default rate: a closed loop of C streams)",
+    )
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help=f"untimed requests of {WARMUP_TOKENS} tokens first (default: the concurrency, <= 8)",
+    )
+    p.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="then measure the offline LLM's decode step at batch --max-concurrency; print ratio",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="offline decode runs (median)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the token ids and arrivals")
+    p.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for /health"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 8 requests of 32 tokens, 16 new tokens each, < 1 minute",
+    )
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="where the PNG, JSON and log go")
+    args = p.parse_args(argv)
+    # --quick only changes what the user did not set.
+    quick = (8, 32, 16) if args.quick else (64, 128, 64)
+    for name, default in zip(("num_prompts", "input_len", "output_len"), quick):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.quick and args.repeat == 3:
+        args.repeat = 1
+    if min(args.num_prompts, args.input_len, args.repeat) < 1 or args.output_len < 2:
+        p.error("--num-prompts, --input-len and --repeat must be >= 1, --output-len >= 2")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    if args.compare_offline and offline_batch(args) is None:
+        p.error("--compare-offline needs --max-concurrency (or the default rate, inf)")
+    return args
+
+
+def offline_batch(args: argparse.Namespace) -> int | None:
+    """The batch size the server runs at steadily: the concurrency cap, or every request when
+    all arrive at once; None for an uncapped Poisson rate (the batch size then wanders)."""
+    if args.max_concurrency is not None:
+        return min(args.max_concurrency, args.num_prompts)
+    return args.num_prompts if math.isinf(args.request_rate) else None
+
+
+# ---------------------------------------------------------------------------- server process
+def free_port() -> int:
+    """A port nobody listens on now (the server binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """(max sequence length, KV tokens) that hold the whole workload at once, with headroom.
+
+    The started server and the offline engine get the same figures, so that neither pays for a
+    KV pool or page table the other does not have; sized like offline.py sizes its engine.
+    """
+    seq = args.input_len + args.output_len
+    in_flight = args.num_prompts if args.max_concurrency is None else args.max_concurrency
+    warmup = args.warmup_requests or 0
+    kv_tokens = int(1.25 * max(in_flight, warmup, 1) * seq) + 64
+    return seq, kv_tokens
+
+
+@dataclass
+class Server:
+    """A `python -m minisgl` child in its own process group (so its workers stop with it)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    @classmethod
+    def start(cls, model: Path, args: argparse.Namespace) -> Server:
+        seq, kv_tokens = engine_sizes(args)
+        port = free_port()
+        # The same rounding MinisglRunner applies, so the offline engine matches exactly.
+        max_seq = -(-(seq + 1) // 64) * 64
+        cmd = [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--dtype",
+            args.dtype,
+            "--max-seq-len",
+            str(max_seq),
+            "--num-pages",
+            str(kv_tokens),
+            "--log-level",
+            "warning",
+            *shlex.split(args.server_args),  # last, so they override the flags above
+        ]
+        args.out.mkdir(parents=True, exist_ok=True)
+        log_path = args.out / f"serving-server-{stamp()}.log"
+        log(f"server: {shlex.join(cmd)} (log {log_path})")
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return cls(proc, f"http://127.0.0.1:{port}", log_path)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll /health; fail early, with the log's tail, if the server exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group, SIGKILL it if it does not exit in `timeout` s."""
+        if self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log(f"server: no exit {timeout:.0f} s after SIGTERM, killing its process group")
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        log(f"server: stopped (exit {self.proc.returncode})")
+
+
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM to the benchmark unwinds like Ctrl-C, so the server is stopped by `finally`."""
+    raise SystemExit(128 + signum)
+
+
+# ---------------------------------------------------------------------------- client
+@dataclass
+class RequestResult:
+    """One streamed request, as the client saw it (times in seconds)."""
+
+    prompt_len: int
+    sent: float = 0.0  # perf_counter when the request went out
+    ttft: float | None = None
+    e2e: float | None = None
+    output_tokens: int = 0  # from the final usage chunk: the server's exact count
+    # Arrival time (since `sent`) and text of every chunk that carried text.
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_texts: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft is not None and self.e2e is not None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        assert self.e2e is not None and self.ttft is not None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def stream_one(
+    client: httpx.AsyncClient,
+    url: str,
+    model_name: str,
+    ids: list[int],
+    max_tokens: int,
+) -> RequestResult:
+    """Send one streaming completion; record when each text chunk arrives.
+
+    Only timestamps and texts are kept here: anything heavier would compete with the server
+    for the same cores while it is being measured (token counting happens afterwards).
+    """
+    result = RequestResult(prompt_len=len(ids))
+    body = {
+        "model": model_name,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue  # blank separators between SSE events
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter() - result.sent
+                event = json.loads(data)
+                if "error" in event:  # the server reports mid-stream failures in-band
+                    result.error = str(event["error"].get("message", event["error"]))
+                    return result
+                if event.get("usage"):
+                    result.output_tokens = int(event["usage"]["completion_tokens"])
+                for choice in event.get("choices", []):
+                    # Chunks with no text (the finish reason) mark no new token.
+                    if choice.get("text"):
+                        if result.ttft is None:
+                            result.ttft = now
+                        result.chunk_times.append(now)
+                        result.chunk_texts.append(choice["text"])
+        result.e2e = time.perf_counter() - result.sent
+        if result.output_tokens == 0:
+            result.error = "no usage chunk in the stream"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> list[float]:
+    """Send times (s after the start) of a Poisson process at `rate` req/s; 0s when inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = rng.exponential(1.0 / rate, n)
+    gaps[0] = 0.0  # the first request opens the run instead of waiting a random gap
+    return np.cumsum(gaps).tolist()
+
+
+async def run_load(
+    url: str,
+    model_name: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    offsets: list[float],
+    concurrency: int | None,
+    headers: dict[str, str],
+) -> tuple[list[RequestResult], float]:
+    """Send every prompt at its offset, at most `concurrency` in flight; (results, wall s)."""
+    gate = asyncio.Semaphore(concurrency or len(prompts))
+    # No connection pool limit below the concurrency: queueing inside httpx would count as
+    # server latency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(STREAM_TIMEOUT_S, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        start = time.perf_counter()
+
+        async def one(ids: list[int], offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            # TTFT counts from when the request is sent, not from when it was due: time spent
+            # waiting here for a free slot is the closed loop's, not the server's.
+            async with gate:
+                return await stream_one(client, url, model_name, ids, max_tokens)
+
+        results = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
+        wall = time.perf_counter() - start
+    return list(results), wall
+
+
+def served_model(url: str, headers: dict[str, str]) -> tuple[str, str | None]:
+    """The model name the server expects in requests, and its folder (if it says)."""
+    reply = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
+    reply.raise_for_status()
+    card = reply.json()["data"][0]
+    return card["id"], card.get("root")
+
+
+# ---------------------------------------------------------------------------- metrics
+def tokens_per_chunk(texts: list[str], total: int, tokenizer: Any) -> list[int]:
+    """How many of the `total` output tokens each text chunk carried.
+
+    The server streams text only. A chunk holds several tokens when the detokenizer held text
+    back (half a UTF-8 character) or took several decode steps at once; the exact total comes
+    from the usage chunk. Every chunk has at least one token; the surplus is spread by largest
+    remainder in proportion to what re-tokenizing each chunk's text suggests beyond one token
+    (evenly when it suggests nothing). With one token per chunk, the common case, it is exact.
+    """
+    n = len(texts)
+    if n == 0:
+        return []
+    surplus = total - n
+    if surplus <= 0:
+        return [1] * n
+    extra = [max(0, len(tokenizer.encode(t, add_special_tokens=False)) - 1) for t in texts]
+    if sum(extra) == 0:
+        extra = [1] * n
+    shares = [surplus * e / sum(extra) for e in extra]
+    counts = [1 + int(s) for s in shares]
+    left = total - sum(counts)
+    by_remainder = sorted(range(n), key=lambda i: shares[i] - int(shares[i]), reverse=True)
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+def inter_token_latencies(result: RequestResult, counts: list[int]) -> list[float]:
+    """Every gap between text chunks; a chunk of k tokens gives k gaps of (its gap / k), so
+    the mean ITL and the TPOT measure the same per-token time."""
+    itl: list[float] = []
+    times = result.chunk_times
+    for i in range(1, len(times)):
+        gap = times[i] - times[i - 1]
+        itl += [gap / counts[i]] * counts[i]
+    return itl
+
+
+@dataclass
+class Summary:
+    """What one run measured: latencies in ms per metric, throughput, counts."""
+
+    completed: int
+    failed: int
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+    chunks: int
+    samples_ms: dict[str, list[float]]
+    mean_in_flight: float
+    first_error: str | None = None
+
+    @property
+    def request_throughput(self) -> float:
+        return self.completed / self.wall_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    def stat(self, metric: str, q: float | None = None) -> float | None:
+        """The q-th percentile of a metric in ms (None: the mean); None without samples."""
+        values = self.samples_ms[metric]
+        if not values:
+            return None
+        return statistics.fmean(values) if q is None else float(np.percentile(values, q))
+
+
+def summarize(results: list[RequestResult], wall: float, tokenizer: Any) -> Summary:
+    ok = [r for r in results if r.ok]
+    samples: dict[str, list[float]] = {"TTFT": [], "TPOT": [], "ITL": [], "E2E": []}
+    chunks = 0
+    for r in ok:
+        assert r.ttft is not None and r.e2e is not None
+        counts = tokens_per_chunk(r.chunk_texts, r.output_tokens, tokenizer)
+        chunks += len(counts)
+        samples["TTFT"].append(1e3 * r.ttft)
+        samples["E2E"].append(1e3 * r.e2e)
+        if r.tpot is not None:
+            samples["TPOT"].append(1e3 * r.tpot)
+        samples["ITL"] += [1e3 * x for x in inter_token_latencies(r, counts)]
+    failed = [r for r in results if not r.ok]
+    return Summary(
+        completed=len(ok),
+        failed=len(failed),
+        wall_s=wall,
+        prompt_tokens=sum(r.prompt_len for r in ok),
+        output_tokens=sum(r.output_tokens for r in ok),
+        chunks=chunks,
+        samples_ms=samples,
+        # Little's law: the average number of requests the server held during the run.
+        mean_in_flight=sum(r.e2e or 0.0 for r in ok) / wall,
+        first_error=next((r.error for r in failed), None),
+    )
+
+
+def latency_table(summary: Summary) -> str:
+    rows = []
+    for metric, values in summary.samples_ms.items():
+        stats = [summary.stat(metric)] + [summary.stat(metric, q) for q in PERCENTILES]
+        rows.append([metric, *stats, len(values)])
+    headers = ["metric", "mean ms", *(f"p{q} ms" for q in PERCENTILES), "samples"]
+    return format_table(headers, rows)
+
+
+# ---------------------------------------------------------------------------- offline
+@dataclass
+class OfflineStep:
+    """The offline engine's decode step at one batch size (median of the runs)."""
+
+    batch: int
+    step_s: float
+    runs_s: list[float]
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.batch / self.step_s
+
+
+def offline_decode_step(
+    model: Path, tokens: TokenSource, args: argparse.Namespace, batch: int
+) -> OfflineStep:
+    """Decode step time of `minisgl.llm.LLM` with `batch` requests of the served shape.
+
+    All requests are submitted at once, so after their prefill every decode step runs at
+    exactly `batch`; the step time is the decode forwards' span (first start to last end, the
+    scheduler's work between steps included, as in a server step) over their count. The
+    engine is sized like the server this script starts (same context length and KV pool).
+    """
+    seq, kv_tokens = engine_sizes(args)
+    runner = MinisglRunner(model, args.dtype, max_seq_len=seq, kv_tokens=kv_tokens)
+    try:
+
+        def phases(*stream: int | str) -> Any:
+            rng = tokens.rng("offline", *stream)
+            prompts = [tokens.draw(rng, args.input_len) for _ in range(batch)]
+            return single_phase(prompts, [args.output_len] * batch)
+
+        warm = phases("warmup")
+        for r in warm[0]:
+            r.max_tokens = WARMUP_TOKENS + 4  # a few decode steps at the batch size
+        runner.run(warm, "warmup")
+        runs = [runner.run(phases(k), f"offline batch {batch}") for k in range(args.repeat)]
+    finally:
+        runner.close()
+    steps = [r.decode_s / r.decode_steps for r in runs if r.decode_s and r.decode_steps]
+    if not steps:
+        raise RuntimeError("the offline run had no decode steps")
+    best = median_run(runs)
+    assert best.decode_s and best.decode_steps
+    return OfflineStep(batch, best.decode_s / best.decode_steps, steps)
+
+
+# ---------------------------------------------------------------------------- plot
+def plot_cdfs(path: Path, title: str, summary: Summary, offline: OfflineStep | None) -> bool:
+    """One CDF panel per latency metric; the offline step time marked on TPOT and ITL.
+
+    Returns False when matplotlib is missing (the tables still print).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no PNG; pip install matplotlib)")
+        return False
+    metrics = list(summary.samples_ms)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        values = np.sort(np.asarray(summary.samples_ms[metric]))
+        if len(values):
+            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post")
+            for q, style in zip(PERCENTILES, (":", "--", "-.")):
+                ax.axvline(
+                    float(np.percentile(values, q)), color="gray", ls=style, lw=1, label=f"p{q}"
+                )
+        if offline is not None and metric in ("TPOT", "ITL"):
+            ax.axvline(
+                1e3 * offline.step_s, color="red", lw=1.2, label=f"offline step @{offline.batch}"
+            )
+        ax.set_title(f"{metric} ({len(values)} samples)", fontsize=9)
+        ax.set_xlabel("ms")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("fraction <= x")
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------- main
+def describe_load(args: argparse.Namespace) -> str:
+    rate = "all at once" if math.isinf(args.request_rate) else f"Poisson {args.request_rate} req/s"
+    cap = "" if args.max_concurrency is None else f", <= {args.max_concurrency} in flight"
+    return (
+        f"{args.num_prompts} requests x {args.input_len} prompt tokens -> "
+        f"{args.output_len} new tokens, {rate}{cap}"
+    )
+
+
+def benchmark_server(
+    url: str, model: Path, tokens: TokenSource, args: argparse.Namespace, headers: dict[str, str]
+) -> tuple[Summary, list[RequestResult]]:
+    """Warm-up, then the timed run; returns the summary and the raw results."""
+    model_name, _ = served_model(url, headers)
+    warmup_n = args.warmup_requests
+    if warmup_n is None:
+        warmup_n = min(8, args.max_concurrency or args.num_prompts)
+    if warmup_n:
+        rng = tokens.rng("serving-warmup")
+        prompts = [tokens.draw(rng, args.input_len) for _ in range(warmup_n)]
+        log(f"warm-up: {warmup_n} requests of {WARMUP_TOKENS} tokens")
+        warm, _ = asyncio.run(
+            run_load(url, model_name, prompts, WARMUP_TOKENS, [0.0] * warmup_n, None, headers)
+        )
+        bad = [r.error for r in warm if not r.ok]
+        if bad:
+            raise RuntimeError(f"warm-up failed ({len(bad)} of {warmup_n}): {bad[0]}")
+    rng = tokens.rng("serving", args.num_prompts, args.input_len)
+    prompts = [tokens.draw(rng, args.input_len) for _ in range(args.num_prompts)]
+    offsets = arrival_offsets(args.num_prompts, args.request_rate, tokens.rng("arrivals"))
+    log(f"timed run: {describe_load(args)}")
+    results, wall = asyncio.run(
+        run_load(url, model_name, prompts, args.output_len, offsets, args.max_concurrency, headers)
+    )
+    log(f"timed run: {wall:.2f} s")
+    # Token counting needs the tokenizer; done now that the server is idle.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return summarize(results, wall, tokenizer), results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # Against a running server, its own folder (from /v1/models) is the model, unless --model.
+    model = resolve_bench_model(args.model) if args.url is None or args.model else None
+    server: Server | None = None
+    try:
+        if args.url is None:
+            assert model is not None
+            server = Server.start(model, args)
+            log("server: waiting for /health")
+            server.wait_healthy(args.startup_timeout)
+            url = server.url
+        else:
+            url = args.url.rstrip("/")
+        if model is None:
+            root = served_model(url, headers)[1]
+            if root is None or not Path(root).exists():
+                sys.exit("the server does not name a local model folder: pass --model")
+            model = Path(root)
+        tokens = TokenSource(model, args.seed)
+        print(f"# serving benchmark: {model_label(model)} ({model}), {args.dtype}")
+        print(f"# machine: {machine_note()}")
+        print(f"# server: {url}" + (" (started here)" if server else " (running already)"))
+        print(f"# load: {describe_load(args)}")
+        summary, results = benchmark_server(url, model, tokens, args, headers)
+    finally:
+        if server is not None:
+            server.stop()
+
+    print(latency_table(summary))
+    print(
+        f"requests: {summary.completed} done, {summary.failed} failed in {summary.wall_s:.2f} s; "
+        f"{summary.request_throughput:.2f} req/s; output {summary.output_throughput:,.1f} tok/s, "
+        f"total {summary.total_throughput:,.1f} tok/s; mean in flight "
+        f"{summary.mean_in_flight:.1f}; {summary.output_tokens} output tokens in "
+        f"{summary.chunks} text chunks"
+    )
+    if summary.first_error:
+        print(f"first error: {summary.first_error}")
+
+    offline: OfflineStep | None = None
+    if args.compare_offline:
+        if args.url is not None:
+            log("note: the running server shares the cores with the offline engine")
+        batch = offline_batch(args)
+        assert batch is not None  # parse_args checked
+        log(f"offline: decode step of minisgl.llm.LLM at batch {batch}")
+        offline = offline_decode_step(model, tokens, args, batch)
+        tpot = summary.stat("TPOT", 50)
+        ratio = None if tpot is None else tpot / (1e3 * offline.step_s)
+        rows = [
+            [
+                batch,
+                1e3 * offline.step_s,
+                offline.tok_per_s,
+                tpot,
+                summary.stat("TPOT"),
+                None if ratio is None else f"{ratio:.2f}x",
+            ]
+        ]
+        headers_row = [
+            "batch",
+            "offline step ms",
+            "offline decode tok/s",
+            "server TPOT p50 ms",
+            "server TPOT mean ms",
+            "TPOT p50 / step",
+        ]
+        print(format_table(headers_row, rows))
+        print("offline step ms per run: " + ", ".join(f"{1e3 * s:.2f}" for s in offline.runs_s))
+
+    png = args.out / f"serving-{model_label(model)}-{stamp()}.png"
+    title = f"{model_label(model)} {args.dtype}: {describe_load(args)}"
+    if plot_cdfs(png, title, summary, offline):
+        print(f"plot: {png}")
+    save_json(
+        png.with_suffix(".json"),
+        {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "summary": {k: v for k, v in asdict(summary).items() if k != "samples_ms"}
+            | {
+                "request_throughput": summary.request_throughput,
+                "output_throughput": summary.output_throughput,
+                "stats_ms": {
+                    m: {"mean": summary.stat(m)}
+                    | {f"p{q}": summary.stat(m, q) for q in PERCENTILES}
+                    for m in summary.samples_ms
+                },
+            },
+            "offline": None if offline is None else asdict(offline),
+            "requests": [asdict(r) for r in results],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
