@@ -160,7 +160,8 @@ def build_llm(name: str, **kw) -> LLM:
     kw.setdefault("num_page_override", 4096 // max(kw.get("page_size", 1), 1))
     kw.setdefault("max_seq_len_override", 512)
     kw.setdefault("max_running_req", 8)
-    return LLM(str(model_path(name)), dtype=torch.float32, device="cpu", **kw)
+    kw.setdefault("dtype", torch.float32)
+    return LLM(str(model_path(name)), device="cpu", **kw)
 
 
 def assert_all_pages_free(llm: LLM) -> None:

@@ -54,8 +54,9 @@ def test_prefill_logits_match_hf(arch: str) -> None:
     llm.shutdown()
 
 
-def test_default_model_says_paris() -> None:
-    llm = build_llm("smollm2", cache_type="naive")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_default_model_says_paris(dtype: torch.dtype) -> None:
+    llm = build_llm("smollm2", cache_type="naive", dtype=dtype)
     out = llm.generate(["The capital of France is"], greedy(4))[0]
     assert out["text"].startswith(" Paris")
     assert out["finish_reason"] == "length"
