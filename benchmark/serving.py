@@ -671,6 +671,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# server: {url}" + (" (started here)" if server else " (running already)"))
         print(f"# load: {describe_load(args)}")
         summary, results = benchmark_server(url, model, tokens, args, headers)
+    except (RuntimeError, httpx.HTTPError) as exc:  # the server failed: say why, no traceback
+        sys.exit(f"error: {exc}")
     finally:
         if server is not None:
             server.stop()

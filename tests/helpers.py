@@ -59,6 +59,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         "LlamaConfig",
         dict(
             head_dim=16,
+            attention_bias=True,  # biases on q/k/v and o
+            mlp_bias=True,
             rope_parameters=dict(
                 rope_type="llama3",
                 rope_theta=500000.0,
@@ -85,7 +87,7 @@ def tiny_model(name: str) -> Path:
     import transformers
 
     class_name, overrides = TINY_CONFIGS[name]
-    spec = json.dumps([class_name, _TINY_BASE, overrides], sort_keys=True)
+    spec = json.dumps([class_name, _TINY_BASE, overrides, "4MB shards"], sort_keys=True)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
     target = cache_dir() / "test-models" / f"{name}-{digest}"
     if (target / "config.json").exists():
@@ -95,7 +97,8 @@ def tiny_model(name: str) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2()))
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(str(staging))
+    # Several shards with an index, as large checkpoints come.
+    model.save_pretrained(str(staging), max_shard_size="4MB")
     tokenizer.save_pretrained(str(staging))
     staging.rename(target)
     return target
