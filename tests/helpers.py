@@ -147,11 +147,16 @@ def hf_greedy(
     return [_hf_greedy_one(path, tuple(hf_encode(path, p)), n, **kw) for p, n in zip(prompts, lens)]
 
 
-def hf_last_logits(name: str, prompt: str | list[int]) -> torch.Tensor:
+def hf_logits(name: str, prompt: str | list[int]) -> torch.Tensor:
+    """HF float32 logits at every prompt position: [tokens, vocab]."""
     path = model_path(name)
     model, _ = _hf_model(path)
     with torch.inference_mode():
-        return model(torch.tensor([hf_encode(path, prompt)])).logits[0, -1].float()
+        return model(torch.tensor([hf_encode(path, prompt)])).logits[0].float()
+
+
+def hf_last_logits(name: str, prompt: str | list[int]) -> torch.Tensor:
+    return hf_logits(name, prompt)[-1]
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

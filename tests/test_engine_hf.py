@@ -11,6 +11,7 @@ from helpers import (
     greedy,
     hf_greedy,
     hf_last_logits,
+    hf_logits,
 )
 
 ARCHS = ["llama3", "qwen2", "qwen3", "mistral", "smollm2"]
@@ -60,4 +61,32 @@ def test_default_model_says_paris(dtype: torch.dtype) -> None:
     out = llm.generate(["The capital of France is"], greedy(4))[0]
     assert out["text"].startswith(" Paris")
     assert out["finish_reason"] == "length"
+    llm.shutdown()
+
+
+def test_bf16_prefill_top1_agrees_with_hf_fp32() -> None:
+    from minisgl.core import set_global_ctx
+
+    llm = build_llm("smollm2", dtype=torch.bfloat16, cache_type="naive", overlap_schedule=False)
+    all_logits = []
+    orig = llm._forward
+
+    def spy(forward_input):
+        out = orig(forward_input)
+        batch = forward_input.batch
+        if batch.is_prefill:  # rerun the step for every position's logits (KV writes repeat)
+            set_global_ctx(llm.engine.ctx)
+            llm.engine.ctx.set_batch(batch)
+            with torch.inference_mode():
+                all_logits.append(llm.engine.model(batch.input_ids, batch.positions))
+            llm.engine.ctx.set_batch(None)
+        return out
+
+    llm._forward = spy
+    llm.generate(MIXED_PROMPTS, greedy(1))
+    ours = torch.cat(all_logits).argmax(-1)
+    want = torch.cat([hf_logits("smollm2", prompt).argmax(-1) for prompt in MIXED_PROMPTS])
+    assert len(ours) == len(want)
+    agreement = (ours == want).float().mean().item()
+    assert agreement >= 0.95, f"bf16 top-1 agrees with fp32 HF at {agreement:.1%} of positions"
     llm.shutdown()
