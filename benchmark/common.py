@@ -12,6 +12,7 @@ process (`HFRunner`), and peers in their own venvs (`run_vllm_peer`, through
 
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
 import json
@@ -816,3 +817,19 @@ def machine_note() -> str:
         f"{cores} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
         f"load average {load:.2f} at start"
     )
+
+
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark shares (--model, --dtype)."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(doc.split("\n\n")[1:]),
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"default model when omitted; '{QWEN3_RANDOM}' (built once); or an HF folder/GGUF",
+    )
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    return p

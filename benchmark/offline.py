@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     OUT_DIR,
-    QWEN3_RANDOM,
     HFRunner,
     MinisglRunner,
     Panel,
@@ -39,6 +38,7 @@ from common import (  # noqa: E402
     RunResult,
     TokenSource,
     bar_chart,
+    base_parser,
     format_table,
     machine_note,
     max_seq_len,
@@ -111,17 +111,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"default model when omitted; '{QWEN3_RANDOM}' (built once); or an HF folder/GGUF",
-    )
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    p = base_parser(__doc__)
     p.add_argument(
         "--workload",
         default=None,

@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     LLM,
     OUT_DIR,
-    QWEN3_RANDOM,
     MinisglRunner,
     Panel,
     PeerRun,
@@ -47,6 +46,7 @@ from common import (  # noqa: E402
     RunResult,
     TokenSource,
     bar_chart,
+    base_parser,
     format_table,
     ideal_prefill_tokens,
     machine_note,
@@ -215,17 +215,7 @@ def run_workloads(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"default model when omitted; '{QWEN3_RANDOM}' (built once); or an HF folder/GGUF",
-    )
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    p = base_parser(__doc__)
     p.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated: P1,P2,P3,agent"
     )

@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     OUT_DIR,
-    QWEN3_RANDOM,
     MinisglRunner,
     TokenSource,
+    base_parser,
     format_table,
     machine_note,
     median_run,
@@ -84,17 +84,7 @@ def parse_rate(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"default model when omitted; '{QWEN3_RANDOM}' (built once); or an HF folder/GGUF",
-    )
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    p = base_parser(__doc__)
     p.add_argument(
         "--url",
         default=None,
