@@ -111,7 +111,6 @@ class Req:
     prompt_cached_tokens: int = 0
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
-    user_data: Any = None
 
     @property
     def extend_len(self) -> int:
@@ -120,11 +119,6 @@ class Req:
     @property
     def output_len(self) -> int:
         return len(self.input_ids) - self.prompt_len
-
-    @property
-    def remain_len(self) -> int:
-        """Tokens this request may still add to its KV footprint."""
-        return self.max_device_len - self.device_len
 
     @property
     def is_chunked(self) -> bool:
@@ -159,10 +153,6 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         return self.phase == "decode"
-
-    @property
-    def size(self) -> int:
-        return len(self.reqs)
 
 
 @dataclass

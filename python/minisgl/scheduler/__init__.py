@@ -2,7 +2,7 @@
 
 from .cache import CacheManager
 from .config import SchedulerConfig
-from .output import CacheStats, SchedulerStats, TokenOutput
+from .output import SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
 from .scheduler import Scheduler
 from .table import TableManager
@@ -10,7 +10,6 @@ from .table import TableManager
 __all__ = [
     "CacheManager",
     "SCHEDULE_POLICIES",
-    "CacheStats",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",

@@ -30,6 +30,3 @@ class SchedulerStats:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-CacheStats = SchedulerStats  # the name the offline API documented first
