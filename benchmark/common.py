@@ -407,7 +407,7 @@ class MinisglRunner:
                 )
             start = time.perf_counter()
             out = orig(forward_input)
-            self.events.append((batch.phase, start, time.perf_counter(), computed, batch.size))
+            self.events.append((batch.phase, start, time.perf_counter(), computed, len(batch.reqs)))
             return out
 
         self.llm._forward = spy  # type: ignore[method-assign]
