@@ -101,3 +101,27 @@ def test_hit_accounting() -> None:
     assert llm.stats.cached_tokens == len(prompt) - 1
     assert llm.stats.hit_rate == pytest.approx((len(prompt) - 1) / (2 * len(prompt)))
     llm.shutdown()
+
+
+@pytest.mark.parametrize("min_dup", [0.0, 0.5])
+def test_attention_over_shared_prefix_reads_each_slot_once(min_dup: float, monkeypatch) -> None:
+    from minisgl.attention import TorchAttnBackend
+
+    monkeypatch.setattr(TorchAttnBackend, "shared_kv_min_dup", min_dup)
+    calls = []
+    shared_attention = TorchAttnBackend._shared_attention
+
+    def counting(self, *args):
+        calls.append(1)
+        return shared_attention(self, *args)
+
+    monkeypatch.setattr(TorchAttnBackend, "_shared_attention", counting)
+    llm = build_llm("qwen3", page_size=4)
+    shared = list(range(3000, 3064))
+    llm.generate([shared + [7]], greedy(1))  # cache the shared prefix first
+    prompts = [shared + [100 + i, 200 + i] for i in range(8)] + [[11, 12, 13]]
+    outputs = llm.generate(prompts, greedy(8))
+    assert calls, "the shared-slot attention path was not taken"
+    assert [o["token_ids"] for o in outputs] == hf_greedy("qwen3", prompts, 8)
+    assert_all_pages_free(llm)
+    llm.shutdown()

@@ -21,9 +21,21 @@ class TorchAttnMetadata:
     q_rows: torch.Tensor | None  # [tokens] padded row of each token; None when max_q == 1
     max_q: int
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, max_q, max_kv] bool
+    # Heavily shared KV (radix hits): each distinct slot read once, all query tokens as one
+    # sequence, and a [1, 1, tokens, slots] mask of which token may see which slot.
+    shared_slots: torch.Tensor | None = None
+    shared_mask: torch.Tensor | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
+    """Gathers each request's KV pages into a padded batch for SDPA.
+
+    When at least `shared_kv_min_dup` of the gathered rows would be duplicates (many requests on
+    one cached prefix), it reads each distinct slot once instead.
+    """
+
+    shared_kv_min_dup = 0.5
+
     def __init__(
         self,
         kv_cache: BaseKVCache,
@@ -60,7 +72,36 @@ class TorchAttnBackend(BaseAttnBackend):
             assert window is not None
             in_window = kv_pos[None, None, :] > q_pos[:, :, None] - window
             masks[window] = (causal & in_window).unsqueeze(1)
-        batch.attn_metadata = TorchAttnMetadata(kv_indices, q_rows, max_q, masks)
+        meta = TorchAttnMetadata(kv_indices, q_rows, max_q, masks)
+        if len(reqs) > 1 and set(self.sliding_windows) == {None}:
+            token_req = torch.arange(len(reqs), device=device)[:, None].expand_as(q_valid)
+            kv_valid = kv_pos[None, :] < seq_lens[:, None]
+            self._prepare_shared(meta, causal[q_valid], token_req[q_valid], kv_valid)
+        batch.attn_metadata = meta
+
+    def _prepare_shared(
+        self,
+        meta: TorchAttnMetadata,
+        token_visible: torch.Tensor,
+        token_req: torch.Tensor,
+        kv_valid: torch.Tensor,
+    ) -> None:
+        """Switch to one-read-per-slot attention when many requests share cached pages.
+
+        token_visible: [tokens, max_kv] the key positions each query token sees; token_req:
+        [tokens] its request; kv_valid: [B, max_kv] the key positions each request has.
+        """
+        num_reqs, max_kv = kv_valid.shape
+        slots = meta.kv_indices.view(num_reqs, max_kv)
+        unique_slots, inverse = torch.unique(slots[kv_valid], return_inverse=True)
+        if len(unique_slots) > (1.0 - self.shared_kv_min_dup) * int(kv_valid.sum()):
+            return
+        column = torch.full_like(slots, -1)  # request's key position -> unique slot column
+        column[kv_valid] = inverse
+        tokens, positions = token_visible.nonzero(as_tuple=True)
+        mask = torch.zeros(len(token_req), len(unique_slots), dtype=torch.bool, device=self.device)
+        mask[tokens, column[token_req[tokens], positions]] = True
+        meta.shared_slots, meta.shared_mask = unique_slots, mask[None, None]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
@@ -69,6 +110,8 @@ class TorchAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         num_reqs, (_, num_heads, head_dim) = len(batch.reqs), q.shape
+        if meta.shared_slots is not None:
+            return self._shared_attention(q, meta, layer_id)
         # [B, kv_heads, max_kv, dim]; index_select is ~5x faster than advanced indexing here.
         padded_shape = (num_reqs, -1, *k.shape[1:])
         keys = self.kv_cache.k_cache(layer_id).index_select(0, meta.kv_indices)
@@ -89,3 +132,17 @@ class TorchAttnBackend(BaseAttnBackend):
             return out.squeeze(2)
         out = out.transpose(1, 2).reshape(num_reqs * meta.max_q, num_heads, head_dim)
         return out[meta.q_rows]
+
+    def _shared_attention(
+        self, q: torch.Tensor, meta: TorchAttnMetadata, layer_id: int
+    ) -> torch.Tensor:
+        assert meta.shared_slots is not None
+        # [1, kv_heads, slots, dim]: every distinct slot once, shared by all queries.
+        keys = self.kv_cache.k_cache(layer_id).index_select(0, meta.shared_slots)
+        values = self.kv_cache.v_cache(layer_id).index_select(0, meta.shared_slots)
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, dim]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.shared_mask, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
