@@ -750,13 +750,8 @@ def bar_chart(path: Path, title: str, panels: Sequence[Panel]) -> bool:
 
     Returns False when matplotlib is missing (the table still prints).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no PNG; pip install matplotlib)")
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     width_per = max(5.0, 0.5 * max(len(p.groups) * max(1, len(p.series)) for p in panels))
     fig, axes = plt.subplots(1, len(panels), figsize=(width_per * len(panels), 4.8), squeeze=False)
@@ -833,3 +828,16 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
     return p
+
+
+def pyplot_or_none() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a note) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no PNG; pip install matplotlib)")
+        return None
+    return plt

@@ -56,6 +56,7 @@ from common import (  # noqa: E402
     machine_note,
     median_run,
     model_label,
+    pyplot_or_none,
     resolve_bench_model,
     save_json,
     single_phase,
@@ -555,13 +556,8 @@ def plot_cdfs(path: Path, title: str, summary: Summary, offline: OfflineStep | N
 
     Returns False when matplotlib is missing (the tables still print).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no PNG; pip install matplotlib)")
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     metrics = list(summary.samples_ms)
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)

@@ -286,7 +286,7 @@ def test_stop_token_ids_and_ignore_eos(client, model):
 
 
 def test_sampling_parameters_are_accepted(client, model):
-    resp = client.completions.create(
+    request = dict(
         model=model,
         prompt="Once upon a time",
         max_tokens=8,
@@ -297,17 +297,8 @@ def test_sampling_parameters_are_accepted(client, model):
         frequency_penalty=0.5,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
     )
-    again = client.completions.create(
-        model=model,
-        prompt="Once upon a time",
-        max_tokens=8,
-        temperature=0.8,
-        top_p=0.9,
-        seed=1234,
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
-    )
+    resp = client.completions.create(**request)
+    again = client.completions.create(**request)
     assert resp.choices[0].text == again.choices[0].text  # seeded sampling is reproducible
 
 
