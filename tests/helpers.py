@@ -72,8 +72,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=1e6))),
-    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=48)),
+    # head_dim 128 and 64 take the CPU decode kernel's vector path; 16 its portable one.
+    "qwen3": ("Qwen3Config", dict(head_dim=128, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(head_dim=64, sliding_window=48)),
 }
 
 

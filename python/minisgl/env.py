@@ -44,6 +44,8 @@ class _Env:
         self.MEMORY_RATIO = EnvVar("MEMORY_RATIO", 0.9, float)
         self.CPU_KV_CACHE_GB = EnvVar("CPU_KV_CACHE_GB", 4.0, float)
         self.NUM_THREADS = EnvVar("NUM_THREADS", 0, int)
+        # C kernels for CPU decode (kernel/cpu.py); 0 keeps every op in plain PyTorch.
+        self.CPU_KERNELS = EnvVar("CPU_KERNELS", True, _parse_bool)
         self.LOG_LEVEL = EnvVar("LOG_LEVEL", "INFO", str)
 
 

@@ -16,7 +16,7 @@ class EngineConfig:
     max_running_req: int = 256
     num_page_override: int | None = None
     max_seq_len_override: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto": "cpu" on a CPU with the C kernels, else "torch"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

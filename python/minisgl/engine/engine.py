@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from minisgl.attention import ATTN_BACKENDS
+from minisgl.attention import ATTN_BACKENDS, default_attn_backend
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.env import ENV
 from minisgl.kvcache import MHAKVCache
@@ -82,7 +82,10 @@ class Engine:
         table_shape = (config.max_running_req, self.max_seq_len)
         self.page_table = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
-        self.attn_backend = ATTN_BACKENDS[config.attention_backend](
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = default_attn_backend(self.device)
+        self.attn_backend = ATTN_BACKENDS[backend](
             self.kv_cache, self.page_table, mc.sliding_windows
         )
         self.ctx = Context(

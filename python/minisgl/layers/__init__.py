@@ -5,7 +5,7 @@ from .attention import AttentionLayer
 from .embedding import LMHead, VocabEmbedding
 from .linear import Linear
 from .norm import RMSNorm
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, RotaryInputs
 
 __all__ = [
     "AttentionLayer",
@@ -13,6 +13,7 @@ __all__ = [
     "Linear",
     "RMSNorm",
     "RotaryEmbedding",
+    "RotaryInputs",
     "VocabEmbedding",
     "silu_and_mul",
 ]

@@ -8,7 +8,7 @@ from torch import nn
 from minisgl.core import get_global_ctx
 
 from .norm import RMSNorm
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, RotaryInputs
 
 
 class AttentionLayer(nn.Module):
@@ -34,9 +34,7 @@ class AttentionLayer(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(
-        self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, rope: RotaryInputs) -> torch.Tensor:
         ctx = get_global_ctx()
         batch = ctx.batch
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -45,7 +43,7 @@ class AttentionLayer(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary(cos_sin, q, k)
+        q, k = self.rotary(rope, q, k)
         assert ctx.attn_backend is not None
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
         return out.reshape(-1, self.num_qo_heads * self.head_dim)

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import linear_packed
+from minisgl.kernel.cpu import CpuKernels
+
+from .linear import HALF_DTYPES, CpuProjection
 
 
 class VocabEmbedding(nn.Module):
@@ -26,16 +28,18 @@ class LMHead(nn.Module):
         self.tied = tied
         if tied is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.packed_weight: torch.Tensor | None = None
+        self.cpu_projection: CpuProjection | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Use a oneDNN-packed copy of the (possibly tied) weight; see layers.linear."""
-        weight = self.tied.weight if self.tied is not None else self.weight
-        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data, 1)
+    def _weight(self) -> torch.Tensor:
+        return self.tied.weight if self.tied is not None else self.weight
+
+    def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
+        """Pick the CPU matmul path (see layers.linear); a tied weight is kept for the lookup."""
+        weight = self._weight()
+        if weight.device.type == "cpu" and weight.dtype in HALF_DTYPES:
+            self.cpu_projection = CpuProjection(weight.data, kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return linear_packed(hidden, self.packed_weight, None)
-        weight = self.tied.weight if self.tied is not None else self.weight
-        return F.linear(hidden, weight)
+        if self.cpu_projection is not None:
+            return self.cpu_projection(hidden, self._weight(), None)
+        return F.linear(hidden, self._weight())

@@ -6,15 +6,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# oneDNN wants half-precision weights in its own blocked layout; packed once, its bf16 GEMMs
-# run 1.2-1.5x faster than F.linear on small batches (benchmark/offline.py --decode-batch-sizes).
-_PACKABLE = (torch.bfloat16, torch.float16)
+from minisgl.kernel.cpu import CpuKernels
+
+# Rows per call decide the CPU matmul (benchmark/offline.py --decode-batch-sizes): up to
+# GEMV_MAX_ROWS the C GEMV streams bf16 weights ~1.5-2x faster than oneDNN; from there oneDNN's
+# packed layout is 1.3-2x faster than F.linear, until large prefills where F.linear catches up.
+GEMV_MAX_ROWS = 4
+PACKED_MAX_ROWS = 1024
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
     )
+
+
+class CpuProjection:
+    """How a half-precision weight is multiplied on the CPU, by rows per call: the C GEMV
+    (bf16), a oneDNN-packed copy, then F.linear. Without the GEMV only the packed copy is kept."""
+
+    def __init__(self, weight: torch.Tensor, kernels: CpuKernels | None) -> None:
+        self.gemv = kernels if kernels is not None and weight.dtype == torch.bfloat16 else None
+        self.packed: torch.Tensor | None = None
+        if onednn_packing_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+    @property
+    def needs_weight(self) -> bool:
+        return self.gemv is not None or self.packed is None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if self.gemv is not None and 0 <= rows <= GEMV_MAX_ROWS:
+            return self.gemv.gemv_bf16(x.contiguous(), weight, bias)
+        if self.packed is not None and (not self.needs_weight or rows < PACKED_MAX_ROWS):
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, bias, "none", [], ""
+            )
+        return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -25,19 +57,16 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.cpu_projection: CpuProjection | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Switch to a oneDNN-packed copy of the weight (CPU, half precision only)."""
-        if self.weight.device.type == "cpu" and self.weight.dtype in _PACKABLE:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 1)
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+    def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
+        """Pick the CPU matmul path for a half-precision weight (after loading)."""
+        if self.weight.device.type == "cpu" and self.weight.dtype in HALF_DTYPES:
+            self.cpu_projection = CpuProjection(self.weight.data, kernels)
+            if not self.cpu_projection.needs_weight:  # the packed copy replaces the weight
+                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return linear_packed(x, self.packed_weight, self.bias)
+        if self.cpu_projection is not None:
+            return self.cpu_projection(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from minisgl.kernel.cpu import CpuKernels, kernels_for
+
+
+@dataclass
+class RotaryInputs:
+    """One forward's positions; the PyTorch path also gets their [tokens, 1, dim] tables."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    kernels: CpuKernels | None = None  # set: rotate in place with the C kernel
 
 
 class RotaryEmbedding(nn.Module):
@@ -19,20 +33,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [tokens, 1, head_dim] tables for a batch, looked up once for all layers."""
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryInputs:
+        """Look the batch's positions up once for all layers."""
+        kernels = kernels_for(self.cos)
+        if kernels is not None and kernels.supports(dtype):
+            return RotaryInputs(positions.long().contiguous(), kernels=kernels)
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        return RotaryInputs(positions, cos, sin)
 
     def forward(
-        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+        self, inputs: RotaryInputs, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; may rotate in place."""
+        if inputs.kernels is not None:
+            inputs.kernels.rotary_(q, inputs.positions, self.cos, self.sin)
+            inputs.kernels.rotary_(k, inputs.positions, self.cos, self.sin)
+            return q, k
+        assert inputs.cos is not None and inputs.sin is not None
+        return _rotate(q, inputs.cos, inputs.sin), _rotate(k, inputs.cos, inputs.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class LLM(Scheduler):
         max_seq_len_override: int | None = None,
         cache_type: str = "radix",
         max_prefill_length: int | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         schedule_policy: str = "fcfs",
         overlap_schedule: bool | None = None,
     ) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers import Linear, LMHead
-from minisgl.layers.linear import onednn_packing_available
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM
@@ -37,10 +37,11 @@ def create_model(
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             setattr(module, name, buf.to(device))
-    if device.type == "cpu" and onednn_packing_available():
+    if device.type == "cpu":
+        kernels = cpu_kernels()
         for module in model.modules():
             if isinstance(module, (Linear, LMHead)):
-                module.pack_for_cpu()
+                module.prepare_for_cpu(kernels)
     return model.eval()
 
 

@@ -11,6 +11,7 @@ from minisgl.layers import (
     LMHead,
     RMSNorm,
     RotaryEmbedding,
+    RotaryInputs,
     VocabEmbedding,
     silu_and_mul,
 )
@@ -47,8 +48,8 @@ class SelfAttention(nn.Module):
             sliding_window=config.sliding_windows[layer_id],
         )
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(x), cos_sin))
+    def forward(self, x: torch.Tensor, rope: RotaryInputs) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x), rope))
 
 
 class DecoderLayer(nn.Module):
@@ -63,10 +64,10 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin)
+        x = self.self_attn(x, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -84,9 +85,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.prepare(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin)
+            x, residual = layer(x, residual, rope)
         return self.norm(x, residual)[0]
 
 

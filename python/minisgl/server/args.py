@@ -28,7 +28,7 @@ class ServerArgs:
     max_seq_len_override: int | None = None
     cache_type: str = "radix"
     max_prefill_length: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     # None: the engine's default (only passed on when given).
     schedule_policy: str | None = None
     overlap_schedule: bool | None = None
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
     p.add_argument("--max-prefill-length", type=int, default=None, metavar="N")
-    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--schedule-policy", default=None, help="e.g. fcfs (default: the engine's)")
     p.add_argument(
         "--overlap-schedule",

@@ -1,0 +1,232 @@
+"""CPU kernels in C (`csrc/cpu_kernels.c`), built once per machine with gcc and called via ctypes.
+
+`cpu_kernels()` returns None when they cannot be used (no compiler, not x86/Linux, or
+MINISGL_CPU_KERNELS=0); callers then take their pure-PyTorch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minisgl.env import ENV
+from minisgl.utils.hf import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+# -ffast-math lets gcc vectorise the float reductions and expf; it is given to the compile step
+# only, because linking with it would flush denormals process-wide. Infinities and NaNs stay.
+COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math"]
+COMPILE_FLAGS += ["-fno-finite-math-only"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Stack buffers in the C kernels (elements per row).
+MAX_NORM_HIDDEN, MAX_INTERMEDIATE, MAX_HEAD_DIM, MAX_GROUP = 8192, 16384, 256, 32
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_int = ctypes.c_int
+_float = ctypes.c_float
+_SIGNATURES: dict[str, list[type]] = {
+    "minisgl_has_avx512_bf16": [],
+    "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
+    + [_i64, _float, _i64, _int, _int],
+    "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
+    "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
+    "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
+}
+
+
+def _machine_tag() -> str:
+    """What the built library depends on: source, flags, compiler and this CPU's features."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
+    digest.update(subprocess.run(["gcc", "--version"], capture_output=True).stdout)
+    try:
+        cpu_flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line[:5] == "flags"
+        )
+    except (OSError, StopIteration):
+        cpu_flags = platform.processor()
+    digest.update(cpu_flags.encode())
+    return digest.hexdigest()[:16]
+
+
+def _build() -> Path:
+    out = cache_dir() / "kernels" / f"cpu_kernels-{_machine_tag()}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            ["gcc", *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            ["gcc", str(obj), "-o", str(lib), *LINK_FLAGS],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+        os.replace(lib, out)  # atomic: concurrent builders each publish a complete file
+    logger.info("built CPU kernels into %s", out)
+    return out
+
+
+class CpuKernels:
+    """Typed wrappers over the C kernels; every tensor must be contiguous and on the CPU."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+        self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in _DTYPE_CODES
+
+    def gemv_bf16(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T (+ bias) for small M, all bfloat16."""
+        rows, in_features = x.shape
+        out = x.new_empty(rows, weight.shape[0])
+        self.lib.minisgl_gemv_bf16(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            weight.shape[0],
+            in_features,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One query per request over its first kv_lens[b] positions of page_table[rows[b]].
+
+        q: [B, heads, dim]; caches: [slots, kv_heads, dim]; page_table: int32 [rows, max_len];
+        rows, kv_lens: int64 [B]. Returns [B, heads, dim].
+        """
+        num_reqs, num_heads, head_dim = q.shape
+        out = torch.empty_like(q)
+        self.lib.minisgl_decode_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            rows.data_ptr(),
+            kv_lens.data_ptr(),
+            num_reqs,
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            scale,
+            window or 0,
+            _DTYPE_CODES[q.dtype],
+            torch.get_num_threads(),
+        )
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); with no residual, x itself is the residual."""
+        rows, hidden = x.shape
+        out = torch.empty_like(x)
+        new_residual = x if residual is None else torch.empty_like(x)
+        self.lib.minisgl_add_rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            None if residual is None else new_residual.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            _DTYPE_CODES[x.dtype],
+            torch.get_num_threads(),
+        )
+        return out, new_residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self.lib.minisgl_silu_and_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width // 2,
+            _DTYPE_CODES[gate_up.dtype],
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rotary_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """RoPE in place on x [tokens, heads, dim] (dim contiguous; tokens may be strided);
+        positions int64 [tokens]; cos/sin float32 [max_positions, dim]."""
+        tokens, heads, head_dim = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == head_dim, "rotary: heads must be contiguous"
+        self.lib.minisgl_rotary(
+            x.data_ptr(),
+            tokens,
+            x.stride(0),
+            heads,
+            head_dim,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            _DTYPE_CODES[x.dtype],
+            torch.get_num_threads(),
+        )
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    """The built kernels, or None (with the reason logged once) when they are unavailable."""
+    if not ENV.CPU_KERNELS.value:
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        logger.info("CPU kernels: not built on %s/%s", platform.system(), platform.machine())
+        return None
+    if shutil.which("gcc") is None:
+        logger.warning("CPU kernels: gcc not found; using the PyTorch fallbacks")
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build())))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CPU kernels unavailable, using the PyTorch fallbacks: %s", exc)
+        return None
+
+
+def kernels_for(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels if they can take this tensor (on the CPU, float32 or bfloat16), else None."""
+    if x.device.type != "cpu":
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.supports(x.dtype) else None

@@ -1,0 +1,506 @@
+// CPU kernels for the hot paths PyTorch's eager ops do badly on small batches: a bf16 GEMV
+// that streams weights at memory bandwidth, paged decode attention that reads the KV pool in
+// place, and fused elementwise ops (residual + RMSNorm, SiLU-and-mul, rotary) that round to the
+// storage dtype exactly where PyTorch's op-by-op version does, so results match bit for bit.
+//
+// Built once per machine by minisgl/kernel/cpu.py (gcc -O3 -march=native -fopenmp) and called
+// through ctypes with raw pointers to contiguous tensors. It links the OpenMP runtime that
+// torch already loaded, so both share one thread pool. dtype codes: 0 float32, 1 bfloat16.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_AVX512_BF16 1
+#endif
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch does when it stores a float32 result as bfloat16.
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+static inline void load_row(const void* base, int64_t offset, int dtype, float* dst, int64_t n) {
+    if (dtype == 0) {
+        memcpy(dst, (const float*)base + offset, (size_t)n * sizeof(float));
+    } else {
+        const bf16_t* src = (const bf16_t*)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_row(void* base, int64_t offset, int dtype, const float* src, int64_t n) {
+    if (dtype == 0) {
+        memcpy((float*)base + offset, src, (size_t)n * sizeof(float));
+    } else {
+        bf16_t* dst = (bf16_t*)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+// Rounds a float32 value to the storage dtype and back (identity for float32).
+static inline float round_to(int dtype, float x) {
+    return dtype == 0 ? x : bf16_to_f32(f32_to_bf16(x));
+}
+
+int minisgl_has_avx512_bf16(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// ------------------------------------------------------------------------------------- GEMV
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows m: bf16 in, float32 accumulate,
+// bf16 out. Every thread streams its own contiguous block of weight rows once.
+
+#ifdef HAVE_AVX512_BF16
+// Four weight rows n0..n0+3 against every x row. The block (4 x K bf16) stays in L1 while the
+// x rows pass over it, so memory sees each weight once; prefetch runs two blocks ahead.
+static void gemv_block4(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
+                        int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n_end) {
+    const bf16_t* w0 = w + n0 * K;
+    const bf16_t* ahead = n0 + 8 < n_end ? w0 + 8 * K : NULL;  // two blocks on
+    for (int64_t m = 0; m < M; m++) {
+        const bf16_t* xm = x + m * K;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu
+                                         : (__mmask32)((1u << (K - k)) - 1u);
+            if (m == 0 && ahead) {
+                // A block is 4 rows: four 64-byte lines of the block ahead per step.
+                for (int line = 0; line < 4; line++)
+                    _mm_prefetch((const char*)(ahead + 4 * k + 32 * line), _MM_HINT_T0);
+            }
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xm + k);
+            acc0 = _mm512_dpbf16_ps(acc0, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + k));
+            acc1 = _mm512_dpbf16_ps(acc1, xv,
+                                    (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + K + k));
+            acc2 = _mm512_dpbf16_ps(acc2, xv,
+                                    (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 2 * K + k));
+            acc3 = _mm512_dpbf16_ps(acc3, xv,
+                                    (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 3 * K + k));
+        }
+        float sums[4] = {_mm512_reduce_add_ps(acc0), _mm512_reduce_add_ps(acc1),
+                         _mm512_reduce_add_ps(acc2), _mm512_reduce_add_ps(acc3)};
+        for (int r = 0; r < 4; r++) {
+            if (bias) sums[r] += bf16_to_f32(bias[n0 + r]);
+            y[m * N + n0 + r] = f32_to_bf16(sums[r]);
+        }
+    }
+}
+#endif
+
+static void gemv_row_generic(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
+                             int64_t M, int64_t N, int64_t K, int64_t n) {
+    for (int64_t m = 0; m < M; m++) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) sum += bf16_to_f32(x[m * K + k]) * bf16_to_f32(w[n * K + k]);
+        if (bias) sum += bf16_to_f32(bias[n]);
+        y[m * N + n] = f32_to_bf16(sum);
+    }
+}
+
+void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
+                       int64_t M, int64_t N, int64_t K, int nthreads) {
+    int64_t full_blocks = N / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t blk = 0; blk < full_blocks; blk++) {
+        int64_t n0 = blk * 4;
+#ifdef HAVE_AVX512_BF16
+        gemv_block4(x, w, bias, y, M, N, K, n0, full_blocks * 4);
+#else
+        for (int64_t r = 0; r < 4; r++) gemv_row_generic(x, w, bias, y, M, N, K, n0 + r);
+#endif
+    }
+    for (int64_t n = full_blocks * 4; n < N; n++) gemv_row_generic(x, w, bias, y, M, N, K, n);
+}
+
+// --------------------------------------------------------------------- paged decode attention
+// One query token per request. Request b attends to the key positions
+// [max(0, kv_len - window), kv_len) of page-table row rows[b]: position p lives in KV slot
+// page_table[rows[b] * table_stride + p]. Caches are [slots, kv_heads, head_dim]; q and out are
+// [B, heads, head_dim]. One task per (request, kv head) reads each key/value row once for all
+// the query heads of its group. Online softmax in float32 over blocks of ATTN_BLOCK keys.
+
+#define ATTN_BLOCK 64
+#define ATTN_MAX_DIM 256
+#define ATTN_MAX_GROUP 32
+#define ATTN_MAX_HEADS 64  // query heads one task may hold
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void* out;
+    const int32_t* page_table;
+    int64_t table_stride;
+    const int64_t *rows, *kv_lens;
+    int64_t num_heads, num_kv_heads, head_dim, window;
+    float scale;
+    int dtype;
+} attn_args;
+
+#ifdef __AVX512F__
+static inline __m512 load16(const void* base, int64_t offset, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float*)base + offset);
+    __m256i half = _mm256_loadu_si256((const __m256i*)((const bf16_t*)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// exp(x) for x <= 88, ~1 ulp: 2^n * poly(r), x = n ln2 + r; below -87 it returns ~0.
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Slots are scattered, so the hardware prefetcher cannot see the next position coming: ask for
+// the key and value rows (all kv heads of a position share them) ATTN_PREFETCH positions ahead.
+#define ATTN_PREFETCH 4
+static inline void prefetch_rows(const void* cache, int64_t bytes, int64_t slot) {
+    const char* row = (const char*)cache + slot * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+}
+
+// Heads [kvh0, kvh0 + kv_count) of request b, position by position: each position's key (then
+// value) row is read once for all of them. CHUNKS = head_dim / 16, a constant in each
+// instantiation so the row loops unroll.
+static inline __attribute__((always_inline)) void attn_task_avx512(const attn_args* a,
+                                                                   int64_t b, int64_t kvh0,
+                                                                   int64_t kv_count,
+                                                                   const int CHUNKS) {
+    const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
+    const int64_t heads = kv_count * group, head0 = kvh0 * group;
+    float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
+    float scores[ATTN_MAX_HEADS][ATTN_BLOCK];
+    float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t offset = (b * a->num_heads + head0 + h) * dim;
+        for (int c = 0; c < CHUNKS; c++) {
+            __m512 qv = _mm512_mul_ps(load16(a->q, offset + 16 * c, a->dtype), scale);
+            _mm512_storeu_ps(qf[h] + 16 * c, qv);
+            _mm512_storeu_ps(acc[h] + 16 * c, _mm512_setzero_ps());
+        }
+        run_max[h] = 0.0f;
+        run_sum[h] = 0.0f;
+    }
+    const int64_t row_elems = a->num_kv_heads * dim;
+    const int64_t row_bytes = row_elems * (a->dtype == 0 ? 4 : 2);
+    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
+    int64_t kv_len = a->kv_lens[b];
+    int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
+    for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
+        int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
+        for (int64_t j = 0; j < count; j++) {
+            if (t0 + j + ATTN_PREFETCH < kv_len) {
+                int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
+                prefetch_rows(a->k_cache, row_bytes, ahead);
+                prefetch_rows(a->v_cache, row_bytes, ahead);
+            }
+            int64_t row = (int64_t)slots[t0 + j] * row_elems + kvh0 * dim;
+            for (int64_t kv = 0; kv < kv_count; kv++) {
+                __m512 key[CHUNKS];
+                for (int c = 0; c < CHUNKS; c++)
+                    key[c] = load16(a->k_cache, row + kv * dim + 16 * c, a->dtype);
+                for (int64_t g = 0; g < group; g++) {
+                    const float* qh = qf[kv * group + g];
+                    __m512 dot = _mm512_mul_ps(key[0], _mm512_loadu_ps(qh));
+                    for (int c = 1; c < CHUNKS; c++)
+                        dot = _mm512_fmadd_ps(key[c], _mm512_loadu_ps(qh + 16 * c), dot);
+                    scores[kv * group + g][j] = _mm512_reduce_add_ps(dot);
+                }
+            }
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            __m512 block_max = _mm512_set1_ps(-3.0e38f);
+            for (int64_t j = 0; j < count; j += 16) {
+                __mmask16 m = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1u);
+                block_max = _mm512_mask_max_ps(block_max, m, block_max,
+                                               _mm512_maskz_loadu_ps(m, scores[h] + j));
+            }
+            float new_max = _mm512_reduce_max_ps(block_max);
+            if (t0 != start && run_max[h] > new_max) new_max = run_max[h];
+            __m512 sub = _mm512_set1_ps(new_max), block_sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < count; j += 16) {
+                __mmask16 m = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1u);
+                __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores[h] + j), sub));
+                _mm512_mask_storeu_ps(scores[h] + j, m, p);
+                block_sum = _mm512_mask_add_ps(block_sum, m, block_sum, p);
+            }
+            float correction = t0 == start ? 0.0f : expf(run_max[h] - new_max);
+            run_sum[h] = run_sum[h] * correction + _mm512_reduce_add_ps(block_sum);
+            run_max[h] = new_max;
+            if (t0 != start) {
+                __m512 corr = _mm512_set1_ps(correction);
+                for (int c = 0; c < CHUNKS; c++)
+                    _mm512_storeu_ps(acc[h] + 16 * c,
+                                     _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * c), corr));
+            }
+        }
+        for (int64_t j = 0; j < count; j++) {
+            int64_t row = (int64_t)slots[t0 + j] * row_elems + kvh0 * dim;
+            for (int64_t kv = 0; kv < kv_count; kv++) {
+                __m512 value[CHUNKS];
+                for (int c = 0; c < CHUNKS; c++)
+                    value[c] = load16(a->v_cache, row + kv * dim + 16 * c, a->dtype);
+                for (int64_t g = 0; g < group; g++) {
+                    float* acc_h = acc[kv * group + g];
+                    __m512 p = _mm512_set1_ps(scores[kv * group + g][j]);
+                    for (int c = 0; c < CHUNKS; c++)
+                        _mm512_storeu_ps(acc_h + 16 * c, _mm512_fmadd_ps(p, value[c],
+                                                                         _mm512_loadu_ps(acc_h + 16 * c)));
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float inv = 1.0f / run_sum[h];
+        for (int64_t d = 0; d < dim; d++) acc[h][d] *= inv;
+        store_row(a->out, (b * a->num_heads + head0 + h) * dim, a->dtype, acc[h], dim);
+    }
+}
+#endif
+
+// Portable version of the same computation (any head_dim up to ATTN_MAX_DIM).
+static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
+    const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
+    float qf[ATTN_MAX_GROUP][ATTN_MAX_DIM], acc[ATTN_MAX_GROUP][ATTN_MAX_DIM];
+    float scores[ATTN_MAX_GROUP][ATTN_BLOCK], row[ATTN_MAX_DIM];
+    float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        load_row(a->q, (b * a->num_heads + kvh * group + g) * dim, a->dtype, qf[g], dim);
+        for (int64_t d = 0; d < dim; d++) {
+            qf[g][d] *= a->scale;
+            acc[g][d] = 0.0f;
+        }
+        run_max[g] = 0.0f;
+        run_sum[g] = 0.0f;
+    }
+    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
+    int64_t kv_len = a->kv_lens[b];
+    int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
+    for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
+        int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
+        for (int64_t j = 0; j < count; j++) {
+            int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh) * dim;
+            load_row(a->k_cache, offset, a->dtype, row, dim);
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < dim; d++) dot += qf[g][d] * row[d];
+                scores[g][j] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float new_max = scores[g][0];
+            for (int64_t j = 1; j < count; j++)
+                new_max = scores[g][j] > new_max ? scores[g][j] : new_max;
+            if (t0 != start && run_max[g] > new_max) new_max = run_max[g];
+            float correction = t0 == start ? 0.0f : expf(run_max[g] - new_max);
+            float block_sum = 0.0f;
+            for (int64_t j = 0; j < count; j++) {
+                scores[g][j] = expf(scores[g][j] - new_max);
+                block_sum += scores[g][j];
+            }
+            run_sum[g] = run_sum[g] * correction + block_sum;
+            run_max[g] = new_max;
+            for (int64_t d = 0; d < dim; d++) acc[g][d] *= correction;
+        }
+        for (int64_t j = 0; j < count; j++) {
+            int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh) * dim;
+            load_row(a->v_cache, offset, a->dtype, row, dim);
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 0; d < dim; d++) acc[g][d] += scores[g][j] * row[d];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float inv = 1.0f / run_sum[g];
+        for (int64_t d = 0; d < dim; d++) acc[g][d] *= inv;
+        store_row(a->out, (b * a->num_heads + kvh * group + g) * dim, a->dtype, acc[g], dim);
+    }
+}
+
+void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
+                              const int32_t* page_table, int64_t table_stride,
+                              const int64_t* rows, const int64_t* kv_lens, int64_t num_reqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              float scale, int64_t window, int dtype, int nthreads) {
+    attn_args a = {q,         k_cache, v_cache,      out,      page_table, table_stride, rows,
+                   kv_lens,   num_heads, num_kv_heads, head_dim, window,     scale,        dtype};
+    // A task is a whole request when there are enough of them (each position's rows are read
+    // once for all its heads); with few requests, one kv head per task keeps every core busy.
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t heads_per_task = num_reqs >= 2 * nthreads && num_heads <= ATTN_MAX_HEADS ? num_kv_heads : 1;
+    int64_t tasks_per_req = num_kv_heads / heads_per_task;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_reqs * tasks_per_req; task++) {
+        int64_t b = task / tasks_per_req, first = (task % tasks_per_req) * heads_per_task;
+#ifdef __AVX512F__
+        if (group <= ATTN_MAX_HEADS) {
+            switch (head_dim) {
+                case 64: attn_task_avx512(&a, b, first, heads_per_task, 4); continue;
+                case 128: attn_task_avx512(&a, b, first, heads_per_task, 8); continue;
+                case 256: attn_task_avx512(&a, b, first, heads_per_task, 16); continue;
+                default: break;
+            }
+        }
+#endif
+        for (int64_t kvh = first; kvh < first + heads_per_task; kvh++) attn_task_generic(&a, b, kvh);
+    }
+}
+
+// ------------------------------------------------------------------------ fused elementwise
+// Residual add + RMSNorm, as transformers computes it: h = x + residual (rounded to the dtype),
+// then weight * round(h * rsqrt(mean(h^2) + eps)) with the statistics in float32. Writes the
+// normalised rows to `out` and h to `residual_out` (either may alias its input).
+
+void minisgl_add_rms_norm(const void* x, const void* residual, const void* weight, void* out,
+                          void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
+                          int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float h[8192], wf[8192];
+        load_row(x, r * hidden, dtype, h, hidden);
+        if (residual) {
+            float res[8192];
+            load_row(residual, r * hidden, dtype, res, hidden);
+            for (int64_t i = 0; i < hidden; i++) h[i] = round_to(dtype, h[i] + res[i]);
+            if (residual_out) store_row(residual_out, r * hidden, dtype, h, hidden);
+        }
+        float sum_sq = 0.0f;
+        for (int64_t i = 0; i < hidden; i++) sum_sq += h[i] * h[i];
+        float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+        load_row(weight, 0, dtype, wf, hidden);
+        for (int64_t i = 0; i < hidden; i++) h[i] = wf[i] * round_to(dtype, h[i] * inv_rms);
+        store_row(out, r * hidden, dtype, h, hidden);
+    }
+}
+
+#ifdef __AVX512F__
+// Round float32 lanes to bfloat16 precision (nearest even), kept as float32.
+static inline __m512 round_bf16_512(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __m512 round_to_512(int dtype, __m512 x) {
+    return dtype == 0 ? x : round_bf16_512(x);
+}
+
+// Stores 16 lanes already rounded to the dtype (bf16: their top halves).
+static inline void store16(void* base, int64_t offset, int dtype, __m512 v) {
+    if (dtype == 0) {
+        _mm512_storeu_ps((float*)base + offset, v);
+    } else {
+        __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+        _mm256_storeu_si256((__m256i*)((bf16_t*)base + offset), half);
+    }
+}
+#endif
+
+// out[r, i] = round(silu(gate[r, i])) * up[r, i], gate_up = [gate | up] per row.
+void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t inter,
+                          int dtype, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = 0;
+#ifdef __AVX512F__
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter; i += 16) {
+            __m512 gate = load16(gate_up, r * 2 * inter + i, dtype);
+            __m512 up = load16(gate_up, r * 2 * inter + inter + i, dtype);
+            __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate),
+                                       _mm512_set1_ps(88.0f));
+            __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp512(neg)));
+            store16(out, r * inter + i, dtype,
+                    round_to_512(dtype, _mm512_mul_ps(round_to_512(dtype, silu), up)));
+        }
+#endif
+        for (; i < inter; i++) {
+            float gate = dtype == 0 ? ((const float*)gate_up)[r * 2 * inter + i]
+                                    : bf16_to_f32(((const bf16_t*)gate_up)[r * 2 * inter + i]);
+            float up = dtype == 0 ? ((const float*)gate_up)[r * 2 * inter + inter + i]
+                                  : bf16_to_f32(((const bf16_t*)gate_up)[r * 2 * inter + inter + i]);
+            float value = round_to(dtype, gate / (1.0f + expf(-gate))) * up;
+            store_row(out, r * inter + i, dtype, &value, 1);
+        }
+    }
+}
+
+// Rotary embedding (neox layout: rotate halves), in place on x viewed as [tokens, heads, dim]
+// with `token_stride` elements between tokens (q or k inside the fused qkv rows). cos/sin are
+// float32 [max_positions, dim] tables; as transformers does, they are rounded to the dtype and
+// every product and the sum are rounded too.
+void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim,
+                    const int64_t* positions, const float* cos_table, const float* sin_table,
+                    int dtype, int nthreads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens * heads > 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float* cos = cos_table + positions[t] * dim;
+        const float* sin = sin_table + positions[t] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t base = t * token_stride + h * dim;
+            int64_t i = 0;
+#ifdef __AVX512F__
+            for (; i + 16 <= half; i += 16) {
+                __m512 x1 = load16(x, base + i, dtype), x2 = load16(x, base + half + i, dtype);
+                __m512 c1 = round_to_512(dtype, _mm512_loadu_ps(cos + i));
+                __m512 c2 = round_to_512(dtype, _mm512_loadu_ps(cos + half + i));
+                __m512 s1 = round_to_512(dtype, _mm512_loadu_ps(sin + i));
+                __m512 s2 = round_to_512(dtype, _mm512_loadu_ps(sin + half + i));
+                __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+                __m512 o1 = _mm512_add_ps(round_to_512(dtype, _mm512_mul_ps(x1, c1)),
+                                          round_to_512(dtype, _mm512_mul_ps(neg_x2, s1)));
+                __m512 o2 = _mm512_add_ps(round_to_512(dtype, _mm512_mul_ps(x2, c2)),
+                                          round_to_512(dtype, _mm512_mul_ps(x1, s2)));
+                store16(x, base + i, dtype, round_to_512(dtype, o1));
+                store16(x, base + half + i, dtype, round_to_512(dtype, o2));
+            }
+#endif
+            for (; i < half; i++) {
+                float pair[2];
+                load_row(x, base + i, dtype, &pair[0], 1);
+                load_row(x, base + half + i, dtype, &pair[1], 1);
+                float o1 = round_to(dtype, pair[0] * round_to(dtype, cos[i])) +
+                           round_to(dtype, -pair[1] * round_to(dtype, sin[i]));
+                float o2 = round_to(dtype, pair[1] * round_to(dtype, cos[half + i])) +
+                           round_to(dtype, pair[0] * round_to(dtype, sin[half + i]));
+                o1 = round_to(dtype, o1);
+                o2 = round_to(dtype, o2);
+                store_row(x, base + i, dtype, &o1, 1);
+                store_row(x, base + half + i, dtype, &o2, 1);
+            }
+        }
+    }
+}

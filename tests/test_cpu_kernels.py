@@ -1,0 +1,144 @@
+"""The C CPU kernels against the PyTorch ops they replace, and the engine without them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import MIXED_PROMPTS, assert_all_pages_free, build_llm, greedy, hf_greedy
+
+from minisgl.env import ENV
+from minisgl.kernel import cpu as cpu_mod
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import _rotate
+
+kernels = cpu_mod.cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels unavailable on this machine")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _reference_decode_attention(q, k_cache, v_cache, page_table, rows, kv_lens, window):
+    outs = []
+    group = q.shape[1] // k_cache.shape[1]
+    for b in range(q.shape[0]):
+        kv_len = int(kv_lens[b])
+        start = max(0, kv_len - window) if window else 0
+        slots = page_table[rows[b], start:kv_len].long()
+        keys = k_cache[slots].float().transpose(0, 1).repeat_interleave(group, 0)
+        values = v_cache[slots].float().transpose(0, 1).repeat_interleave(group, 0)
+        scores = (q[b].float()[:, None, :] @ keys.transpose(1, 2)) / math.sqrt(q.shape[-1])
+        outs.append((scores.softmax(-1) @ values)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 16)])
+@pytest.mark.parametrize("num_reqs", [1, 7])  # one kv head per task / whole requests
+@pytest.mark.parametrize("window", [None, 17])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, num_reqs, window):
+    gen = torch.Generator().manual_seed(0)
+    slots = 3000
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    page_table = torch.randint(0, slots, (10, 300), dtype=torch.int32, generator=gen)
+    rows = torch.randperm(10, generator=gen)[:num_reqs]
+    # 1 (a single key), a block boundary (64, 65) and a long one.
+    kv_lens = torch.tensor([1, 64, 65, 299, 130, 2, 200][:num_reqs])
+    q = torch.randn(num_reqs, heads, head_dim, generator=gen).to(dtype)
+    out = kernels.decode_attention(
+        q, k_cache, v_cache, page_table, rows, kv_lens, 1 / math.sqrt(head_dim), window
+    )
+    want = _reference_decode_attention(q, k_cache, v_cache, page_table, rows, kv_lens, window)
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    want = x.float() @ weight.float().T + (0 if b is None else b.float())
+    out = kernels.gemv_bf16(x, weight, b)
+    assert out.dtype == torch.bfloat16
+    # Only the final rounding to bf16 (and float32 summation order) differs.
+    torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_module(dtype, with_residual):
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=gen).to(dtype) + 0.5
+    x = torch.randn(33, 576, generator=gen).to(dtype)
+    residual = torch.randn(33, 576, generator=gen).to(dtype) if with_residual else None
+    out, new_residual = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+    want_residual = x if residual is None else residual + x
+    want = norm._norm(want_residual)
+    assert torch.equal(new_residual, want_residual)
+    # Equal but for float32 summation order inside the mean: at most one bf16 ulp, rarely.
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=2**-7 if dtype != torch.float32 else 1e-6)
+    if dtype == torch.bfloat16:
+        assert (out != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 40])  # vector body and scalar tail
+def test_silu_and_mul_matches_torch(dtype, inter):
+    gate_up = (torch.randn(9, 2 * inter, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    out = kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=2**-7 if dtype != torch.float32 else 1e-5)
+    if dtype == torch.bfloat16:
+        assert (out != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_rotary_matches_torch_in_place_on_strided_rows(dtype, head_dim):
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, max_pos = 11, 3, 50
+    angles = torch.rand(max_pos, head_dim // 2, generator=gen) * 7
+    cos = torch.cat([angles.cos()] * 2, dim=-1)
+    sin = torch.cat([angles.sin()] * 2, dim=-1)
+    fused = torch.randn(tokens, 2 * heads * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    q = fused[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided rows, like qkv
+    want = _rotate(q.clone(), cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+    untouched = fused[:, heads * head_dim :].clone()
+    kernels.rotary_(q, positions, cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q, want)  # every product and sum rounded where torch rounds
+    else:  # float32: the compiler may fuse a multiply-add (one rounding fewer)
+        torch.testing.assert_close(q, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(fused[:, heads * head_dim :], untouched)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_engine_without_kernels_matches_hf(arch, monkeypatch):
+    """MINISGL_CPU_KERNELS=0: every op on the PyTorch path, still equal to HF."""
+    monkeypatch.setattr(ENV.CPU_KERNELS, "value", False)
+    cpu_mod.cpu_kernels.cache_clear()
+    try:
+        llm = build_llm(arch, page_size=4, max_running_req=3, cache_type="radix")
+        assert type(llm.engine.attn_backend).__name__ == "TorchAttnBackend"
+        max_new = [12, 5, 16, 9, 3, 14, 7, 10]
+        outputs = llm.generate(MIXED_PROMPTS, [greedy(n) for n in max_new])
+        expected = hf_greedy(arch, MIXED_PROMPTS, max_new)
+        assert [o["token_ids"] for o in outputs] == expected
+        assert_all_pages_free(llm)
+        llm.shutdown()
+    finally:
+        cpu_mod.cpu_kernels.cache_clear()
+
+
+def test_engine_uses_cpu_backend_by_default():
+    llm = build_llm("smollm2", cache_type="naive")
+    assert type(llm.engine.attn_backend).__name__ == "CpuAttnBackend"
+    llm.shutdown()
