@@ -142,3 +142,61 @@ def test_engine_uses_cpu_backend_by_default():
     llm = build_llm("smollm2", cache_type="naive")
     assert type(llm.engine.attn_backend).__name__ == "CpuAttnBackend"
     llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_continues_from_a_prefix_state(dtype):
+    """Cascade: attention over positions [0, start) given as (out, lse) + the kernel over the
+    rest equals attention over everything."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, num_reqs, start = 8, 2, 64, 5, 70
+    k_cache = torch.randn(2000, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(2000, kv_heads, head_dim, generator=gen).to(dtype)
+    page_table = torch.randint(0, 2000, (num_reqs, 200), dtype=torch.int32, generator=gen)
+    rows = torch.arange(num_reqs)
+    kv_lens = torch.tensor([71, 100, 199, 130, 140])
+    q = torch.randn(num_reqs, heads, head_dim, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    # The prefix state, from plain float32 math.
+    outs, lses = [], []
+    for b in range(num_reqs):
+        slots = page_table[b, :start].long()
+        keys = k_cache[slots].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[slots].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        scores = (q[b].float()[:, None, :] @ keys.transpose(1, 2))[:, 0] * scale
+        outs.append(scores.softmax(-1)[:, None, :].bmm(values)[:, 0])
+        lses.append(scores.logsumexp(-1))
+    prefix = (torch.full((num_reqs,), start), torch.stack(outs), torch.stack(lses))
+    out = kernels.decode_attention(
+        q, k_cache, v_cache, page_table, rows, kv_lens, scale, None, prefix
+    )
+    want = _reference_decode_attention(q, k_cache, v_cache, page_table, rows, kv_lens, None)
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])  # head_dim 128 (vector) and 16 (portable)
+def test_cascade_over_a_shared_system_prompt_matches_hf(arch, monkeypatch):
+    from minisgl.attention import CpuAttnBackend
+
+    monkeypatch.setattr(CpuAttnBackend, "cascade_min_prefix", 16)
+    cascaded = {"prefill": 0, "decode": 0}
+    prepare = CpuAttnBackend.prepare_metadata
+
+    def spy(self, batch):
+        prepare(self, batch)
+        if getattr(batch.attn_metadata, "shared_slots", None) is not None:
+            cascaded[batch.phase] += 1
+
+    monkeypatch.setattr(CpuAttnBackend, "prepare_metadata", spy)
+    llm = build_llm(arch, page_size=4, overlap_schedule=False)
+    system = list(range(3000, 3050))
+    llm.generate([system + [7]], greedy(1))  # cache the shared prompt first
+    # Different question lengths, one request that shares nothing joins later batches.
+    prompts = [system + list(range(100 + i, 103 + 2 * i)) for i in range(6)] + [[11, 12, 13]]
+    max_new = [9, 4, 12, 6, 10, 3, 8]
+    outputs = llm.generate(prompts, [greedy(n) for n in max_new])
+    assert cascaded["prefill"] and cascaded["decode"], cascaded
+    assert [o["token_ids"] for o in outputs] == hf_greedy(arch, prompts, max_new)
+    assert_all_pages_free(llm)
+    llm.shutdown()

@@ -15,15 +15,29 @@ from .torch_backend import TorchAttnBackend
 
 
 @dataclass
-class CpuDecodeMetadata:
-    rows: torch.Tensor  # [B] int64 page-table row of each request
-    kv_lens: torch.Tensor  # [B] int64 positions each request attends to (its new token's too)
+class CpuPagedMetadata:
+    """One entry per query token (decode: per request)."""
+
+    rows: torch.Tensor  # [tokens] int64 page-table row of the token's request
+    kv_lens: torch.Tensor  # [tokens] int64 positions the token attends to (its own included)
+    # Cascade: the first len(shared_slots) positions are the same slots for every request.
+    shared_slots: torch.Tensor | None = None
+    kv_starts: torch.Tensor | None = None  # [B] int64, all len(shared_slots)
 
 
 class CpuAttnBackend(TorchAttnBackend):
     """Decode reads each request's KV slots in place (no gather, no padding); one query per
     request, heads of a GQA group sharing every key/value read. Prefill uses the torch backend.
+
+    Cascade: when every request of a batch starts with the same cached slots (a shared system
+    prompt) of at least `cascade_min_prefix` positions, those are attended once for the whole
+    batch as one matrix product (SDPA, all query tokens against the shared keys), and the kernel
+    continues each token's softmax from there over its own request's positions. Prefills take
+    this path too when every request extends by at most `cascade_max_extend` tokens.
     """
+
+    cascade_min_prefix = 128
+    cascade_max_extend = 256
 
     def __init__(
         self,
@@ -37,38 +51,88 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def _kernel_fits(self, batch: Batch) -> bool:
         k_cache = self.kv_cache.k_cache(0)
-        return (
-            batch.is_decode
-            and self.kernels.supports(k_cache.dtype)
-            and k_cache.shape[-1] <= MAX_HEAD_DIM
-        )
+        return self.kernels.supports(k_cache.dtype) and k_cache.shape[-1] <= MAX_HEAD_DIM
 
     def prepare_metadata(self, batch: Batch) -> None:
-        if not self._kernel_fits(batch):
-            return super().prepare_metadata(batch)
         reqs = batch.reqs
+        if not self._kernel_fits(batch) or (batch.is_prefill and len(reqs) < 2):
+            return super().prepare_metadata(batch)
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
-        kv_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
-        batch.attn_metadata = CpuDecodeMetadata(rows, kv_lens)
+        # Only positions every request had cached before this step can be shared.
+        shared_max = min(r.cached_len for r in reqs)
+        shared = 0
+        no_windows = all(window is None for window in self.sliding_windows)
+        if len(reqs) > 1 and no_windows and shared_max >= self.cascade_min_prefix:
+            slots = self.page_table[rows, :shared_max]
+            same = (slots == slots[:1]).all(dim=0)
+            shared = shared_max if bool(same.all()) else int(same.int().argmin())
+        if shared < self.cascade_min_prefix:
+            shared = 0
+        if batch.is_prefill:
+            if not shared or max(r.extend_len for r in reqs) > self.cascade_max_extend:
+                return super().prepare_metadata(batch)
+            assert batch.positions is not None
+            extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+            meta = CpuPagedMetadata(
+                rows.repeat_interleave(extend_lens), batch.positions.to("cpu", torch.int64) + 1
+            )
+        else:
+            meta = CpuPagedMetadata(
+                rows, torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
+            )
+        if shared:
+            meta.shared_slots = self.page_table[reqs[0].table_idx, :shared].long()
+            meta.kv_starts = torch.full_like(meta.kv_lens, shared)
+        batch.attn_metadata = meta
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         meta = batch.attn_metadata
-        if isinstance(meta, CpuDecodeMetadata) and q.shape[1] // k.shape[1] > MAX_GROUP:
+        if isinstance(meta, CpuPagedMetadata) and q.shape[1] // k.shape[1] > MAX_GROUP:
             super().prepare_metadata(batch)  # a GQA group wider than the kernel's buffers
             meta = batch.attn_metadata
-        if not isinstance(meta, CpuDecodeMetadata):
+        if not isinstance(meta, CpuPagedMetadata):
             return super().forward(q, k, v, layer_id, batch)
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        q = q.contiguous()
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        prefix = None
+        if meta.shared_slots is not None and meta.kv_starts is not None:
+            out, lse = self._shared_prefix(q, meta.shared_slots, layer_id, scale)
+            prefix = (meta.kv_starts, out, lse)
         return self.kernels.decode_attention(
-            q.contiguous(),
+            q,
             self.kv_cache.k_cache(layer_id),
             self.kv_cache.v_cache(layer_id),
             self.page_table,
             meta.rows,
             meta.kv_lens,
-            1.0 / math.sqrt(q.shape[-1]),
+            scale,
             self.sliding_windows[layer_id],
+            prefix,
+        )
+
+    def _shared_prefix(
+        self, q: torch.Tensor, slots: torch.Tensor, layer_id: int, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's query against the shared keys at once: (out [B, heads, dim] float32,
+        log-sum-exp [B, heads] float32)."""
+        num_reqs, num_heads, head_dim = q.shape
+        keys = self.kv_cache.k_cache(layer_id).index_select(0, slots)  # [P, kv_heads, dim]
+        values = self.kv_cache.v_cache(layer_id).index_select(0, slots)
+        kv_heads = keys.shape[1]
+        group = num_heads // kv_heads
+        # The queries of one kv head's group, from every request, form one sequence.
+        queries = q.view(num_reqs, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        queries = queries.reshape(1, kv_heads, group * num_reqs, head_dim)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale=scale
+        )
+        out = out.view(kv_heads, group, num_reqs, head_dim).permute(2, 0, 1, 3)
+        lse = lse.view(kv_heads, group, num_reqs).permute(2, 0, 1)
+        return (
+            out.reshape(num_reqs, num_heads, head_dim).float().contiguous(),
+            lse.reshape(num_reqs, num_heads).contiguous(),
         )

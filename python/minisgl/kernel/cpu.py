@@ -41,8 +41,8 @@ _float = ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
     "minisgl_has_avx512_bf16": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
-    "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
-    + [_i64, _float, _i64, _int, _int],
+    "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
+    + [_i64, _i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
@@ -123,14 +123,18 @@ class CpuKernels:
         kv_lens: torch.Tensor,
         scale: float,
         window: int | None,
+        prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One query per request over its first kv_lens[b] positions of page_table[rows[b]].
 
         q: [B, heads, dim]; caches: [slots, kv_heads, dim]; page_table: int32 [rows, max_len];
-        rows, kv_lens: int64 [B]. Returns [B, heads, dim].
+        rows, kv_lens: int64 [B]. prefix = (kv_starts int64 [B], out float32 [B, heads, dim],
+        lse float32 [B, heads]): attention over positions before kv_starts[b], merged in.
+        Returns [B, heads, dim].
         """
         num_reqs, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
+        starts, prefix_out, prefix_lse = prefix if prefix is not None else (None, None, None)
         self.lib.minisgl_decode_attention(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -140,6 +144,9 @@ class CpuKernels:
             page_table.stride(0),
             rows.data_ptr(),
             kv_lens.data_ptr(),
+            None if starts is None else starts.data_ptr(),
+            None if prefix_out is None else prefix_out.data_ptr(),
+            None if prefix_lse is None else prefix_lse.data_ptr(),
             num_reqs,
             num_heads,
             k_cache.shape[1],

@@ -138,8 +138,11 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
 // One query token per request. Request b attends to the key positions
 // [max(0, kv_len - window), kv_len) of page-table row rows[b]: position p lives in KV slot
 // page_table[rows[b] * table_stride + p]. Caches are [slots, kv_heads, head_dim]; q and out are
-// [B, heads, head_dim]. One task per (request, kv head) reads each key/value row once for all
-// the query heads of its group. Online softmax in float32 over blocks of ATTN_BLOCK keys.
+// [B, heads, head_dim]. Online softmax in float32 over blocks of ATTN_BLOCK keys.
+// Cascade: with kv_starts, request b only reads positions from kv_starts[b] on, and
+// prefix_out [B, heads, head_dim] / prefix_lse [B, heads] (float32) hold the attention over the
+// positions before it (output and log-sum-exp), computed elsewhere for the whole batch at once;
+// they seed the online softmax (max = lse, sum = 1, acc = out), so the result covers both.
 
 #define ATTN_BLOCK 64
 #define ATTN_MAX_DIM 256
@@ -151,7 +154,8 @@ typedef struct {
     void* out;
     const int32_t* page_table;
     int64_t table_stride;
-    const int64_t *rows, *kv_lens;
+    const int64_t *rows, *kv_lens, *kv_starts;
+    const float *prefix_out, *prefix_lse;
     int64_t num_heads, num_kv_heads, head_dim, window;
     float scale;
     int dtype;
@@ -208,16 +212,20 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         for (int c = 0; c < CHUNKS; c++) {
             __m512 qv = _mm512_mul_ps(load16(a->q, offset + 16 * c, a->dtype), scale);
             _mm512_storeu_ps(qf[h] + 16 * c, qv);
-            _mm512_storeu_ps(acc[h] + 16 * c, _mm512_setzero_ps());
+            __m512 init = a->prefix_out ? _mm512_loadu_ps(a->prefix_out + offset + 16 * c)
+                                        : _mm512_setzero_ps();
+            _mm512_storeu_ps(acc[h] + 16 * c, init);
         }
-        run_max[h] = 0.0f;
-        run_sum[h] = 0.0f;
+        run_max[h] = a->prefix_lse ? a->prefix_lse[b * a->num_heads + head0 + h] : 0.0f;
+        run_sum[h] = a->prefix_lse ? 1.0f : 0.0f;
     }
+    int has_state = a->prefix_lse != NULL;
     const int64_t row_elems = a->num_kv_heads * dim;
     const int64_t row_bytes = row_elems * (a->dtype == 0 ? 4 : 2);
     const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
     int64_t kv_len = a->kv_lens[b];
     int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
+    if (a->kv_starts && a->kv_starts[b] > start) start = a->kv_starts[b];
     for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
         int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
         for (int64_t j = 0; j < count; j++) {
@@ -248,7 +256,7 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
                                                _mm512_maskz_loadu_ps(m, scores[h] + j));
             }
             float new_max = _mm512_reduce_max_ps(block_max);
-            if (t0 != start && run_max[h] > new_max) new_max = run_max[h];
+            if (has_state && run_max[h] > new_max) new_max = run_max[h];
             __m512 sub = _mm512_set1_ps(new_max), block_sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < count; j += 16) {
                 __mmask16 m = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1u);
@@ -256,16 +264,17 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
                 _mm512_mask_storeu_ps(scores[h] + j, m, p);
                 block_sum = _mm512_mask_add_ps(block_sum, m, block_sum, p);
             }
-            float correction = t0 == start ? 0.0f : expf(run_max[h] - new_max);
+            float correction = has_state ? expf(run_max[h] - new_max) : 0.0f;
             run_sum[h] = run_sum[h] * correction + _mm512_reduce_add_ps(block_sum);
             run_max[h] = new_max;
-            if (t0 != start) {
+            if (has_state) {
                 __m512 corr = _mm512_set1_ps(correction);
                 for (int c = 0; c < CHUNKS; c++)
                     _mm512_storeu_ps(acc[h] + 16 * c,
                                      _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * c), corr));
             }
         }
+        has_state = 1;
         for (int64_t j = 0; j < count; j++) {
             int64_t row = (int64_t)slots[t0 + j] * row_elems + kvh0 * dim;
             for (int64_t kv = 0; kv < kv_count; kv++) {
@@ -297,17 +306,20 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
     float scores[ATTN_MAX_GROUP][ATTN_BLOCK], row[ATTN_MAX_DIM];
     float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        load_row(a->q, (b * a->num_heads + kvh * group + g) * dim, a->dtype, qf[g], dim);
+        int64_t offset = (b * a->num_heads + kvh * group + g) * dim;
+        load_row(a->q, offset, a->dtype, qf[g], dim);
         for (int64_t d = 0; d < dim; d++) {
             qf[g][d] *= a->scale;
-            acc[g][d] = 0.0f;
+            acc[g][d] = a->prefix_out ? a->prefix_out[offset + d] : 0.0f;
         }
-        run_max[g] = 0.0f;
-        run_sum[g] = 0.0f;
+        run_max[g] = a->prefix_lse ? a->prefix_lse[b * a->num_heads + kvh * group + g] : 0.0f;
+        run_sum[g] = a->prefix_lse ? 1.0f : 0.0f;
     }
+    int has_state = a->prefix_lse != NULL;
     const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
     int64_t kv_len = a->kv_lens[b];
     int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
+    if (a->kv_starts && a->kv_starts[b] > start) start = a->kv_starts[b];
     for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
         int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
         for (int64_t j = 0; j < count; j++) {
@@ -323,8 +335,8 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
             float new_max = scores[g][0];
             for (int64_t j = 1; j < count; j++)
                 new_max = scores[g][j] > new_max ? scores[g][j] : new_max;
-            if (t0 != start && run_max[g] > new_max) new_max = run_max[g];
-            float correction = t0 == start ? 0.0f : expf(run_max[g] - new_max);
+            if (has_state && run_max[g] > new_max) new_max = run_max[g];
+            float correction = has_state ? expf(run_max[g] - new_max) : 0.0f;
             float block_sum = 0.0f;
             for (int64_t j = 0; j < count; j++) {
                 scores[g][j] = expf(scores[g][j] - new_max);
@@ -334,6 +346,7 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
             run_max[g] = new_max;
             for (int64_t d = 0; d < dim; d++) acc[g][d] *= correction;
         }
+        has_state = 1;
         for (int64_t j = 0; j < count; j++) {
             int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh) * dim;
             load_row(a->v_cache, offset, a->dtype, row, dim);
@@ -350,11 +363,14 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
 
 void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
                               const int32_t* page_table, int64_t table_stride,
-                              const int64_t* rows, const int64_t* kv_lens, int64_t num_reqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                              float scale, int64_t window, int dtype, int nthreads) {
-    attn_args a = {q,         k_cache, v_cache,      out,      page_table, table_stride, rows,
-                   kv_lens,   num_heads, num_kv_heads, head_dim, window,     scale,        dtype};
+                              const int64_t* rows, const int64_t* kv_lens,
+                              const int64_t* kv_starts, const float* prefix_out,
+                              const float* prefix_lse, int64_t num_reqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
+                              int dtype, int nthreads) {
+    attn_args a = {q,          k_cache,    v_cache,   out,          page_table, table_stride,
+                   rows,       kv_lens,    kv_starts, prefix_out,   prefix_lse, num_heads,
+                   num_kv_heads, head_dim, window,    scale,        dtype};
     // A task is a whole request when there are enough of them (each position's rows are read
     // once for all its heads); with few requests, one kv head per task keeps every core busy.
     const int64_t group = num_heads / num_kv_heads;
