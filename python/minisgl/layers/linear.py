@@ -27,7 +27,9 @@ class CpuProjection:
     (bf16), a oneDNN-packed copy, then F.linear. Without the GEMV only the packed copy is kept."""
 
     def __init__(self, weight: torch.Tensor, kernels: CpuKernels | None) -> None:
-        self.gemv = kernels if kernels is not None and weight.dtype == torch.bfloat16 else None
+        # Only with the bf16 dot-product instructions does the GEMV beat oneDNN.
+        usable = kernels is not None and kernels.has_avx512_bf16
+        self.gemv = kernels if usable and weight.dtype == torch.bfloat16 else None
         self.packed: torch.Tensor | None = None
         if onednn_packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)

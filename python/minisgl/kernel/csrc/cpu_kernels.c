@@ -113,7 +113,8 @@ static void gemv_row_generic(const bf16_t* x, const bf16_t* w, const bf16_t* bia
                              int64_t M, int64_t N, int64_t K, int64_t n) {
     for (int64_t m = 0; m < M; m++) {
         float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++) sum += bf16_to_f32(x[m * K + k]) * bf16_to_f32(w[n * K + k]);
+        for (int64_t k = 0; k < K; k++)
+            sum += bf16_to_f32(x[m * K + k]) * bf16_to_f32(w[n * K + k]);
         if (bias) sum += bf16_to_f32(bias[n]);
         y[m * N + n] = f32_to_bf16(sum);
     }
@@ -284,9 +285,10 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
                 for (int64_t g = 0; g < group; g++) {
                     float* acc_h = acc[kv * group + g];
                     __m512 p = _mm512_set1_ps(scores[kv * group + g][j]);
-                    for (int c = 0; c < CHUNKS; c++)
-                        _mm512_storeu_ps(acc_h + 16 * c, _mm512_fmadd_ps(p, value[c],
-                                                                         _mm512_loadu_ps(acc_h + 16 * c)));
+                    for (int c = 0; c < CHUNKS; c++) {
+                        __m512 sum = _mm512_loadu_ps(acc_h + 16 * c);
+                        _mm512_storeu_ps(acc_h + 16 * c, _mm512_fmadd_ps(p, value[c], sum));
+                    }
                 }
             }
         }
@@ -373,14 +375,14 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
                    num_kv_heads, head_dim, window,    scale,        dtype};
     // A task is a whole request when there are enough of them (each position's rows are read
     // once for all its heads); with few requests, one kv head per task keeps every core busy.
-    const int64_t group = num_heads / num_kv_heads;
-    int64_t heads_per_task = num_reqs >= 2 * nthreads && num_heads <= ATTN_MAX_HEADS ? num_kv_heads : 1;
+    int whole_requests = num_reqs >= 2 * nthreads && num_heads <= ATTN_MAX_HEADS;
+    int64_t heads_per_task = whole_requests ? num_kv_heads : 1;
     int64_t tasks_per_req = num_kv_heads / heads_per_task;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t task = 0; task < num_reqs * tasks_per_req; task++) {
         int64_t b = task / tasks_per_req, first = (task % tasks_per_req) * heads_per_task;
 #ifdef __AVX512F__
-        if (group <= ATTN_MAX_HEADS) {
+        if (num_heads / num_kv_heads <= ATTN_MAX_HEADS) {
             switch (head_dim) {
                 case 64: attn_task_avx512(&a, b, first, heads_per_task, 4); continue;
                 case 128: attn_task_avx512(&a, b, first, heads_per_task, 8); continue;
@@ -389,7 +391,8 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
             }
         }
 #endif
-        for (int64_t kvh = first; kvh < first + heads_per_task; kvh++) attn_task_generic(&a, b, kvh);
+        for (int64_t kvh = first; kvh < first + heads_per_task; kvh++)
+            attn_task_generic(&a, b, kvh);
     }
 }
 
@@ -463,10 +466,9 @@ void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t 
         }
 #endif
         for (; i < inter; i++) {
-            float gate = dtype == 0 ? ((const float*)gate_up)[r * 2 * inter + i]
-                                    : bf16_to_f32(((const bf16_t*)gate_up)[r * 2 * inter + i]);
-            float up = dtype == 0 ? ((const float*)gate_up)[r * 2 * inter + inter + i]
-                                  : bf16_to_f32(((const bf16_t*)gate_up)[r * 2 * inter + inter + i]);
+            float gate, up;
+            load_row(gate_up, r * 2 * inter + i, dtype, &gate, 1);
+            load_row(gate_up, r * 2 * inter + inter + i, dtype, &up, 1);
             float value = round_to(dtype, gate / (1.0f + expf(-gate))) * up;
             store_row(out, r * inter + i, dtype, &value, 1);
         }
