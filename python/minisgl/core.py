@@ -35,6 +35,8 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor: ...
 
+    def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
 
 @dataclass
 class SamplingParams:

@@ -21,3 +21,8 @@ class BaseAttnBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim]."""
+
+    def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(page-table rows, KV lengths) when this decode batch may run the fused C decode
+        layer (its attention reads the pool in place through the page table), else None."""
+        return None

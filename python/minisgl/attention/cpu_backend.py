@@ -85,6 +85,12 @@ class CpuAttnBackend(TorchAttnBackend):
             meta.kv_starts = torch.full_like(meta.kv_lens, shared)
         batch.attn_metadata = meta
 
+    def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        meta = batch.attn_metadata
+        if batch.is_decode and isinstance(meta, CpuPagedMetadata) and meta.shared_slots is None:
+            return meta.rows, meta.kv_lens
+        return None
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:

@@ -46,7 +46,53 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
+    "minisgl_decode_layer_scratch": [_ptr, _i64],
+    "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+    + [_ptr, _int],
 }
+_RESTYPES = {"minisgl_decode_layer_scratch": _i64}
+
+
+class DecodeLayerParams(ctypes.Structure):
+    """One layer's weights and KV pool for `minisgl_decode_layer` (NULL: absent)."""
+
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "q_norm",
+            "k_norm",
+            "qkv_w",
+            "qkv_b",
+            "o_w",
+            "o_b",
+            "gate_up_w",
+            "gate_up_b",
+            "down_w",
+            "down_b",
+            "k_cache",
+            "v_cache",
+        )
+    ] + [("window", _i64)]
+
+
+class DecodeModelParams(ctypes.Structure):
+    """Shapes, norm epsilon, attention scale, rotary tables and page table of a model."""
+
+    _fields_ = [
+        ("hidden", _i64),
+        ("inter", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("eps", _float),
+        ("scale", _float),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("page_table", _ptr),
+        ("table_stride", _i64),
+    ]
 
 
 def _machine_tag() -> str:
@@ -90,6 +136,7 @@ class CpuKernels:
         self.lib = lib
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = _RESTYPES.get(name, _int)
         self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
 
     def supports(self, dtype: torch.dtype) -> bool:
@@ -211,6 +258,40 @@ class CpuKernels:
             _DTYPE_CODES[x.dtype],
             torch.get_num_threads(),
         )
+
+    def decode_layer(
+        self,
+        layer: DecodeLayerParams,
+        model: DecodeModelParams,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        out_loc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bf16 decoder layer for x [tokens, hidden] (one decode token per request), as
+        DecoderLayer.forward computes it: returns (MLP output, residual)."""
+        tokens = x.shape[0]
+        scratch = x.new_empty(self.lib.minisgl_decode_layer_scratch(ctypes.byref(model), tokens))
+        out = torch.empty_like(x)
+        new_residual = torch.empty_like(x) if residual is None else residual
+        self.lib.minisgl_decode_layer(
+            ctypes.byref(layer),
+            ctypes.byref(model),
+            x.data_ptr(),
+            new_residual.data_ptr(),
+            residual is not None,
+            out.data_ptr(),
+            scratch.data_ptr(),
+            tokens,
+            positions.data_ptr(),
+            rows.data_ptr(),
+            kv_lens.data_ptr(),
+            out_loc.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out, new_residual
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.core import get_global_ctx
 from minisgl.layers import (
     AttentionLayer,
     Linear,
@@ -17,6 +18,7 @@ from minisgl.layers import (
 )
 
 from .config import ModelConfig
+from .fused_decode import FusedDecode
 
 
 class MLP(nn.Module):
@@ -75,6 +77,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        self.config = config
         inv_freq, scaling = config.rope_inv_freq()
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -82,9 +85,26 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._fused: FusedDecode | None = None
+        self._fused_checked = False
+
+    def _fused_decode(self, x: torch.Tensor) -> FusedDecode | None:
+        """The fused C decode layers for this model and engine, when they apply (CPU, bf16)."""
+        if not self._fused_checked:
+            self._fused_checked = True
+            kernels = FusedDecode.supported(self, x)
+            self._fused = None if kernels is None else FusedDecode(self, get_global_ctx(), kernels)
+        if self._fused is not None and not self._fused.matches(get_global_ctx()):
+            self._fused = FusedDecode(self, get_global_ctx(), self._fused.kernels)
+        return self._fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        fused = self._fused_decode(x)
+        if fused is not None:
+            out = fused.run(self, x, positions, get_global_ctx().batch)
+            if out is not None:
+                return out
         rope = self.rotary.prepare(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, rope)

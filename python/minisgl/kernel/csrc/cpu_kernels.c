@@ -195,6 +195,23 @@ static inline void prefetch_rows(const void* cache, int64_t bytes, int64_t slot)
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
 }
 
+// Lane t of the result is the sum of v[t]'s 16 lanes: a transpose-and-add tree, ~3 ops per
+// vector instead of a full horizontal reduction each.
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  // 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // 128-bit lane: the lane's sums of v4i .. v4i+3
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                              _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                              _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
 // Heads [kvh0, kvh0 + kv_count) of request b, position by position: each position's key (then
 // value) row is read once for all of them. CHUNKS = head_dim / 16, a constant in each
 // instantiation so the row loops unroll.
@@ -206,6 +223,7 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
     const int64_t heads = kv_count * group, head0 = kvh0 * group;
     float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
     float scores[ATTN_MAX_HEADS][ATTN_BLOCK];
+    float rows[ATTN_BLOCK][16 * CHUNKS];  // one kv head's keys, then values, as float32
     float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
     const __m512 scale = _mm512_set1_ps(a->scale);
     for (int64_t h = 0; h < heads; h++) {
@@ -229,23 +247,35 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
     if (a->kv_starts && a->kv_starts[b] > start) start = a->kv_starts[b];
     for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
         int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
-        for (int64_t j = 0; j < count; j++) {
-            if (t0 + j + ATTN_PREFETCH < kv_len) {
-                int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
-                prefetch_rows(a->k_cache, row_bytes, ahead);
-                prefetch_rows(a->v_cache, row_bytes, ahead);
-            }
-            int64_t row = (int64_t)slots[t0 + j] * row_elems + kvh0 * dim;
-            for (int64_t kv = 0; kv < kv_count; kv++) {
-                __m512 key[CHUNKS];
+        // Rounded up to whole groups of 16 positions; the padding rows are zero.
+        int64_t padded = (count + 15) & ~(int64_t)15;
+        for (int64_t kv = 0; kv < kv_count; kv++) {
+            // This kv head's keys for the block, as float32 rows (read once, used by the group).
+            for (int64_t j = 0; j < count; j++) {
+                if (kv == 0 && t0 + j + ATTN_PREFETCH < kv_len) {
+                    int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
+                    prefetch_rows(a->k_cache, row_bytes, ahead);
+                    prefetch_rows(a->v_cache, row_bytes, ahead);
+                }
+                int64_t row = (int64_t)slots[t0 + j] * row_elems + (kvh0 + kv) * dim;
                 for (int c = 0; c < CHUNKS; c++)
-                    key[c] = load16(a->k_cache, row + kv * dim + 16 * c, a->dtype);
-                for (int64_t g = 0; g < group; g++) {
-                    const float* qh = qf[kv * group + g];
-                    __m512 dot = _mm512_mul_ps(key[0], _mm512_loadu_ps(qh));
-                    for (int c = 1; c < CHUNKS; c++)
-                        dot = _mm512_fmadd_ps(key[c], _mm512_loadu_ps(qh + 16 * c), dot);
-                    scores[kv * group + g][j] = _mm512_reduce_add_ps(dot);
+                    _mm512_storeu_ps(rows[j] + 16 * c, load16(a->k_cache, row + 16 * c, a->dtype));
+            }
+            for (int64_t j = count; j < padded; j++)
+                for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(rows[j] + 16 * c, _mm512_setzero_ps());
+            for (int64_t g = 0; g < group; g++) {
+                int64_t h = kv * group + g;
+                __m512 qv[CHUNKS];
+                for (int c = 0; c < CHUNKS; c++) qv[c] = _mm512_loadu_ps(qf[h] + 16 * c);
+                for (int64_t j16 = 0; j16 < padded; j16 += 16) {
+                    __m512 partial[16];
+                    for (int t = 0; t < 16; t++) {
+                        partial[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j16 + t]));
+                        for (int c = 1; c < CHUNKS; c++)
+                            partial[t] = _mm512_fmadd_ps(
+                                qv[c], _mm512_loadu_ps(rows[j16 + t] + 16 * c), partial[t]);
+                    }
+                    _mm512_storeu_ps(scores[h] + j16, sum_lanes16(partial));
                 }
             }
         }
@@ -276,20 +306,23 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
             }
         }
         has_state = 1;
-        for (int64_t j = 0; j < count; j++) {
-            int64_t row = (int64_t)slots[t0 + j] * row_elems + kvh0 * dim;
-            for (int64_t kv = 0; kv < kv_count; kv++) {
-                __m512 value[CHUNKS];
+        for (int64_t kv = 0; kv < kv_count; kv++) {
+            for (int64_t j = 0; j < count; j++) {
+                int64_t row = (int64_t)slots[t0 + j] * row_elems + (kvh0 + kv) * dim;
                 for (int c = 0; c < CHUNKS; c++)
-                    value[c] = load16(a->v_cache, row + kv * dim + 16 * c, a->dtype);
-                for (int64_t g = 0; g < group; g++) {
-                    float* acc_h = acc[kv * group + g];
-                    __m512 p = _mm512_set1_ps(scores[kv * group + g][j]);
-                    for (int c = 0; c < CHUNKS; c++) {
-                        __m512 sum = _mm512_loadu_ps(acc_h + 16 * c);
-                        _mm512_storeu_ps(acc_h + 16 * c, _mm512_fmadd_ps(p, value[c], sum));
-                    }
+                    _mm512_storeu_ps(rows[j] + 16 * c, load16(a->v_cache, row + 16 * c, a->dtype));
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float* acc_h = acc[kv * group + g];
+                const float* p = scores[kv * group + g];
+                __m512 sum[CHUNKS];
+                for (int c = 0; c < CHUNKS; c++) sum[c] = _mm512_loadu_ps(acc_h + 16 * c);
+                for (int64_t j = 0; j < count; j++) {
+                    __m512 weight = _mm512_set1_ps(p[j]);
+                    for (int c = 0; c < CHUNKS; c++)
+                        sum[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows[j] + 16 * c), sum[c]);
                 }
+                for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc_h + 16 * c, sum[c]);
             }
         }
     }
@@ -521,4 +554,88 @@ void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads
             }
         }
     }
+}
+
+// ------------------------------------------------------------------- fused decode layer (bf16)
+// A whole decoder layer for a few decode tokens (one per request) in one call, built from the
+// kernels above in the order the PyTorch modules run them, so the result is the same bit for
+// bit: at batch 1 the layer is ~10 short kernels, and Python's cost between them was as large
+// as the weights' read time.
+
+typedef struct {
+    const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
+    const bf16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    bf16_t *k_cache, *v_cache;  // this layer's pool: [slots, kv_heads, head_dim]
+    int64_t window;             // 0: none
+} decode_layer;
+
+typedef struct {
+    int64_t hidden, inter, num_heads, num_kv_heads, head_dim;
+    float eps, scale;
+    const float *cos, *sin;  // rotary tables [max_positions, head_dim]
+    const int32_t* page_table;
+    int64_t table_stride;
+} decode_model;
+
+// Scratch elements (bf16) minisgl_decode_layer needs for `tokens` tokens.
+int64_t minisgl_decode_layer_scratch(const decode_model* m, int64_t tokens) {
+    int64_t q_width = m->num_heads * m->head_dim, kv_width = m->num_kv_heads * m->head_dim;
+    return tokens * (2 * m->hidden + q_width + 2 * kv_width + 2 * q_width + 3 * m->inter);
+}
+
+// x: [tokens, hidden] the layer's input; residual: [tokens, hidden], read (when has_residual)
+// and updated; out: [tokens, hidden] the MLP output. rows/kv_lens: the requests' page-table
+// rows and lengths (new token included); out_loc: the new tokens' KV slots.
+void minisgl_decode_layer(const decode_layer* L, const decode_model* m, const bf16_t* x,
+                          bf16_t* residual, int has_residual, bf16_t* out, bf16_t* scratch,
+                          int64_t tokens, const int64_t* positions, const int64_t* rows,
+                          const int64_t* kv_lens, const int64_t* out_loc, int nthreads) {
+    const int64_t hidden = m->hidden, dim = m->head_dim;
+    const int64_t q_width = m->num_heads * dim, kv_width = m->num_kv_heads * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    bf16_t* normed = scratch;                        // [tokens, hidden]
+    bf16_t* qkv = normed + tokens * hidden;          // [tokens, qkv_width]
+    bf16_t* q = qkv + tokens * qkv_width;            // [tokens, q_width]
+    bf16_t* attn = q + tokens * q_width;             // [tokens, q_width]
+    bf16_t* proj = attn + tokens * q_width;          // [tokens, hidden]
+    bf16_t* gate_up = proj + tokens * hidden;        // [tokens, 2 * inter]
+    bf16_t* act = gate_up + tokens * 2 * m->inter;   // [tokens, inter]
+
+    if (has_residual) {
+        minisgl_add_rms_norm(x, residual, L->input_norm, normed, residual, tokens, hidden,
+                             m->eps, 1, nthreads);
+    } else {
+        memcpy(residual, x, (size_t)(tokens * hidden) * sizeof(bf16_t));
+        minisgl_add_rms_norm(x, NULL, L->input_norm, normed, NULL, tokens, hidden, m->eps, 1,
+                             nthreads);
+    }
+    minisgl_gemv_bf16(normed, L->qkv_w, L->qkv_b, qkv, tokens, qkv_width, hidden, nthreads);
+    for (int64_t t = 0; t < tokens; t++) {
+        bf16_t* row = qkv + t * qkv_width;
+        if (L->q_norm) {
+            minisgl_add_rms_norm(row, NULL, L->q_norm, row, NULL, m->num_heads, dim, m->eps, 1, 1);
+            minisgl_add_rms_norm(row + q_width, NULL, L->k_norm, row + q_width, NULL,
+                                 m->num_kv_heads, dim, m->eps, 1, 1);
+        }
+    }
+    minisgl_rotary(qkv, tokens, qkv_width, m->num_heads, dim, positions, m->cos, m->sin, 1,
+                   nthreads);
+    minisgl_rotary(qkv + q_width, tokens, qkv_width, m->num_kv_heads, dim, positions, m->cos,
+                   m->sin, 1, nthreads);
+    for (int64_t t = 0; t < tokens; t++) {
+        const bf16_t* row = qkv + t * qkv_width;
+        memcpy(q + t * q_width, row, (size_t)q_width * sizeof(bf16_t));
+        memcpy(L->k_cache + out_loc[t] * kv_width, row + q_width, (size_t)kv_width * 2);
+        memcpy(L->v_cache + out_loc[t] * kv_width, row + q_width + kv_width, (size_t)kv_width * 2);
+    }
+    minisgl_decode_attention(q, L->k_cache, L->v_cache, attn, m->page_table, m->table_stride,
+                             rows, kv_lens, NULL, NULL, NULL, tokens, m->num_heads,
+                             m->num_kv_heads, dim, m->scale, L->window, 1, nthreads);
+    minisgl_gemv_bf16(attn, L->o_w, L->o_b, proj, tokens, hidden, q_width, nthreads);
+    minisgl_add_rms_norm(proj, residual, L->post_norm, normed, residual, tokens, hidden, m->eps,
+                         1, nthreads);
+    minisgl_gemv_bf16(normed, L->gate_up_w, L->gate_up_b, gate_up, tokens, 2 * m->inter, hidden,
+                      nthreads);
+    minisgl_silu_and_mul(gate_up, act, tokens, m->inter, 1, nthreads);
+    minisgl_gemv_bf16(act, L->down_w, L->down_b, out, tokens, hidden, m->inter, nthreads);
 }

@@ -1,0 +1,120 @@
+"""The fused C decode layer: a whole bf16 decoder layer per call for small decode batches.
+
+At batch 1 a layer is ~10 short kernels and the Python between them cost as much as reading
+the weights; `minisgl_decode_layer` runs the same kernels in the same order from C, so its
+output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch, Context, get_global_ctx
+from minisgl.kernel.cpu import (
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    MAX_INTERMEDIATE,
+    MAX_NORM_HIDDEN,
+    CpuKernels,
+    DecodeLayerParams,
+    DecodeModelParams,
+    kernels_for,
+)
+from minisgl.layers.linear import GEMV_MAX_ROWS, Linear
+
+if TYPE_CHECKING:
+    from .decoder import DecoderModel
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class FusedDecode:
+    """ctypes parameter blocks for one model on one KV pool (pointers are stable)."""
+
+    def __init__(self, model: DecoderModel, ctx: Context, kernels: CpuKernels) -> None:
+        config = model.config
+        assert ctx.kv_cache is not None and ctx.page_table is not None
+        self.kernels = kernels
+        self.kv_cache, self.page_table = ctx.kv_cache, ctx.page_table
+        self.model_params = DecodeModelParams(
+            hidden=config.hidden_size,
+            inter=config.intermediate_size,
+            num_heads=config.num_qo_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            eps=config.rms_norm_eps,
+            scale=1.0 / math.sqrt(config.head_dim),
+            cos=_ptr(model.rotary.cos),
+            sin=_ptr(model.rotary.sin),
+            page_table=_ptr(ctx.page_table),
+            table_stride=ctx.page_table.stride(0),
+        )
+        self.layer_params = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = attn.attn.q_norm, attn.attn.k_norm
+            self.layer_params.append(
+                DecodeLayerParams(
+                    input_norm=_ptr(layer.input_layernorm.weight),
+                    post_norm=_ptr(layer.post_attention_layernorm.weight),
+                    q_norm=_ptr(None if q_norm is None else q_norm.weight),
+                    k_norm=_ptr(None if k_norm is None else k_norm.weight),
+                    qkv_w=_ptr(attn.qkv_proj.weight),
+                    qkv_b=_ptr(attn.qkv_proj.bias),
+                    o_w=_ptr(attn.o_proj.weight),
+                    o_b=_ptr(attn.o_proj.bias),
+                    gate_up_w=_ptr(mlp.gate_up_proj.weight),
+                    gate_up_b=_ptr(mlp.gate_up_proj.bias),
+                    down_w=_ptr(mlp.down_proj.weight),
+                    down_b=_ptr(mlp.down_proj.bias),
+                    k_cache=_ptr(ctx.kv_cache.k_cache(i)),
+                    v_cache=_ptr(ctx.kv_cache.v_cache(i)),
+                    window=config.sliding_windows[i] or 0,
+                )
+            )
+
+    @staticmethod
+    def supported(model: DecoderModel, x: torch.Tensor) -> CpuKernels | None:
+        """The kernels when this model can run fused layers on activations like x."""
+        config = model.config
+        kernels = kernels_for(x)
+        if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
+            return None
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        if not all(m.cpu_projection and m.cpu_projection.gemv for m in linears):
+            return None
+        fits = (
+            config.head_dim <= MAX_HEAD_DIM
+            and config.num_qo_heads // config.num_kv_heads <= MAX_GROUP
+            and config.hidden_size <= MAX_NORM_HIDDEN
+            and config.intermediate_size <= MAX_INTERMEDIATE
+        )
+        return kernels if fits else None
+
+    def matches(self, ctx: Context) -> bool:
+        return ctx.kv_cache is self.kv_cache and ctx.page_table is self.page_table
+
+    def run(
+        self, model: DecoderModel, x: torch.Tensor, positions: torch.Tensor, batch: Batch
+    ) -> torch.Tensor | None:
+        """The final hidden states, or None when this batch must take the module path."""
+        if not batch.is_decode or x.shape[0] > GEMV_MAX_ROWS or batch.out_loc is None:
+            return None
+        backend = get_global_ctx().attn_backend
+        args = None if backend is None else backend.paged_decode_args(batch)
+        if args is None:
+            return None
+        rows, kv_lens = args
+        positions = positions.long().contiguous()
+        out_loc = batch.out_loc.long().contiguous()
+        residual = None
+        for params in self.layer_params:
+            x, residual = self.kernels.decode_layer(
+                params, self.model_params, x, residual, positions, rows, kv_lens, out_loc
+            )
+        return model.norm(x, residual)[0]
