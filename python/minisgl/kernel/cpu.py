@@ -10,6 +10,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -46,6 +47,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
+    "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
+    + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_decode_layer_scratch": [_ptr, _i64],
     "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
@@ -258,6 +261,57 @@ class CpuKernels:
             _DTYPE_CODES[x.dtype],
             torch.get_num_threads(),
         )
+
+    def decode_attention_block(
+        self,
+        qkv: torch.Tensor,
+        qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_loc: torch.Tensor,
+        positions: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        page_table: torch.Tensor,
+        rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        num_heads: int,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Decode attention from the fused qkv projection [tokens, q | k | v] (rotated in
+        place): q/k norms (weights, eps), rotary, KV store at out_loc, paged attention.
+        Returns [tokens, num_heads * head_dim]."""
+        tokens = qkv.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        q_buf = qkv.new_empty(tokens, num_heads * head_dim)
+        out = torch.empty_like(q_buf)
+        q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
+        self.lib.minisgl_decode_attention_block(
+            qkv.data_ptr(),
+            q_buf.data_ptr(),
+            out.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            eps,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out_loc.data_ptr(),
+            positions.data_ptr(),
+            rope_tables[0].data_ptr(),
+            rope_tables[1].data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            rows.data_ptr(),
+            kv_lens.data_ptr(),
+            tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            1.0 / math.sqrt(head_dim),
+            window or 0,
+            _DTYPE_CODES[qkv.dtype],
+            torch.get_num_threads(),
+        )
+        return out
 
     def decode_layer(
         self,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from minisgl.core import get_global_ctx
+from minisgl.core import Context, get_global_ctx
+from minisgl.kernel.cpu import MAX_GROUP
 
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, RotaryInputs
@@ -37,6 +38,11 @@ class AttentionLayer(nn.Module):
     def forward(self, qkv: torch.Tensor, rope: RotaryInputs) -> torch.Tensor:
         ctx = get_global_ctx()
         batch = ctx.batch
+        assert ctx.attn_backend is not None
+        if rope.kernels is not None and batch.is_decode:
+            fused = self._decode_block(ctx, qkv, rope)
+            if fused is not None:
+                return fused
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.reshape(-1, self.num_qo_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -44,6 +50,32 @@ class AttentionLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q, k = self.rotary(rope, q, k)
-        assert ctx.attn_backend is not None
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
         return out.reshape(-1, self.num_qo_heads * self.head_dim)
+
+    def _decode_block(self, ctx: Context, qkv: torch.Tensor, rope: RotaryInputs) -> Tensor | None:
+        """Norms, rotary, KV store and paged attention in one C call, when the backend reads
+        the pool in place for this batch; same kernels, same results as the steps above."""
+        assert ctx.attn_backend is not None and ctx.kv_cache is not None
+        args = ctx.attn_backend.paged_decode_args(ctx.batch)
+        if args is None or ctx.batch.out_loc is None or ctx.page_table is None:
+            return None
+        if self.num_qo_heads // self.num_kv_heads > MAX_GROUP or not qkv.is_contiguous():
+            return None
+        assert rope.kernels is not None
+        qk_norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return rope.kernels.decode_attention_block(
+            qkv,
+            qk_norms,
+            ctx.kv_cache.k_cache(self.layer_id),
+            ctx.kv_cache.v_cache(self.layer_id),
+            ctx.batch.out_loc,
+            rope.positions,
+            (self.rotary.cos, self.rotary.sin),
+            ctx.page_table,
+            *args,
+            self.num_qo_heads,
+            self.sliding_window,
+        )

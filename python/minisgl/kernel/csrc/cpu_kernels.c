@@ -72,39 +72,94 @@ int minisgl_has_avx512_bf16(void) {
 // bf16 out. Every thread streams its own contiguous block of weight rows once.
 
 #ifdef HAVE_AVX512_BF16
-// Four weight rows n0..n0+3 against every x row. The block (4 x K bf16) stays in L1 while the
-// x rows pass over it, so memory sees each weight once; prefetch runs two blocks ahead.
+static inline __mmask32 tail_mask(int64_t K, int64_t k) {
+    return K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+}
+
+// A block is 4 weight rows: four 64-byte lines of the block `ahead` per 32-element step.
+static inline void prefetch_block(const bf16_t* ahead, int64_t k) {
+    for (int line = 0; line < 4; line++)
+        _mm_prefetch((const char*)(ahead + 4 * k + 32 * line), _MM_HINT_T0);
+}
+
+static inline void store_sums(__m512 acc0, __m512 acc1, __m512 acc2, __m512 acc3,
+                              const bf16_t* bias, bf16_t* y_row, int64_t n0) {
+    float sums[4] = {_mm512_reduce_add_ps(acc0), _mm512_reduce_add_ps(acc1),
+                     _mm512_reduce_add_ps(acc2), _mm512_reduce_add_ps(acc3)};
+    for (int r = 0; r < 4; r++) {
+        if (bias) sums[r] += bf16_to_f32(bias[n0 + r]);
+        y_row[n0 + r] = f32_to_bf16(sums[r]);
+    }
+}
+
+// One x row against weight rows n0..n0+3 (each output's own accumulator over k, in order).
+static inline void gemv_1x4(const bf16_t* xm, const bf16_t* w0, int64_t K,
+                            const bf16_t* ahead, __m512 out[4]) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 mask = tail_mask(K, k);
+        if (ahead) prefetch_block(ahead, k);
+        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xm + k);
+        acc0 = _mm512_dpbf16_ps(acc0, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + k));
+        acc1 = _mm512_dpbf16_ps(acc1, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + K + k));
+        acc2 = _mm512_dpbf16_ps(acc2, xv,
+                                (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 2 * K + k));
+        acc3 = _mm512_dpbf16_ps(acc3, xv,
+                                (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 3 * K + k));
+    }
+    out[0] = acc0, out[1] = acc1, out[2] = acc2, out[3] = acc3;
+}
+
+// Four x rows against weight rows n0..n0+3: each weight vector loaded once feeds four dot
+// products (16 accumulators in registers), so the kernel stays load-light up to ~16 rows.
+#define DP4(i, xv)                                                   \
+    a##i##0 = _mm512_dpbf16_ps(a##i##0, xv, w0v);                    \
+    a##i##1 = _mm512_dpbf16_ps(a##i##1, xv, w1v);                    \
+    a##i##2 = _mm512_dpbf16_ps(a##i##2, xv, w2v);                    \
+    a##i##3 = _mm512_dpbf16_ps(a##i##3, xv, w3v);
+static inline void gemv_4x4(const bf16_t* x, const bf16_t* w0, const bf16_t* bias, bf16_t* y,
+                            int64_t N, int64_t K, int64_t n0, const bf16_t* ahead) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    __m512 a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 mask = tail_mask(K, k);
+        if (ahead) prefetch_block(ahead, k);
+        __m512bh w0v = (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + k);
+        __m512bh w1v = (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + K + k);
+        __m512bh w2v = (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 2 * K + k);
+        __m512bh w3v = (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 3 * K + k);
+        __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+        DP4(0, x0)
+        __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + K + k);
+        DP4(1, x1)
+        __m512bh x2 = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + 2 * K + k);
+        DP4(2, x2)
+        __m512bh x3 = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + 3 * K + k);
+        DP4(3, x3)
+    }
+    store_sums(a00, a01, a02, a03, bias, y, n0);
+    store_sums(a10, a11, a12, a13, bias, y + N, n0);
+    store_sums(a20, a21, a22, a23, bias, y + 2 * N, n0);
+    store_sums(a30, a31, a32, a33, bias, y + 3 * N, n0);
+}
+#undef DP4
+
+// Weight rows n0..n0+3 against every x row. The block (4 x K bf16) stays in L1 while the x
+// rows pass over it, so memory sees each weight once; prefetch runs two blocks ahead.
 static void gemv_block4(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
                         int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n_end) {
     const bf16_t* w0 = w + n0 * K;
     const bf16_t* ahead = n0 + 8 < n_end ? w0 + 8 * K : NULL;  // two blocks on
-    for (int64_t m = 0; m < M; m++) {
-        const bf16_t* xm = x + m * K;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-            __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu
-                                         : (__mmask32)((1u << (K - k)) - 1u);
-            if (m == 0 && ahead) {
-                // A block is 4 rows: four 64-byte lines of the block ahead per step.
-                for (int line = 0; line < 4; line++)
-                    _mm_prefetch((const char*)(ahead + 4 * k + 32 * line), _MM_HINT_T0);
-            }
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xm + k);
-            acc0 = _mm512_dpbf16_ps(acc0, xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + k));
-            acc1 = _mm512_dpbf16_ps(acc1, xv,
-                                    (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + K + k));
-            acc2 = _mm512_dpbf16_ps(acc2, xv,
-                                    (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 2 * K + k));
-            acc3 = _mm512_dpbf16_ps(acc3, xv,
-                                    (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + 3 * K + k));
-        }
-        float sums[4] = {_mm512_reduce_add_ps(acc0), _mm512_reduce_add_ps(acc1),
-                         _mm512_reduce_add_ps(acc2), _mm512_reduce_add_ps(acc3)};
-        for (int r = 0; r < 4; r++) {
-            if (bias) sums[r] += bf16_to_f32(bias[n0 + r]);
-            y[m * N + n0 + r] = f32_to_bf16(sums[r]);
-        }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4, ahead = NULL)
+        gemv_4x4(x + m * K, w0, bias, y + m * N, N, K, n0, ahead);
+    for (; m < M; m++, ahead = NULL) {
+        __m512 acc[4];
+        gemv_1x4(x + m * K, w0, K, ahead, acc);
+        store_sums(acc[0], acc[1], acc[2], acc[3], bias, y + m * N, n0);
     }
 }
 #endif
@@ -556,6 +611,47 @@ void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads
     }
 }
 
+// ------------------------------------------------------------------ decode attention block
+// The attention half of a decode layer after the qkv projection, in one call: q/k RMSNorm (when
+// q_norm is set), rotary, the new keys/values into the pool at out_loc, paged attention.
+// qkv: [tokens, q | k | v] (modified in place); q_buf: [tokens, q_width] scratch;
+// out: [tokens, q_width].
+void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const void* q_norm,
+                                    const void* k_norm, float eps, void* k_cache, void* v_cache,
+                                    const int64_t* out_loc, const int64_t* positions,
+                                    const float* cos, const float* sin, const int32_t* page_table,
+                                    int64_t table_stride, const int64_t* rows,
+                                    const int64_t* kv_lens, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t dim, float scale,
+                                    int64_t window, int dtype, int nthreads) {
+    const int64_t q_width = num_heads * dim, kv_width = num_kv_heads * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const size_t elem = dtype == 0 ? 4 : 2;
+    char* base = (char*)qkv;
+    if (q_norm) {
+        for (int64_t t = 0; t < tokens; t++) {
+            char* row = base + t * qkv_width * elem;
+            minisgl_add_rms_norm(row, NULL, q_norm, row, NULL, num_heads, dim, eps, dtype, 1);
+            minisgl_add_rms_norm(row + q_width * elem, NULL, k_norm, row + q_width * elem, NULL,
+                                 num_kv_heads, dim, eps, dtype, 1);
+        }
+    }
+    minisgl_rotary(qkv, tokens, qkv_width, num_heads, dim, positions, cos, sin, dtype, nthreads);
+    minisgl_rotary(base + q_width * elem, tokens, qkv_width, num_kv_heads, dim, positions, cos,
+                   sin, dtype, nthreads);
+    for (int64_t t = 0; t < tokens; t++) {
+        const char* row = base + t * qkv_width * elem;
+        memcpy((char*)q_buf + t * q_width * elem, row, (size_t)q_width * elem);
+        memcpy((char*)k_cache + out_loc[t] * kv_width * elem, row + q_width * elem,
+               (size_t)kv_width * elem);
+        memcpy((char*)v_cache + out_loc[t] * kv_width * elem, row + (q_width + kv_width) * elem,
+               (size_t)kv_width * elem);
+    }
+    minisgl_decode_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
+                             kv_lens, NULL, NULL, NULL, tokens, num_heads, num_kv_heads, dim,
+                             scale, window, dtype, nthreads);
+}
+
 // ------------------------------------------------------------------- fused decode layer (bf16)
 // A whole decoder layer for a few decode tokens (one per request) in one call, built from the
 // kernels above in the order the PyTorch modules run them, so the result is the same bit for
@@ -610,27 +706,10 @@ void minisgl_decode_layer(const decode_layer* L, const decode_model* m, const bf
                              nthreads);
     }
     minisgl_gemv_bf16(normed, L->qkv_w, L->qkv_b, qkv, tokens, qkv_width, hidden, nthreads);
-    for (int64_t t = 0; t < tokens; t++) {
-        bf16_t* row = qkv + t * qkv_width;
-        if (L->q_norm) {
-            minisgl_add_rms_norm(row, NULL, L->q_norm, row, NULL, m->num_heads, dim, m->eps, 1, 1);
-            minisgl_add_rms_norm(row + q_width, NULL, L->k_norm, row + q_width, NULL,
-                                 m->num_kv_heads, dim, m->eps, 1, 1);
-        }
-    }
-    minisgl_rotary(qkv, tokens, qkv_width, m->num_heads, dim, positions, m->cos, m->sin, 1,
-                   nthreads);
-    minisgl_rotary(qkv + q_width, tokens, qkv_width, m->num_kv_heads, dim, positions, m->cos,
-                   m->sin, 1, nthreads);
-    for (int64_t t = 0; t < tokens; t++) {
-        const bf16_t* row = qkv + t * qkv_width;
-        memcpy(q + t * q_width, row, (size_t)q_width * sizeof(bf16_t));
-        memcpy(L->k_cache + out_loc[t] * kv_width, row + q_width, (size_t)kv_width * 2);
-        memcpy(L->v_cache + out_loc[t] * kv_width, row + q_width + kv_width, (size_t)kv_width * 2);
-    }
-    minisgl_decode_attention(q, L->k_cache, L->v_cache, attn, m->page_table, m->table_stride,
-                             rows, kv_lens, NULL, NULL, NULL, tokens, m->num_heads,
-                             m->num_kv_heads, dim, m->scale, L->window, 1, nthreads);
+    minisgl_decode_attention_block(qkv, q, attn, L->q_norm, L->k_norm, m->eps, L->k_cache,
+                                   L->v_cache, out_loc, positions, m->cos, m->sin, m->page_table,
+                                   m->table_stride, rows, kv_lens, tokens, m->num_heads,
+                                   m->num_kv_heads, dim, m->scale, L->window, 1, nthreads);
     minisgl_gemv_bf16(attn, L->o_w, L->o_b, proj, tokens, hidden, q_width, nthreads);
     minisgl_add_rms_norm(proj, residual, L->post_norm, normed, residual, tokens, hidden, m->eps,
                          1, nthreads);
