@@ -54,7 +54,7 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, nu
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 8])
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):

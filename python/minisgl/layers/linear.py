@@ -8,10 +8,12 @@ from torch import nn
 
 from minisgl.kernel.cpu import CpuKernels
 
-# Rows per call decide the CPU matmul (benchmark/offline.py --decode-batch-sizes): up to
-# GEMV_MAX_ROWS the C GEMV streams bf16 weights ~1.5-2x faster than oneDNN; from there oneDNN's
-# packed layout is 1.3-2x faster than F.linear, until large prefills where F.linear catches up.
-GEMV_MAX_ROWS = 4
+# Rows per call decide the CPU matmul (benchmark/kernels.py, offline.py --decode-batch-sizes):
+# up to GEMV_MAX_ROWS the C GEMV (bandwidth-bound at 1-4 rows, ~1.5-3x oneDNN's bf16 there; at
+# 5-8 rows level with it, and it lets the whole decode layer run in C); from there oneDNN's
+# packed layout (AMX where the CPU has it), 1.3-2x faster than F.linear, until large prefills
+# where F.linear catches up.
+GEMV_MAX_ROWS = 8
 PACKED_MAX_ROWS = 1024
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 

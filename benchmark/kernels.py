@@ -1,0 +1,176 @@
+"""The C CPU kernels against the PyTorch ops they replace, on SmolLM2-135M's shapes (or any).
+
+Each row times both sides in this process on the same inputs and prints the ratio
+(PyTorch time / kernel time). Weights cycle through all layers, so they come from memory as
+in a real decode step, not from cache.
+
+Run from the repo root: `python benchmark/kernels.py` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import minisgl  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from minisgl.kernel.cpu import CpuKernels, cpu_kernels
+from minisgl.layers.linear import onednn_packing_available
+
+BF16 = torch.bfloat16
+
+
+def seconds(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall time of one call, after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+Row = tuple[str, str, float, float]  # label, baseline name, baseline s, kernel s
+
+
+def gemv_case(
+    kernels: CpuKernels, weights: list[torch.Tensor], packed: list[torch.Tensor] | None, rows: int
+) -> Row:
+    """`rows` input rows through every weight: the C GEMV vs oneDNN (packed) or F.linear."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
+
+    def gemv() -> None:
+        for w in weights:
+            kernels.gemv_bf16(xs[w.shape[1]], w, None)
+
+    def baseline() -> None:
+        for i, w in enumerate(weights):
+            x = xs[w.shape[1]]
+            if packed is None:
+                F.linear(x, w)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+
+    mbytes = sum(w.numel() * 2 for w in weights) / 1e6
+    name = "F.linear" if packed is None else "oneDNN packed"
+    return (
+        f"GEMV {rows} row(s), {mbytes:.0f} MB of weights",
+        name,
+        seconds(baseline, 5),
+        seconds(gemv, 5),
+    )
+
+
+def attention_case(kernels: CpuKernels, args: argparse.Namespace, batch: int, context: int) -> Row:
+    """Decode attention of `batch` requests x `context` positions over every layer."""
+    slots = batch * context
+    shape = (slots, args.kv_heads, args.head_dim)
+    k_caches = [torch.randn(shape, dtype=BF16) for _ in range(args.layers)]
+    v_caches = [torch.randn(shape, dtype=BF16) for _ in range(args.layers)]
+    table = torch.randperm(slots, dtype=torch.int32).view(batch, context)
+    table_rows, kv_lens = torch.arange(batch), torch.full((batch,), context)
+    q = torch.randn(batch, args.heads, args.head_dim, dtype=BF16)
+    scale = 1 / math.sqrt(args.head_dim)
+    indices = table.flatten().long()
+    mask = torch.ones(batch, 1, 1, context, dtype=torch.bool)
+    padded = (batch, context, args.kv_heads, args.head_dim)
+
+    def kernel() -> None:
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            kernels.decode_attention(q, k_cache, v_cache, table, table_rows, kv_lens, scale, None)
+
+    def baseline() -> None:
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            keys = k_cache.index_select(0, indices).view(padded).transpose(1, 2)
+            values = v_cache.index_select(0, indices).view(padded).transpose(1, 2)
+            F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True
+            )
+
+    label = f"decode attention, batch {batch} x {context} positions, {args.layers} layers"
+    return label, "gather + SDPA", seconds(baseline, 3), seconds(kernel, 3)
+
+
+def elementwise_cases(kernels: CpuKernels, tokens: int, hidden: int, inter: int) -> list[Row]:
+    """Residual + RMSNorm and SiLU-and-mul on `tokens` rows: kernel vs the PyTorch ops."""
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    residual = torch.randn(tokens, hidden, dtype=BF16)
+    weight = torch.rand(hidden, dtype=BF16)
+    gate_up = torch.randn(tokens, 2 * inter, dtype=BF16)
+
+    def torch_norm() -> None:
+        h32 = (residual + x).float()
+        weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(BF16)
+
+    def torch_silu() -> None:
+        F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    return [
+        (
+            f"residual + RMSNorm, {tokens} x {hidden}",
+            "PyTorch ops",
+            seconds(torch_norm, 20),
+            seconds(lambda: kernels.add_rms_norm(x, residual, weight, 1e-5), 20),
+        ),
+        (
+            f"SiLU-and-mul, {tokens} x {inter}",
+            "PyTorch ops",
+            seconds(torch_silu, 20),
+            seconds(lambda: kernels.silu_and_mul(gate_up), 20),
+        ),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        sys.exit("CPU kernels unavailable here (no gcc, not x86-64 Linux, or disabled)")
+    print(f"# {torch.get_num_threads()} threads, avx512_bf16: {kernels.has_avx512_bf16}")
+    q_width = args.heads * args.head_dim
+    kv_width = args.kv_heads * args.head_dim
+    shapes = [(q_width + 2 * kv_width, args.hidden), (args.hidden, q_width)]
+    shapes += [(2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
+    rows: list[Row] = []
+    if kernels.has_avx512_bf16:
+        weights = [
+            torch.randn(n, k, dtype=BF16) * 0.02 for _ in range(args.layers) for n, k in shapes
+        ]
+        packed = None
+        if onednn_packing_available():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
+    rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
+    for tokens in (1, 64, 2048):
+        rows += elementwise_cases(kernels, tokens, args.hidden, args.intermediate)
+    print("| operation | baseline | baseline ms | kernel ms | speedup |")
+    print("|-----------|----------|-------------|-----------|---------|")
+    for label, name, base, kernel in rows:
+        print(
+            f"| {label} | {name} | {base * 1e3:.3f} | {kernel * 1e3:.3f} | {base / kernel:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
