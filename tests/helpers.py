@@ -191,3 +191,18 @@ def spy_prefill_tokens(llm: LLM) -> list[int]:
 
     llm._forward = spy
     return computed
+
+
+def spy_logits(llm: LLM, phase: str) -> list[torch.Tensor]:
+    """Collect the logits of every forward step of the given phase ("prefill" or "decode")."""
+    captured: list[torch.Tensor] = []
+    orig = llm._forward
+
+    def spy(forward_input):
+        out = orig(forward_input)
+        if forward_input.batch.phase == phase:
+            captured.append(out.logits.clone())
+        return out
+
+    llm._forward = spy  # type: ignore[method-assign]
+    return captured

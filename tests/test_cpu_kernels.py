@@ -6,7 +6,14 @@ import math
 
 import pytest
 import torch
-from helpers import MIXED_PROMPTS, assert_all_pages_free, build_llm, greedy, hf_greedy
+from helpers import (
+    MIXED_PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    greedy,
+    hf_greedy,
+    spy_logits,
+)
 
 from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_mod
@@ -227,16 +234,7 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
         else:
             monkeypatch.setattr(FusedDecode, "run", counting_run)
         llm = build_llm(arch, dtype=torch.bfloat16, overlap_schedule=False, cache_type="naive")
-        logits = []
-        orig = llm._forward
-
-        def spy(forward_input):
-            out = orig(forward_input)
-            if forward_input.batch.is_decode:
-                logits.append(out.logits.clone())
-            return out
-
-        llm._forward = spy
+        logits = spy_logits(llm, "decode")
         outputs = llm.generate(prompts, [greedy(n) for n in max_new])
         assert_all_pages_free(llm)
         llm.shutdown()

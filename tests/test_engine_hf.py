@@ -12,6 +12,7 @@ from helpers import (
     hf_greedy,
     hf_last_logits,
     hf_logits,
+    spy_logits,
 )
 
 ARCHS = ["llama3", "qwen2", "qwen3", "mistral", "smollm2"]
@@ -37,16 +38,7 @@ def test_greedy_matches_hf_with_continuous_batching(arch: str, page_size: int) -
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_hf(arch: str) -> None:
     llm = build_llm(arch, cache_type="naive", overlap_schedule=False)
-    captured = []
-    orig = llm._forward
-
-    def spy(forward_input):
-        out = orig(forward_input)
-        if forward_input.batch.is_prefill:
-            captured.append(out.logits.clone())
-        return out
-
-    llm._forward = spy
+    captured = spy_logits(llm, "prefill")
     llm.generate(MIXED_PROMPTS, greedy(1))
     assert len(captured) == 1, "all prompts fit one prefill batch"
     for row, prompt in zip(captured[0], MIXED_PROMPTS):

@@ -217,6 +217,13 @@ typedef struct {
     int dtype;
 } attn_args;
 
+// First position request b attends to: its window's start, or where the cascade prefix ends.
+static inline int64_t attn_start(const attn_args* a, int64_t b) {
+    int64_t kv_len = a->kv_lens[b];
+    int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
+    return a->kv_starts && a->kv_starts[b] > start ? a->kv_starts[b] : start;
+}
+
 #ifdef __AVX512F__
 static inline __m512 load16(const void* base, int64_t offset, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float*)base + offset);
@@ -297,9 +304,7 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
     const int64_t row_elems = a->num_kv_heads * dim;
     const int64_t row_bytes = row_elems * (a->dtype == 0 ? 4 : 2);
     const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
-    int64_t kv_len = a->kv_lens[b];
-    int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
-    if (a->kv_starts && a->kv_starts[b] > start) start = a->kv_starts[b];
+    const int64_t kv_len = a->kv_lens[b], start = attn_start(a, b);
     for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
         int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
         // Rounded up to whole groups of 16 positions; the padding rows are zero.
@@ -407,9 +412,7 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
     }
     int has_state = a->prefix_lse != NULL;
     const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
-    int64_t kv_len = a->kv_lens[b];
-    int64_t start = (a->window > 0 && kv_len > a->window) ? kv_len - a->window : 0;
-    if (a->kv_starts && a->kv_starts[b] > start) start = a->kv_starts[b];
+    const int64_t kv_len = a->kv_lens[b], start = attn_start(a, b);
     for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
         int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
         for (int64_t j = 0; j < count; j++) {
