@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -669,18 +671,20 @@ def run_vllm_peer(
             f"vLLM peer: starting (caching={'on' if enable_prefix_caching else 'off'}, log {log_path})"
         )
         with open(log_path, "w") as log_file:
+            # Its own process group: vLLM forks workers, and all of them go when we do.
+            proc = subprocess.Popen(
+                [str(python), str(VLLM_RUNNER), str(spec_path), str(result_path)],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
-                proc = subprocess.run(
-                    [str(python), str(VLLM_RUNNER), str(spec_path), str(result_path)],
-                    env=env,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    timeout=timeout_s,
-                    check=False,
-                )
-                rc = proc.returncode
+                rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 rc = -1
+            finally:
+                stop_process_group(proc)
         if rc != 0 or not result_path.exists():
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             log(f"vLLM peer: FAILED (exit {rc}); last lines of {log_path}:")
@@ -713,6 +717,34 @@ def run_vllm_peer(
 
 
 # ---------------------------------------------------------------------------- output
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM a child's process group (start_new_session=True), SIGKILL it after grace_s."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            if sig == signal.SIGTERM:
+                # The leader is gone; make sure no worker of its group lingers.
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so `finally` blocks stop peers and servers."""
+
+    def _raise_exit(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table (pastes into docs), columns padded for the terminal."""
 

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     TokenSource,
     bar_chart,
     base_parser,
+    exit_on_sigterm,
     format_table,
     machine_note,
     max_seq_len,
@@ -426,6 +427,7 @@ def vllm_decode_rates(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    exit_on_sigterm()
     model = resolve_bench_model(args.model)
     tokens = TokenSource(model, args.seed)
     set_threads(args.threads)

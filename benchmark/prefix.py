@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     TokenSource,
     bar_chart,
     base_parser,
+    exit_on_sigterm,
     format_table,
     ideal_prefill_tokens,
     machine_note,
@@ -313,6 +314,7 @@ def report(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    exit_on_sigterm()
     table = QUICK_WORKLOADS if args.quick else WORKLOADS
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in table]

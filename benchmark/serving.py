@@ -29,9 +29,7 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -39,7 +37,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -52,6 +49,7 @@ from common import (  # noqa: E402
     MinisglRunner,
     TokenSource,
     base_parser,
+    exit_on_sigterm,
     format_table,
     machine_note,
     median_run,
@@ -61,6 +59,7 @@ from common import (  # noqa: E402
     save_json,
     single_phase,
     stamp,
+    stop_process_group,
 )
 
 PERCENTILES = (50, 90, 99)
@@ -243,22 +242,8 @@ class Server:
         """SIGTERM the whole process group, SIGKILL it if it does not exit in `timeout` s."""
         if self.proc.poll() is not None:
             return
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log(f"server: no exit {timeout:.0f} s after SIGTERM, killing its process group")
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.proc, timeout)
         log(f"server: stopped (exit {self.proc.returncode})")
-
-
-def _raise_exit(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM to the benchmark unwinds like Ctrl-C, so the server is stopped by `finally`."""
-    raise SystemExit(128 + signum)
 
 
 # ---------------------------------------------------------------------------- client
@@ -632,7 +617,7 @@ def benchmark_server(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_exit)
+    exit_on_sigterm()  # SIGTERM unwinds like Ctrl-C, so `finally` stops the server
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # Against a running server, its own folder (from /v1/models) is the model, unless --model.
     model = resolve_bench_model(args.model) if args.url is None or args.model else None
