@@ -274,6 +274,51 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
+#ifdef HAVE_AVX512_BF16
+// Scores of `group` query heads (from head q_head0 of request b, bf16, unscaled) against the
+// block's keys of kv head `kvh`, with vdpbf16ps on the stored bf16 keys: no conversion pass.
+// Products of two bf16 values are exact in float32, so this equals the float32 path but for
+// summation order. PAIRS = head_dim / 32.
+static inline __attribute__((always_inline)) void attn_scores_bf16(
+    const attn_args* a, int64_t b, const int32_t* slots, int64_t t0, int64_t count,
+    int64_t padded, int64_t kvh, int64_t group, int64_t q_head0, float (*scores)[ATTN_BLOCK],
+    int prefetch, const int PAIRS) {
+    const int64_t dim = a->head_dim, row_elems = a->num_kv_heads * dim;
+    const int64_t row_bytes = row_elems * 2;
+    const bf16_t* k_cache = (const bf16_t*)a->k_cache;
+    bf16_t keys[ATTN_BLOCK][ATTN_MAX_DIM];
+    for (int64_t j = 0; j < count; j++) {
+        if (prefetch && t0 + j + ATTN_PREFETCH < a->kv_lens[b]) {
+            int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
+            prefetch_rows(a->k_cache, row_bytes, ahead);
+            prefetch_rows(a->v_cache, row_bytes, ahead);
+        }
+        const bf16_t* row = k_cache + (int64_t)slots[t0 + j] * row_elems + kvh * dim;
+        for (int c = 0; c < PAIRS; c++)
+            _mm512_storeu_si512(keys[j] + 32 * c, _mm512_loadu_si512(row + 32 * c));
+    }
+    for (int64_t j = count; j < padded; j++)
+        for (int c = 0; c < PAIRS; c++)
+            _mm512_storeu_si512(keys[j] + 32 * c, _mm512_setzero_si512());
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int64_t g = 0; g < group; g++) {
+        const bf16_t* q = (const bf16_t*)a->q + (b * a->num_heads + q_head0 + g) * dim;
+        __m512bh qv[PAIRS];
+        for (int c = 0; c < PAIRS; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+        for (int64_t j16 = 0; j16 < padded; j16 += 16) {
+            __m512 partial[16];
+            for (int t = 0; t < 16; t++) {
+                partial[t] = _mm512_setzero_ps();
+                for (int c = 0; c < PAIRS; c++)
+                    partial[t] = _mm512_dpbf16_ps(
+                        partial[t], qv[c], (__m512bh)_mm512_loadu_si512(keys[j16 + t] + 32 * c));
+            }
+            _mm512_storeu_ps(scores[g] + j16, _mm512_mul_ps(sum_lanes16(partial), scale));
+        }
+    }
+}
+#endif
+
 // Heads [kvh0, kvh0 + kv_count) of request b, position by position: each position's key (then
 // value) row is read once for all of them. CHUNKS = head_dim / 16, a constant in each
 // instantiation so the row loops unroll.
@@ -310,6 +355,13 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         // Rounded up to whole groups of 16 positions; the padding rows are zero.
         int64_t padded = (count + 15) & ~(int64_t)15;
         for (int64_t kv = 0; kv < kv_count; kv++) {
+#ifdef HAVE_AVX512_BF16
+            if (a->dtype == 1) {  // bf16: dot products straight from the stored keys
+                attn_scores_bf16(a, b, slots, t0, count, padded, kvh0 + kv, group,
+                                 head0 + kv * group, scores + kv * group, kv == 0, CHUNKS / 2);
+                continue;
+            }
+#endif
             // This kv head's keys for the block, as float32 rows (read once, used by the group).
             for (int64_t j = 0; j < count; j++) {
                 if (kv == 0 && t0 + j + ATTN_PREFETCH < kv_len) {
@@ -322,7 +374,8 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
                     _mm512_storeu_ps(rows[j] + 16 * c, load16(a->k_cache, row + 16 * c, a->dtype));
             }
             for (int64_t j = count; j < padded; j++)
-                for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(rows[j] + 16 * c, _mm512_setzero_ps());
+                for (int c = 0; c < CHUNKS; c++)
+                    _mm512_storeu_ps(rows[j] + 16 * c, _mm512_setzero_ps());
             for (int64_t g = 0; g < group; g++) {
                 int64_t h = kv * group + g;
                 __m512 qv[CHUNKS];
