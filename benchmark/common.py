@@ -862,6 +862,30 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """Options offline.py and prefix.py share: KV page size, peers, repeats, seed, threads, out."""
+    p.add_argument("--page-size", type=int, default=1, help="minisgl KV page size")
+    p.add_argument("--peer", action="append", default=[], choices=["vllm"], help="also run a peer")
+    p.add_argument("--vllm-kv-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for every engine (default: one per available core)",
+    )
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="where the PNG and JSON go")
+
+
+def parse_run_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, rejecting a --repeat below 1."""
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    return args
+
+
 def pyplot_or_none() -> Any:
     """matplotlib.pyplot on the Agg backend, or None (with a note) when it is not installed."""
     try:

@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    OUT_DIR,
     HFRunner,
     MinisglRunner,
     Panel,
@@ -37,6 +36,7 @@ from common import (  # noqa: E402
     Phases,
     RunResult,
     TokenSource,
+    add_run_options,
     bar_chart,
     base_parser,
     exit_on_sigterm,
@@ -46,6 +46,7 @@ from common import (  # noqa: E402
     median_run,
     model_cost,
     model_label,
+    parse_run_args,
     resolve_bench_model,
     run_vllm_peer,
     save_json,
@@ -145,30 +146,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--hf-batch-size", type=int, default=None, help="HF batch (default: all prompts at once)"
     )
-    p.add_argument("--peer", action="append", default=[], choices=["vllm"], help="also run a peer")
-    p.add_argument("--vllm-kv-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median)")
     p.add_argument(
         "--full-warmup",
         action="store_true",
         help="warm up with whole workload (default: its prompts, 4 new tokens each)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for every engine (default: one per available core)",
-    )
     p.add_argument("--cache-type", default="radix", help="minisgl prefix cache: radix or naive")
-    p.add_argument("--page-size", type=int, default=1, help="minisgl KV page size")
     p.add_argument("--max-prefill-length", type=int, default=None, help="minisgl prefill budget")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test, < 1 minute")
-    p.add_argument("--out", type=Path, default=OUT_DIR, help="where the PNG and JSON go")
-    args = p.parse_args(argv)
-    if args.repeat < 1:
-        p.error("--repeat must be >= 1")
-    return args
+    add_run_options(p)
+    return parse_run_args(p, argv)
 
 
 def pick_shapes(args: argparse.Namespace) -> list[Shape]:

@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     LLM,
-    OUT_DIR,
     MinisglRunner,
     Panel,
     PeerRun,
@@ -45,6 +44,7 @@ from common import (  # noqa: E402
     Request,
     RunResult,
     TokenSource,
+    add_run_options,
     bar_chart,
     base_parser,
     exit_on_sigterm,
@@ -54,6 +54,7 @@ from common import (  # noqa: E402
     max_seq_len,
     median_run,
     model_label,
+    parse_run_args,
     resolve_bench_model,
     run_vllm_peer,
     save_json,
@@ -225,24 +226,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="minisgl configs to run (default all available): naive,radix,radix+lpm",
     )
-    p.add_argument("--page-size", type=int, default=1, help="minisgl KV page size")
-    p.add_argument("--peer", action="append", default=[], choices=["vllm"], help="also run a peer")
     p.add_argument("--vllm-block-size", type=int, default=None, help="vLLM KV block size")
-    p.add_argument("--vllm-kv-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for every engine (default: one per available core)",
-    )
     p.add_argument("--quick", action="store_true", help="smaller shapes: a smoke test, < 1 minute")
-    p.add_argument("--out", type=Path, default=OUT_DIR, help="where the PNG and JSON go")
-    args = p.parse_args(argv)
-    if args.repeat < 1:
-        p.error("--repeat must be >= 1")
-    return args
+    add_run_options(p)
+    return parse_run_args(p, argv)
 
 
 def report(

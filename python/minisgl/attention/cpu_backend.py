@@ -48,14 +48,13 @@ class CpuAttnBackend(TorchAttnBackend):
     ) -> None:
         super().__init__(kv_cache, page_table, sliding_windows)
         self.kernels = kernels
-
-    def _kernel_fits(self, batch: Batch) -> bool:
-        k_cache = self.kv_cache.k_cache(0)
-        return self.kernels.supports(k_cache.dtype) and k_cache.shape[-1] <= MAX_HEAD_DIM
+        k_cache = kv_cache.k_cache(0)
+        # The pool's dtype and head size decide once whether the kernel can read it.
+        self.kernel_fits = kernels.supports(k_cache.dtype) and k_cache.shape[-1] <= MAX_HEAD_DIM
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.reqs
-        if not self._kernel_fits(batch) or (batch.is_prefill and len(reqs) < 2):
+        if not self.kernel_fits or (batch.is_prefill and len(reqs) < 2):
             return super().prepare_metadata(batch)
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
         # Only positions every request had cached before this step can be shared.

@@ -313,6 +313,9 @@ class CpuKernels:
         )
         return out
 
+    def decode_layer_scratch(self, model: DecodeModelParams, tokens: int) -> int:
+        return self.lib.minisgl_decode_layer_scratch(ctypes.byref(model), tokens)
+
     def decode_layer(
         self,
         layer: DecodeLayerParams,
@@ -323,11 +326,12 @@ class CpuKernels:
         rows: torch.Tensor,
         kv_lens: torch.Tensor,
         out_loc: torch.Tensor,
+        scratch: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One bf16 decoder layer for x [tokens, hidden] (one decode token per request), as
-        DecoderLayer.forward computes it: returns (MLP output, residual)."""
+        DecoderLayer.forward computes it: returns (MLP output, residual). scratch: bf16 of
+        decode_layer_scratch(model, tokens) elements, reused across layers."""
         tokens = x.shape[0]
-        scratch = x.new_empty(self.lib.minisgl_decode_layer_scratch(ctypes.byref(model), tokens))
         out = torch.empty_like(x)
         new_residual = torch.empty_like(x) if residual is None else residual
         self.lib.minisgl_decode_layer(

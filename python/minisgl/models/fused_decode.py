@@ -112,9 +112,10 @@ class FusedDecode:
         rows, kv_lens = args
         positions = positions.long().contiguous()
         out_loc = batch.out_loc.long().contiguous()
+        scratch = x.new_empty(self.kernels.decode_layer_scratch(self.model_params, x.shape[0]))
         residual = None
         for params in self.layer_params:
             x, residual = self.kernels.decode_layer(
-                params, self.model_params, x, residual, positions, rows, kv_lens, out_loc
+                params, self.model_params, x, residual, positions, rows, kv_lens, out_loc, scratch
             )
         return model.norm(x, residual)[0]
