@@ -72,6 +72,26 @@ def gemv_case(
     )
 
 
+def amx_case(
+    kernels: CpuKernels, weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int
+) -> Row:
+    """`rows` input rows through every weight: the C AMX matmul vs oneDNN (packed)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
+    tiles = [kernels.amx_pack(w) for w in weights]
+
+    def amx() -> None:
+        for w, t in zip(weights, tiles):
+            kernels.amx_linear(xs[w.shape[1]], t, w.shape[0], None)
+
+    def baseline() -> None:
+        for w, p in zip(weights, packed):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    mbytes = sum(w.numel() * 2 for w in weights) / 1e6
+    label = f"AMX matmul {rows} rows, {mbytes:.0f} MB of weights"
+    return label, "oneDNN packed", seconds(baseline, 5), seconds(amx, 5)
+
+
 def attention_case(kernels: CpuKernels, args: argparse.Namespace, batch: int, context: int) -> Row:
     """Decode attention of `batch` requests x `context` positions over every layer."""
     slots = batch * context
@@ -147,7 +167,10 @@ def main() -> None:
     kernels = cpu_kernels()
     if kernels is None:
         sys.exit("CPU kernels unavailable here (no gcc, not x86-64 Linux, or disabled)")
-    print(f"# {torch.get_num_threads()} threads, avx512_bf16: {kernels.has_avx512_bf16}")
+    print(
+        f"# {torch.get_num_threads()} threads, avx512_bf16: {kernels.has_avx512_bf16}, "
+        f"amx: {kernels.has_amx}"
+    )
     q_width = args.heads * args.head_dim
     kv_width = args.kv_heads * args.head_dim
     shapes = [(q_width + 2 * kv_width, args.hidden), (args.hidden, q_width)]
@@ -161,6 +184,8 @@ def main() -> None:
         if onednn_packing_available():
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
+        if kernels.has_amx and packed is not None:
+            rows += [amx_case(kernels, weights, packed, n) for n in (16, 32, 64, 256)]
     rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
     for tokens in (1, 64, 2048):
         rows += elementwise_cases(kernels, tokens, args.hidden, args.intermediate)

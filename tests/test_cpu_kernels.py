@@ -17,6 +17,7 @@ from helpers import (
 
 from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_mod
+from minisgl.layers.linear import AMX_GEMV_MAX_ROWS, GEMV_MAX_ROWS, CpuProjection
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import _rotate
 
@@ -73,6 +74,24 @@ def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):
     out = kernels.gemv_bf16(x, weight, b)
     assert out.dtype == torch.bfloat16
     # Only the final rounding to bf16 (and float32 summation order) differs.
+    torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100])
+@pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_mid_sized_bf16_projection_matches_float_matmul(rows, out_features, in_features, bias):
+    """Between the GEMV and prefill: the AMX tiles where the CPU has them (odd shapes padded
+    to whole tiles), else oneDNN's packed matmul."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    projection = CpuProjection(weight, kernels)
+    assert (projection.amx is not None) == kernels.has_amx
+    out = projection(x, weight, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    want = x.float() @ weight.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
@@ -214,18 +233,20 @@ def test_cascade_over_a_shared_system_prompt_matches_hf(arch, monkeypatch):
 )
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3", "mistral", "llama3"])
 def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
-    """bf16 decode at batch <= 4 runs whole layers in C; its logits equal the module-by-module
-    path's bit for bit (same kernels, same order), for every architecture's variant."""
+    """bf16 decode runs whole layers in C (GEMV batches, and AMX ones where the CPU has tiles);
+    its logits equal the module-by-module path's bit for bit (same kernels, same order), for
+    every architecture's variant."""
     from minisgl.models.fused_decode import FusedDecode
 
-    prompts = MIXED_PROMPTS[:3]
-    max_new = [6, 9, 4]
-    fused_steps = []
+    prompts = MIXED_PROMPTS
+    max_new = [6, 9, 4, 7, 5, 8, 3, 6]
+    fused_batches = []
     run = FusedDecode.run
 
-    def counting_run(self, *args):
-        out = run(self, *args)
-        fused_steps.append(out is not None)
+    def counting_run(self, model, x, *args):
+        out = run(self, model, x, *args)
+        if out is not None:
+            fused_batches.append(x.shape[0])
         return out
 
     def decode_logits(fused: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -242,7 +263,12 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
 
     fused_logits, fused_ids = decode_logits(True)
     module_logits, module_ids = decode_logits(False)
-    assert any(fused_steps), "the fused path never ran"
+    assert fused_batches, "the fused path never ran"
+    # Past the GEMV's rows only with the AMX tiles.
+    if kernels.has_amx:
+        assert max(fused_batches) > AMX_GEMV_MAX_ROWS
+    else:
+        assert max(fused_batches) <= GEMV_MAX_ROWS
     assert fused_ids == module_ids
     assert len(fused_logits) == len(module_logits)
     for got, want in zip(fused_logits, module_logits):

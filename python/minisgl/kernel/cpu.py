@@ -41,7 +41,11 @@ _int = ctypes.c_int
 _float = ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
     "minisgl_has_avx512_bf16": [],
+    "minisgl_has_amx": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_amx_packed_elems": [_i64, _i64],
+    "minisgl_amx_pack": [_ptr, _ptr, _i64, _i64, _int],
+    "minisgl_amx_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_i64, _i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
@@ -53,7 +57,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
 }
-_RESTYPES = {"minisgl_decode_layer_scratch": _i64}
+_RESTYPES = {"minisgl_decode_layer_scratch": _i64, "minisgl_amx_packed_elems": _i64}
 
 
 class DecodeLayerParams(ctypes.Structure):
@@ -74,6 +78,10 @@ class DecodeLayerParams(ctypes.Structure):
             "gate_up_b",
             "down_w",
             "down_b",
+            "qkv_t",
+            "o_t",
+            "gate_up_t",
+            "down_t",
             "k_cache",
             "v_cache",
         )
@@ -95,6 +103,7 @@ class DecodeModelParams(ctypes.Structure):
         ("sin", _ptr),
         ("page_table", _ptr),
         ("table_stride", _i64),
+        ("gemv_max_rows", _i64),
     ]
 
 
@@ -141,6 +150,8 @@ class CpuKernels:
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = _RESTYPES.get(name, _int)
         self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
+        # Built with the tile instructions and granted the tile state by the kernel.
+        self.has_amx = ENV.CPU_AMX.value and bool(lib.minisgl_has_amx())
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in _DTYPE_CODES
@@ -158,6 +169,37 @@ class CpuKernels:
             out.data_ptr(),
             rows,
             weight.shape[0],
+            in_features,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [N, K] in the AMX tile layout `amx_linear` takes (zero-padded)."""
+        out_features, in_features = weight.shape
+        packed = weight.new_empty(self.lib.minisgl_amx_packed_elems(out_features, in_features))
+        self.lib.minisgl_amx_pack(
+            weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads()
+        )
+        return packed
+
+    def amx_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [M, K] @ W^T (+ bias) with the AMX tiles, W packed by `amx_pack`; all bfloat16."""
+        rows, in_features = x.shape
+        out = x.new_empty(rows, out_features)
+        self.lib.minisgl_amx_linear(
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            out_features,
             in_features,
             torch.get_num_threads(),
         )

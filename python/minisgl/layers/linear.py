@@ -9,11 +9,13 @@ from torch import nn
 from minisgl.kernel.cpu import CpuKernels
 
 # Rows per call decide the CPU matmul (benchmark/kernels.py, offline.py --decode-batch-sizes):
-# up to GEMV_MAX_ROWS the C GEMV (bandwidth-bound at 1-4 rows, ~1.5-3x oneDNN's bf16 there; at
-# 5-8 rows level with it, and it lets the whole decode layer run in C); from there oneDNN's
-# packed layout (AMX where the CPU has it), 1.3-2x faster than F.linear, until large prefills
-# where F.linear catches up.
+# the C GEMV for a few rows (bandwidth-bound at 1-4 rows, ~1.2-3x oneDNN's bf16 there; at 5-8
+# level with oneDNN, so it keeps up to GEMV_MAX_ROWS where the AMX matmul is absent), then up
+# to PACKED_MAX_ROWS the C AMX matmul where the CPU has tiles (1.3-1.6x oneDNN at 5-64 rows,
+# 1.5x the GEMV at 5-8), else oneDNN's packed layout (1.3-2x F.linear); prefill-sized calls
+# take F.linear, as fast there.
 GEMV_MAX_ROWS = 8
+AMX_GEMV_MAX_ROWS = 4
 PACKED_MAX_ROWS = 1024
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -26,27 +28,36 @@ def onednn_packing_available() -> bool:
 
 class CpuProjection:
     """How a half-precision weight is multiplied on the CPU, by rows per call: the C GEMV
-    (bf16), a oneDNN-packed copy, then F.linear. Without the GEMV only the packed copy is kept."""
+    (bf16), a packed copy for mid-sized calls (the C AMX tile layout, or oneDNN's), then
+    F.linear. Without the GEMV and F.linear only the packed copy is kept."""
 
     def __init__(self, weight: torch.Tensor, kernels: CpuKernels | None) -> None:
+        bf16 = weight.dtype == torch.bfloat16
         # Only with the bf16 dot-product instructions does the GEMV beat oneDNN.
         usable = kernels is not None and kernels.has_avx512_bf16
-        self.gemv = kernels if usable and weight.dtype == torch.bfloat16 else None
+        self.gemv = kernels if usable and bf16 else None
+        self.amx = kernels if kernels is not None and kernels.has_amx and bf16 else None
+        self.out_features = weight.shape[0]
+        self.gemv_max_rows = AMX_GEMV_MAX_ROWS if self.amx is not None else GEMV_MAX_ROWS
         self.packed: torch.Tensor | None = None
-        if onednn_packing_available():
+        if self.amx is not None:
+            self.packed = self.amx.amx_pack(weight)
+        elif onednn_packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
     @property
     def needs_weight(self) -> bool:
-        return self.gemv is not None or self.packed is None
+        return self.gemv is not None or self.amx is not None or self.packed is None
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else -1
-        if self.gemv is not None and 0 <= rows <= GEMV_MAX_ROWS:
+        if self.gemv is not None and 0 <= rows <= self.gemv_max_rows:
             return self.gemv.gemv_bf16(x.contiguous(), weight, bias)
-        if self.packed is not None and (not self.needs_weight or rows < PACKED_MAX_ROWS):
+        if self.packed is not None and (not self.needs_weight or 0 <= rows < PACKED_MAX_ROWS):
+            if self.amx is not None:
+                return self.amx.amx_linear(x.contiguous(), self.packed, self.out_features, bias)
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )

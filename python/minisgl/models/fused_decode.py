@@ -1,8 +1,9 @@
-"""The fused C decode layer: a whole bf16 decoder layer per call for small decode batches.
+"""The fused C decode layer: a whole bf16 decoder layer per call for decode batches.
 
 At batch 1 a layer is ~10 short kernels and the Python between them cost as much as reading
 the weights; `minisgl_decode_layer` runs the same kernels in the same order from C, so its
-output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py).
+output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py). Batches up to
+the GEMV's row limit take it everywhere; larger ones where the AMX matmul serves them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from minisgl.kernel.cpu import (
     DecodeModelParams,
     kernels_for,
 )
-from minisgl.layers.linear import GEMV_MAX_ROWS, Linear
+from minisgl.layers.linear import PACKED_MAX_ROWS, CpuProjection, Linear
 
 if TYPE_CHECKING:
     from .decoder import DecoderModel
@@ -31,6 +32,16 @@ if TYPE_CHECKING:
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _projection(linear: Linear) -> CpuProjection:
+    assert linear.cpu_projection is not None
+    return linear.cpu_projection
+
+
+def _tiles(linear: Linear) -> torch.Tensor | None:
+    projection = _projection(linear)
+    return projection.packed if projection.amx is not None else None
 
 
 class FusedDecode:
@@ -41,6 +52,11 @@ class FusedDecode:
         assert ctx.kv_cache is not None and ctx.page_table is not None
         self.kernels = kernels
         self.kv_cache, self.page_table = ctx.kv_cache, ctx.page_table
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        gemv_max_rows = min(_projection(m).gemv_max_rows for m in linears)
+        with_tiles = all(_tiles(m) is not None for m in linears)
+        # Rows past the GEMV's need every projection's AMX tiles.
+        self.max_tokens = PACKED_MAX_ROWS - 1 if with_tiles else gemv_max_rows
         self.model_params = DecodeModelParams(
             hidden=config.hidden_size,
             inter=config.intermediate_size,
@@ -53,6 +69,7 @@ class FusedDecode:
             sin=_ptr(model.rotary.sin),
             page_table=_ptr(ctx.page_table),
             table_stride=ctx.page_table.stride(0),
+            gemv_max_rows=gemv_max_rows,
         )
         self.layer_params = []
         for i, layer in enumerate(model.layers):
@@ -72,6 +89,10 @@ class FusedDecode:
                     gate_up_b=_ptr(mlp.gate_up_proj.bias),
                     down_w=_ptr(mlp.down_proj.weight),
                     down_b=_ptr(mlp.down_proj.bias),
+                    qkv_t=_ptr(_tiles(attn.qkv_proj)),
+                    o_t=_ptr(_tiles(attn.o_proj)),
+                    gate_up_t=_ptr(_tiles(mlp.gate_up_proj)),
+                    down_t=_ptr(_tiles(mlp.down_proj)),
                     k_cache=_ptr(ctx.kv_cache.k_cache(i)),
                     v_cache=_ptr(ctx.kv_cache.v_cache(i)),
                     window=config.sliding_windows[i] or 0,
@@ -103,7 +124,7 @@ class FusedDecode:
         self, model: DecoderModel, x: torch.Tensor, positions: torch.Tensor, batch: Batch
     ) -> torch.Tensor | None:
         """The final hidden states, or None when this batch must take the module path."""
-        if not batch.is_decode or x.shape[0] > GEMV_MAX_ROWS or batch.out_loc is None:
+        if not batch.is_decode or x.shape[0] > self.max_tokens or batch.out_loc is None:
             return None
         backend = get_global_ctx().attn_backend
         args = None if backend is None else backend.paged_decode_args(batch)

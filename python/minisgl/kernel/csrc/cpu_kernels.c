@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -16,6 +17,12 @@
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_AVX512_BF16 1
+#endif
+#if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 typedef uint16_t bf16_t;
@@ -188,6 +195,188 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
 #endif
     }
     for (int64_t n = full_blocks * 4; n < N; n++) gemv_row_generic(x, w, bias, y, M, N, K, n);
+}
+
+// --------------------------------------------------------------------------- AMX matmul
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with the AMX tile unit, for the row counts
+// between the GEMV and prefill (9 to ~1,000): oneDNN's bf16 matmul there does not overlap
+// streaming the weights with the tile math. The weight is packed once into the tile layout
+// (zero-padded to whole 32 x 32 blocks): for each block of 32 output columns, for each 32-wide
+// step of k, two 16-column tiles of 16 k-pairs ("VNNI": w[n][k], w[n][k+1] adjacent), 2 KB
+// read in order. Each 32 x 32 block of the result lives in four accumulator tiles
+// (two 16-row tiles of x times two 16-column tiles of w) over the whole of k.
+
+#define AMX_KSTEP 32
+#define AMX_NBLOCK 32
+#define AMX_MGROUP 64        // rows per task: a task's weight block is reused from cache
+#define AMX_PREFETCH_STEPS 4  // k-steps ahead the weight tiles are prefetched
+
+int minisgl_has_amx(void) {
+#ifdef HAVE_AMX
+    // Linux hands out the tile state only to processes that ask (ARCH_REQ_XCOMP_PERM, 18 =
+    // XFEATURE_XTILEDATA); asking again is harmless.
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+
+int64_t minisgl_amx_packed_elems(int64_t N, int64_t K) {
+    return (N + AMX_NBLOCK - 1) / AMX_NBLOCK * AMX_NBLOCK * ((K + AMX_KSTEP - 1) / AMX_KSTEP) *
+           AMX_KSTEP;
+}
+
+void minisgl_amx_pack(const bf16_t* w, bf16_t* packed, int64_t N, int64_t K, int nthreads) {
+    const int64_t nblocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
+    const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        bf16_t* dst = packed + nb * ksteps * AMX_NBLOCK * AMX_KSTEP;
+        for (int64_t kb = 0; kb < ksteps; kb++)
+            for (int tile = 0; tile < 2; tile++)
+                for (int pair = 0; pair < 16; pair++)
+                    for (int col = 0; col < 16; col++)
+                        for (int e = 0; e < 2; e++) {
+                            int64_t n = nb * AMX_NBLOCK + tile * 16 + col;
+                            int64_t k = kb * AMX_KSTEP + 2 * pair + e;
+                            *dst++ = n < N && k < K ? w[n * K + k] : 0;
+                        }
+    }
+}
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette_id, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+// Accumulator tile rows (float32, 16 columns each) + bias -> bf16 rows of y, for valid rows
+// and columns only.
+static inline void amx_store(const float (*acc)[16], const bf16_t* bias, bf16_t* y, int64_t N,
+                             int64_t m0, int64_t rows, int64_t n0) {
+    __mmask16 cols = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + n0)), 16));
+    for (int64_t r = 0; r < rows; r++) {
+        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[r]), b));
+        _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, cols, (__m256i)v);
+    }
+}
+
+// Rows [m0, m1) of x (whole 16-row tiles, row stride ldx elements) times column block nb.
+static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
+                     bf16_t* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
+                     int64_t n0) {
+    float acc[4][16][16] __attribute__((aligned(64)));
+    for (int64_t m = m0; m < m1; m += 32) {
+        const bf16_t* a0 = x + m * ldx;
+        const int first = m == m0;  // only the first pass reads the weights from memory
+        if (m1 - m >= 32) {
+            const bf16_t* a1 = a0 + 16 * ldx;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < ksteps; kb++) {
+                const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
+                if (first && kb + AMX_PREFETCH_STEPS < ksteps)
+                    for (int line = 0; line < 32; line++)
+                        _mm_prefetch((const char*)(b + AMX_PREFETCH_STEPS * 1024) + 64 * line,
+                                     _MM_HINT_T0);
+                _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
+                _tile_loadd(6, b, 64);
+                _tile_loadd(7, b + 512, 64);
+                _tile_loadd(5, a1 + kb * AMX_KSTEP, ldx * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kb = 0; kb < ksteps; kb++) {
+                const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
+                if (first && kb + AMX_PREFETCH_STEPS < ksteps)
+                    for (int line = 0; line < 32; line++)
+                        _mm_prefetch((const char*)(b + AMX_PREFETCH_STEPS * 1024) + 64 * line,
+                                     _MM_HINT_T0);
+                _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
+                _tile_loadd(6, b, 64);
+                _tile_loadd(7, b + 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+        }
+        for (int mt = 0; mt < 2 && m + 16 * mt < m1; mt++) {
+            int64_t first_row = m + 16 * mt;
+            int64_t rows = M - first_row < 16 ? M - first_row : 16;
+            if (rows <= 0) break;
+            for (int nt = 0; nt < 2 && n0 + 16 * nt < N; nt++)
+                amx_store(acc[2 * mt + nt], bias, y, N, first_row, rows, n0 + 16 * nt);
+        }
+    }
+}
+#endif
+
+// x [M, K] (contiguous) times the packed weight; M rows of y [M, N]. Rows and k are padded to
+// whole tiles in a copy of x only when they are not already.
+void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
+                        int64_t M, int64_t N, int64_t K, int nthreads) {
+#ifdef HAVE_AMX
+    const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP, kpad = ksteps * AMX_KSTEP;
+    const int64_t mpad = (M + 15) / 16 * 16;
+    const int64_t nblocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
+    const int64_t mgroups = (mpad + AMX_MGROUP - 1) / AMX_MGROUP;
+    bf16_t* xpad = NULL;
+    const bf16_t* a = x;
+    int64_t ldx = K;
+    if (mpad != M || kpad != K) {
+        xpad = (bf16_t*)aligned_alloc(64, (size_t)(mpad * kpad * 2));
+        if (!xpad) return;
+        for (int64_t m = 0; m < mpad; m++) {
+            bf16_t* row = xpad + m * kpad;
+            if (m < M) memcpy(row, x + m * K, (size_t)K * 2);
+            memset(row + (m < M ? K : 0), 0, (size_t)(m < M ? kpad - K : kpad) * 2);
+        }
+        a = xpad;
+        ldx = kpad;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        // Consecutive tasks share a column block, so a thread's later row groups find its
+        // weights in cache.
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < nblocks * mgroups; task++) {
+            int64_t nb = task / mgroups, g = task % mgroups;
+            int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
+            amx_task(a, ldx, packed + nb * ksteps * AMX_NBLOCK * AMX_KSTEP, bias, y, M, N,
+                     ksteps, m0, m1, nb * AMX_NBLOCK);
+        }
+        _tile_release();
+    }
+    free(xpad);
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+#endif
 }
 
 // --------------------------------------------------------------------- paged decode attention
@@ -709,14 +898,16 @@ void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const voi
 }
 
 // ------------------------------------------------------------------- fused decode layer (bf16)
-// A whole decoder layer for a few decode tokens (one per request) in one call, built from the
+// A whole decoder layer for a decode batch (one token per request) in one call, built from the
 // kernels above in the order the PyTorch modules run them, so the result is the same bit for
 // bit: at batch 1 the layer is ~10 short kernels, and Python's cost between them was as large
-// as the weights' read time.
+// as the weights' read time. Projections take the GEMV up to gemv_max_rows tokens, the AMX
+// tiles above (as layers/linear.py's CpuProjection picks).
 
 typedef struct {
     const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
     const bf16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const bf16_t *qkv_t, *o_t, *gate_up_t, *down_t;  // AMX tile layouts, or NULL
     bf16_t *k_cache, *v_cache;  // this layer's pool: [slots, kv_heads, head_dim]
     int64_t window;             // 0: none
 } decode_layer;
@@ -727,7 +918,17 @@ typedef struct {
     const float *cos, *sin;  // rotary tables [max_positions, head_dim]
     const int32_t* page_table;
     int64_t table_stride;
+    int64_t gemv_max_rows;
 } decode_model;
+
+static void layer_matmul(const decode_model* m, const bf16_t* x, const bf16_t* w,
+                         const bf16_t* tiles, const bf16_t* bias, bf16_t* y, int64_t tokens,
+                         int64_t N, int64_t K, int nthreads) {
+    if (tiles && tokens > m->gemv_max_rows)
+        minisgl_amx_linear(x, tiles, bias, y, tokens, N, K, nthreads);
+    else
+        minisgl_gemv_bf16(x, w, bias, y, tokens, N, K, nthreads);
+}
 
 // Scratch elements (bf16) minisgl_decode_layer needs for `tokens` tokens.
 int64_t minisgl_decode_layer_scratch(const decode_model* m, int64_t tokens) {
@@ -761,16 +962,18 @@ void minisgl_decode_layer(const decode_layer* L, const decode_model* m, const bf
         minisgl_add_rms_norm(x, NULL, L->input_norm, normed, NULL, tokens, hidden, m->eps, 1,
                              nthreads);
     }
-    minisgl_gemv_bf16(normed, L->qkv_w, L->qkv_b, qkv, tokens, qkv_width, hidden, nthreads);
+    layer_matmul(m, normed, L->qkv_w, L->qkv_t, L->qkv_b, qkv, tokens, qkv_width, hidden,
+                 nthreads);
     minisgl_decode_attention_block(qkv, q, attn, L->q_norm, L->k_norm, m->eps, L->k_cache,
                                    L->v_cache, out_loc, positions, m->cos, m->sin, m->page_table,
                                    m->table_stride, rows, kv_lens, tokens, m->num_heads,
                                    m->num_kv_heads, dim, m->scale, L->window, 1, nthreads);
-    minisgl_gemv_bf16(attn, L->o_w, L->o_b, proj, tokens, hidden, q_width, nthreads);
+    layer_matmul(m, attn, L->o_w, L->o_t, L->o_b, proj, tokens, hidden, q_width, nthreads);
     minisgl_add_rms_norm(proj, residual, L->post_norm, normed, residual, tokens, hidden, m->eps,
                          1, nthreads);
-    minisgl_gemv_bf16(normed, L->gate_up_w, L->gate_up_b, gate_up, tokens, 2 * m->inter, hidden,
-                      nthreads);
+    layer_matmul(m, normed, L->gate_up_w, L->gate_up_t, L->gate_up_b, gate_up, tokens,
+                 2 * m->inter, hidden, nthreads);
     minisgl_silu_and_mul(gate_up, act, tokens, m->inter, 1, nthreads);
-    minisgl_gemv_bf16(act, L->down_w, L->down_b, out, tokens, hidden, m->inter, nthreads);
+    layer_matmul(m, act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
+                 nthreads);
 }
