@@ -47,6 +47,23 @@ def test_prefill_logits_match_hf(arch: str) -> None:
     llm.shutdown()
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+def test_equal_length_prompts_share_one_causal_attention_call(arch: str) -> None:
+    """Fresh prompts of one length take a single batched causal SDPA call (mixed lengths are
+    covered above); logits and greedy tokens still equal HF's."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (11,), generator=gen).tolist() for _ in range(4)]
+    llm = build_llm(arch, cache_type="naive", overlap_schedule=False)
+    captured = spy_logits(llm, "prefill")
+    outputs = llm.generate(prompts, greedy(6))
+    assert len(captured) == 1
+    for row, prompt in zip(captured[0], prompts):
+        torch.testing.assert_close(row, hf_last_logits(arch, prompt), atol=1e-4, rtol=0)
+    assert [o["token_ids"] for o in outputs] == hf_greedy(arch, prompts, [6] * 4)
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_default_model_says_paris(dtype: torch.dtype) -> None:
     llm = build_llm("smollm2", cache_type="naive", dtype=dtype)

@@ -25,6 +25,9 @@ class TorchAttnMetadata:
     # sequence, and a [1, 1, tokens, slots] mask of which token may see which slot.
     shared_slots: torch.Tensor | None = None
     shared_mask: torch.Tensor | None = None
+    # Prompts with nothing cached (their extend lengths): each attends causally to its own new
+    # tokens only, so SDPA runs on the new q/k/v as they are (the fields above stay unused).
+    fresh_lens: list[int] | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -35,6 +38,8 @@ class TorchAttnBackend(BaseAttnBackend):
     """
 
     shared_kv_min_dup = 0.5
+    # Prefills with nothing cached attend straight on their new q/k/v (`_fresh_attention`).
+    fresh_prefill = True
 
     def __init__(
         self,
@@ -50,6 +55,12 @@ class TorchAttnBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.reqs
         device = self.device
+        if self.fresh_prefill and batch.is_prefill and set(self.sliding_windows) == {None}:
+            if all(r.extend_len == r.device_len for r in reqs):
+                lens = [r.extend_len for r in reqs]
+                empty = torch.empty(0, dtype=torch.int64, device=device)
+                batch.attn_metadata = TorchAttnMetadata(empty, None, max(lens), {}, fresh_lens=lens)
+                return
         seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
         extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
         max_kv, max_q = int(seq_lens.max()), int(extend_lens.max())
@@ -110,6 +121,8 @@ class TorchAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         num_reqs, (_, num_heads, head_dim) = len(batch.reqs), q.shape
+        if meta.fresh_lens is not None:
+            return self._fresh_attention(q, k, v, meta.fresh_lens)
         if meta.shared_slots is not None:
             return self._shared_attention(q, meta, layer_id)
         # [B, kv_heads, max_kv, dim]; index_select is ~5x faster than advanced indexing here.
@@ -132,6 +145,31 @@ class TorchAttnBackend(BaseAttnBackend):
             return out.squeeze(2)
         out = out.transpose(1, 2).reshape(num_reqs * meta.max_q, num_heads, head_dim)
         return out[meta.q_rows]
+
+    @staticmethod
+    def _fresh_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+    ) -> torch.Tensor:
+        """Causal SDPA on the new tokens themselves: no gather from the pool, no padding and no
+        explicit mask (which keeps SDPA on its fast causal path). Equal lengths: one call."""
+        if len(set(lens)) == 1:
+            shape = (len(lens), lens[0])
+
+            def heads_first(x: torch.Tensor) -> torch.Tensor:
+                return x.view(*shape, *x.shape[1:]).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(
+                heads_first(q), heads_first(k), heads_first(v), is_causal=True, enable_gqa=True
+            )
+            return out.transpose(1, 2).reshape(q.shape)
+        outs, start = [], 0
+        for length in lens:
+            rows = slice(start, start + length)
+            one = [x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+            out = F.scaled_dot_product_attention(*one, is_causal=True, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
+            start += length
+        return torch.cat(outs)
 
     def _shared_attention(
         self, q: torch.Tensor, meta: TorchAttnMetadata, layer_id: int
