@@ -25,9 +25,12 @@ class TorchAttnMetadata:
     # sequence, and a [1, 1, tokens, slots] mask of which token may see which slot.
     shared_slots: torch.Tensor | None = None
     shared_mask: torch.Tensor | None = None
-    # Prompts with nothing cached (their extend lengths): each attends causally to its own new
-    # tokens only, so SDPA runs on the new q/k/v as they are (the fields above stay unused).
-    fresh_lens: list[int] | None = None
+    # Request by request instead (few requests, or none with anything cached): each one's
+    # (extend_len, kv_len, page-table row); a request with nothing cached attends to its new
+    # q/k/v as they are, causally; one with a cached prefix to its gathered KV under its
+    # `prefix_masks` entry (bottom-right causal [extend_len, kv_len]).
+    per_request: list[tuple[int, int, int]] | None = None
+    prefix_masks: list[torch.Tensor | None] | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -38,8 +41,10 @@ class TorchAttnBackend(BaseAttnBackend):
     """
 
     shared_kv_min_dup = 0.5
-    # Prefills with nothing cached attend straight on their new q/k/v (`_fresh_attention`).
-    fresh_prefill = True
+    # Prefill request by request (`_per_request_attention`) when no request has anything cached,
+    # or when there are at most this many requests (and no heavily shared prefix).
+    per_request_prefill = True
+    per_request_max_reqs = 8
 
     def __init__(
         self,
@@ -55,12 +60,11 @@ class TorchAttnBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.reqs
         device = self.device
-        if self.fresh_prefill and batch.is_prefill and set(self.sliding_windows) == {None}:
-            if all(r.extend_len == r.device_len for r in reqs):
-                lens = [r.extend_len for r in reqs]
-                empty = torch.empty(0, dtype=torch.int64, device=device)
-                batch.attn_metadata = TorchAttnMetadata(empty, None, max(lens), {}, fresh_lens=lens)
-                return
+        by_request = self.per_request_prefill and batch.is_prefill
+        by_request = by_request and set(self.sliding_windows) == {None}
+        if by_request and all(r.extend_len == r.device_len for r in reqs):
+            batch.attn_metadata = self._per_request_metadata(batch)
+            return
         seq_lens = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
         extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
         max_kv, max_q = int(seq_lens.max()), int(extend_lens.max())
@@ -88,7 +92,24 @@ class TorchAttnBackend(BaseAttnBackend):
             token_req = torch.arange(len(reqs), device=device)[:, None].expand_as(q_valid)
             kv_valid = kv_pos[None, :] < seq_lens[:, None]
             self._prepare_shared(meta, causal[q_valid], token_req[q_valid], kv_valid)
+        if by_request and meta.shared_slots is None and len(reqs) <= self.per_request_max_reqs:
+            meta = self._per_request_metadata(batch)
         batch.attn_metadata = meta
+
+    def _per_request_metadata(self, batch: Batch) -> TorchAttnMetadata:
+        per_request = [(r.extend_len, r.device_len, r.table_idx) for r in batch.reqs]
+        masks: list[torch.Tensor | None] = []
+        for extend_len, kv_len, _ in per_request:
+            if extend_len == kv_len:
+                masks.append(None)
+                continue
+            mask = torch.ones(extend_len, kv_len, dtype=torch.bool, device=self.device)
+            masks.append(mask.tril(diagonal=kv_len - extend_len))
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        max_q = max(extend_len for extend_len, _, _ in per_request)
+        return TorchAttnMetadata(
+            empty, None, max_q, {}, per_request=per_request, prefix_masks=masks
+        )
 
     def _prepare_shared(
         self,
@@ -121,8 +142,8 @@ class TorchAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         num_reqs, (_, num_heads, head_dim) = len(batch.reqs), q.shape
-        if meta.fresh_lens is not None:
-            return self._fresh_attention(q, k, v, meta.fresh_lens)
+        if meta.per_request is not None:
+            return self._per_request_attention(q, k, v, layer_id, meta)
         if meta.shared_slots is not None:
             return self._shared_attention(q, meta, layer_id)
         # [B, kv_heads, max_kv, dim]; index_select is ~5x faster than advanced indexing here.
@@ -146,13 +167,20 @@ class TorchAttnBackend(BaseAttnBackend):
         out = out.transpose(1, 2).reshape(num_reqs * meta.max_q, num_heads, head_dim)
         return out[meta.q_rows]
 
-    @staticmethod
-    def _fresh_attention(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+    def _per_request_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: TorchAttnMetadata,
     ) -> torch.Tensor:
-        """Causal SDPA on the new tokens themselves: no gather from the pool, no padding and no
-        explicit mask (which keeps SDPA on its fast causal path). Equal lengths: one call."""
-        if len(set(lens)) == 1:
+        """SDPA request by request: no padding, and requests with nothing cached attend to their
+        new q/k/v as they are with `is_causal` (SDPA's causal path skips the masked half), all
+        in one call when they are also of one length."""
+        assert meta.per_request is not None and meta.prefix_masks is not None
+        lens = [extend_len for extend_len, _, _ in meta.per_request]
+        if all(m is None for m in meta.prefix_masks) and len(set(lens)) == 1:
             shape = (len(lens), lens[0])
 
             def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -163,12 +191,21 @@ class TorchAttnBackend(BaseAttnBackend):
             )
             return out.transpose(1, 2).reshape(q.shape)
         outs, start = [], 0
-        for length in lens:
-            rows = slice(start, start + length)
-            one = [x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-            out = F.scaled_dot_product_attention(*one, is_causal=True, enable_gqa=True)
+        for (extend_len, kv_len, row), mask in zip(meta.per_request, meta.prefix_masks):
+            tokens = slice(start, start + extend_len)
+            start += extend_len
+            query = q[tokens].transpose(0, 1).unsqueeze(0)
+            if mask is None:
+                keys, values = k[tokens], v[tokens]
+            else:
+                slots = self.page_table[row, :kv_len].long()
+                keys = self.kv_cache.k_cache(layer_id).index_select(0, slots)
+                values = self.kv_cache.v_cache(layer_id).index_select(0, slots)
+            keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
             outs.append(out[0].transpose(0, 1))
-            start += length
         return torch.cat(outs)
 
     def _shared_attention(
