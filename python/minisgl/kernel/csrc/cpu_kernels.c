@@ -267,6 +267,22 @@ static inline void amx_store(const float (*acc)[16], const bf16_t* bias, bf16_t*
     }
 }
 
+// k-step kb's two weight tiles into tmm6 and tmm7; the pass that streams the weights from
+// memory also prefetches AMX_PREFETCH_STEPS steps ahead.
+static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf16_t* wblock,
+                                                                        int64_t kb,
+                                                                        int64_t ksteps,
+                                                                        int prefetch) {
+    const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
+    if (prefetch && kb + AMX_PREFETCH_STEPS < ksteps)
+        for (int line = 0; line < 32; line++)
+            _mm_prefetch((const char*)(b + AMX_PREFETCH_STEPS * AMX_NBLOCK * AMX_KSTEP) +
+                             64 * line,
+                         _MM_HINT_T0);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + 512, 64);
+}
+
 // Rows [m0, m1) of x (whole 16-row tiles, row stride ldx elements) times column block nb.
 static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
                      bf16_t* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
@@ -282,14 +298,8 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kb = 0; kb < ksteps; kb++) {
-                const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
-                if (first && kb + AMX_PREFETCH_STEPS < ksteps)
-                    for (int line = 0; line < 32; line++)
-                        _mm_prefetch((const char*)(b + AMX_PREFETCH_STEPS * 1024) + 64 * line,
-                                     _MM_HINT_T0);
                 _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
-                _tile_loadd(6, b, 64);
-                _tile_loadd(7, b + 512, 64);
+                amx_load_weight_tiles(wblock, kb, ksteps, first);
                 _tile_loadd(5, a1 + kb * AMX_KSTEP, ldx * 2);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
@@ -304,14 +314,8 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
             _tile_zero(0);
             _tile_zero(1);
             for (int64_t kb = 0; kb < ksteps; kb++) {
-                const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
-                if (first && kb + AMX_PREFETCH_STEPS < ksteps)
-                    for (int line = 0; line < 32; line++)
-                        _mm_prefetch((const char*)(b + AMX_PREFETCH_STEPS * 1024) + 64 * line,
-                                     _MM_HINT_T0);
                 _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
-                _tile_loadd(6, b, 64);
-                _tile_loadd(7, b + 512, 64);
+                amx_load_weight_tiles(wblock, kb, ksteps, first);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
             }
