@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.utils.memory import advise_huge_pages
+
 from .base import BaseKVCache
+
+
+def _zeroed_buffer(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge_pages(buffer)  # before the zero fill touches the pages
+    return buffer.zero_()
 
 
 class MHAKVCache(BaseKVCache):
@@ -20,8 +30,8 @@ class MHAKVCache(BaseKVCache):
         device: torch.device,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=device)
-        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self._k = _zeroed_buffer(shape, dtype, device)
+        self._v = _zeroed_buffer(shape, dtype, device)
         self.num_slots = num_slots
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
