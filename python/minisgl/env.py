@@ -46,7 +46,7 @@ class _Env:
         self.NUM_THREADS = EnvVar("NUM_THREADS", 0, int)
         # C kernels for CPU decode (kernel/cpu.py); 0 keeps every op in plain PyTorch.
         self.CPU_KERNELS = EnvVar("CPU_KERNELS", True, _parse_bool)
-        # The AMX matmul for 9-1023 rows where the CPU has tiles; 0 leaves those to oneDNN.
+        # The AMX matmul for 5-1023 rows where the CPU has tiles; 0 leaves those to oneDNN.
         self.CPU_AMX = EnvVar("CPU_AMX", True, _parse_bool)
         self.LOG_LEVEL = EnvVar("LOG_LEVEL", "INFO", str)
 

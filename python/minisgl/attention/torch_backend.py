@@ -26,11 +26,11 @@ class TorchAttnMetadata:
     shared_slots: torch.Tensor | None = None
     shared_mask: torch.Tensor | None = None
     # Request by request instead (few requests, or none with anything cached): each one's
-    # (extend_len, kv_len, page-table row); a request with nothing cached attends to its new
-    # q/k/v as they are, causally; one with a cached prefix to its gathered KV under its
-    # `prefix_masks` entry (bottom-right causal [extend_len, kv_len]).
-    per_request: list[tuple[int, int, int]] | None = None
-    prefix_masks: list[torch.Tensor | None] | None = None
+    # extend_len, and for one with a cached prefix the KV slots of all its positions and a
+    # bottom-right causal mask [extend_len, kv_len] (None: it attends to its new q/k/v as they
+    # are, causally).
+    extend_lens: list[int] | None = None
+    prefix_kv: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -97,18 +97,18 @@ class TorchAttnBackend(BaseAttnBackend):
         batch.attn_metadata = meta
 
     def _per_request_metadata(self, batch: Batch) -> TorchAttnMetadata:
-        per_request = [(r.extend_len, r.device_len, r.table_idx) for r in batch.reqs]
-        masks: list[torch.Tensor | None] = []
-        for extend_len, kv_len, _ in per_request:
-            if extend_len == kv_len:
-                masks.append(None)
+        extend_lens = [r.extend_len for r in batch.reqs]
+        prefix_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for r in batch.reqs:
+            if r.extend_len == r.device_len:
+                prefix_kv.append(None)
                 continue
-            mask = torch.ones(extend_len, kv_len, dtype=torch.bool, device=self.device)
-            masks.append(mask.tril(diagonal=kv_len - extend_len))
+            slots = self.page_table[r.table_idx, : r.device_len].long()
+            mask = torch.ones(r.extend_len, r.device_len, dtype=torch.bool, device=self.device)
+            prefix_kv.append((slots, mask.tril(diagonal=r.device_len - r.extend_len)))
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        max_q = max(extend_len for extend_len, _, _ in per_request)
         return TorchAttnMetadata(
-            empty, None, max_q, {}, per_request=per_request, prefix_masks=masks
+            empty, None, max(extend_lens), {}, extend_lens=extend_lens, prefix_kv=prefix_kv
         )
 
     def _prepare_shared(
@@ -142,7 +142,7 @@ class TorchAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         num_reqs, (_, num_heads, head_dim) = len(batch.reqs), q.shape
-        if meta.per_request is not None:
+        if meta.extend_lens is not None:
             return self._per_request_attention(q, k, v, layer_id, meta)
         if meta.shared_slots is not None:
             return self._shared_attention(q, meta, layer_id)
@@ -178,9 +178,9 @@ class TorchAttnBackend(BaseAttnBackend):
         """SDPA request by request: no padding, and requests with nothing cached attend to their
         new q/k/v as they are with `is_causal` (SDPA's causal path skips the masked half), all
         in one call when they are also of one length."""
-        assert meta.per_request is not None and meta.prefix_masks is not None
-        lens = [extend_len for extend_len, _, _ in meta.per_request]
-        if all(m is None for m in meta.prefix_masks) and len(set(lens)) == 1:
+        assert meta.extend_lens is not None and meta.prefix_kv is not None
+        lens = meta.extend_lens
+        if all(kv is None for kv in meta.prefix_kv) and len(set(lens)) == 1:
             shape = (len(lens), lens[0])
 
             def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -191,14 +191,15 @@ class TorchAttnBackend(BaseAttnBackend):
             )
             return out.transpose(1, 2).reshape(q.shape)
         outs, start = [], 0
-        for (extend_len, kv_len, row), mask in zip(meta.per_request, meta.prefix_masks):
+        for extend_len, prefix in zip(lens, meta.prefix_kv):
             tokens = slice(start, start + extend_len)
             start += extend_len
             query = q[tokens].transpose(0, 1).unsqueeze(0)
-            if mask is None:
+            mask = None
+            if prefix is None:
                 keys, values = k[tokens], v[tokens]
             else:
-                slots = self.page_table[row, :kv_len].long()
+                slots, mask = prefix
                 keys = self.kv_cache.k_cache(layer_id).index_select(0, slots)
                 values = self.kv_cache.v_cache(layer_id).index_select(0, slots)
             keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from .misc import align_down, align_up
+
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
 
@@ -22,8 +24,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    length = (end - first) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    first = align_up(start, HUGE_PAGE_BYTES)
+    length = align_down(end - first, HUGE_PAGE_BYTES) if end > first else 0
     if length <= 0:
         return False
     libc = ctypes.CDLL(None, use_errno=True)

@@ -199,7 +199,7 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
 
 // --------------------------------------------------------------------------- AMX matmul
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with the AMX tile unit, for the row counts
-// between the GEMV and prefill (9 to ~1,000): oneDNN's bf16 matmul there does not overlap
+// between the GEMV and prefill (5 to ~1,000): oneDNN's bf16 matmul there does not overlap
 // streaming the weights with the tile math. The weight is packed once into the tile layout
 // (zero-padded to whole 32 x 32 blocks): for each block of 32 output columns, for each 32-wide
 // step of k, two 16-column tiles of 16 k-pairs ("VNNI": w[n][k], w[n][k+1] adjacent), 2 KB
