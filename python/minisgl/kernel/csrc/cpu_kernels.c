@@ -8,6 +8,7 @@
 // torch already loaded, so both share one thread pool. dtype codes: 0 float32, 1 bfloat16.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,7 +87,7 @@ static inline __mmask32 tail_mask(int64_t K, int64_t k) {
 // A block is 4 weight rows: four 64-byte lines of the block `ahead` per 32-element step.
 static inline void prefetch_block(const bf16_t* ahead, int64_t k) {
     for (int line = 0; line < 4; line++)
-        _mm_prefetch((const char*)(ahead + 4 * k + 32 * line), _MM_HINT_T0);
+        __builtin_prefetch(ahead + 4 * k + 32 * line, 0, 3);
 }
 
 static inline void store_sums(__m512 acc0, __m512 acc1, __m512 acc2, __m512 acc3,
@@ -276,9 +277,8 @@ static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf
     const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
     if (prefetch && kb + AMX_PREFETCH_STEPS < ksteps)
         for (int line = 0; line < 32; line++)
-            _mm_prefetch((const char*)(b + AMX_PREFETCH_STEPS * AMX_NBLOCK * AMX_KSTEP) +
-                             64 * line,
-                         _MM_HINT_T0);
+            __builtin_prefetch(
+                (const char*)(b + AMX_PREFETCH_STEPS * AMX_NBLOCK * AMX_KSTEP) + 64 * line, 0, 3);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
 }
@@ -444,10 +444,26 @@ static inline __m512 exp512(__m512 x) {
 
 // Slots are scattered, so the hardware prefetcher cannot see the next position coming: ask for
 // the key and value rows (all kv heads of a position share them) ATTN_PREFETCH positions ahead.
+// __builtin_prefetch, not _mm_prefetch: gcc 12 deems a helper that only calls _mm_prefetch
+// side-effect free and deletes its calls (it did, silently, until the lookahead below).
 #define ATTN_PREFETCH 4
 static inline void prefetch_rows(const void* cache, int64_t bytes, int64_t slot) {
     const char* row = (const char*)cache + slot * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(row + line, 0, 3);
+}
+
+// The block after the one being computed (the next request's first block after a request's
+// last): its rows are fetched into L2 a position at a time while this block's keys, then values,
+// are read, so memory keeps streaming through the whole computation and not only at block starts.
+typedef struct {
+    const int32_t* slots;  // the next block's slots, NULL when there is none
+    int64_t count;
+} attn_lookahead;
+
+static inline void prefetch_head(const void* cache, int64_t row_elems, int64_t head_offset,
+                                 int64_t bytes_per_elem, int64_t head_bytes, int32_t slot) {
+    const char* row = (const char*)cache + (slot * row_elems + head_offset) * bytes_per_elem;
+    for (int64_t line = 0; line < head_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
 }
 
 // Lane t of the result is the sum of v[t]'s 16 lanes: a transpose-and-add tree, ~3 ops per
@@ -475,7 +491,7 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
 static inline __attribute__((always_inline)) void attn_scores_bf16(
     const attn_args* a, int64_t b, const int32_t* slots, int64_t t0, int64_t count,
     int64_t padded, int64_t kvh, int64_t group, int64_t q_head0, float (*scores)[ATTN_BLOCK],
-    int prefetch, const int PAIRS) {
+    int prefetch, const attn_lookahead* next, const int PAIRS) {
     const int64_t dim = a->head_dim, row_elems = a->num_kv_heads * dim;
     const int64_t row_bytes = row_elems * 2;
     const bf16_t* k_cache = (const bf16_t*)a->k_cache;
@@ -486,10 +502,14 @@ static inline __attribute__((always_inline)) void attn_scores_bf16(
             prefetch_rows(a->k_cache, row_bytes, ahead);
             prefetch_rows(a->v_cache, row_bytes, ahead);
         }
+        if (j < next->count)
+            prefetch_head(a->k_cache, row_elems, kvh * dim, 2, dim * 2, next->slots[j]);
         const bf16_t* row = k_cache + (int64_t)slots[t0 + j] * row_elems + kvh * dim;
         for (int c = 0; c < PAIRS; c++)
             _mm512_storeu_si512(keys[j] + 32 * c, _mm512_loadu_si512(row + 32 * c));
     }
+    for (int64_t j = count; j < next->count; j++)
+        prefetch_head(a->k_cache, row_elems, kvh * dim, 2, dim * 2, next->slots[j]);
     for (int64_t j = count; j < padded; j++)
         for (int c = 0; c < PAIRS; c++)
             _mm512_storeu_si512(keys[j] + 32 * c, _mm512_setzero_si512());
@@ -518,6 +538,8 @@ static inline __attribute__((always_inline)) void attn_scores_bf16(
 static inline __attribute__((always_inline)) void attn_task_avx512(const attn_args* a,
                                                                    int64_t b, int64_t kvh0,
                                                                    int64_t kv_count,
+                                                                   const int32_t* next_slots,
+                                                                   int64_t next_count,
                                                                    const int CHUNKS) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
     const int64_t heads = kv_count * group, head0 = kvh0 * group;
@@ -547,11 +569,16 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
         // Rounded up to whole groups of 16 positions; the padding rows are zero.
         int64_t padded = (count + 15) & ~(int64_t)15;
+        attn_lookahead next = {slots + t0 + ATTN_BLOCK, kv_len - t0 - ATTN_BLOCK};
+        if (next.count <= 0) next = (attn_lookahead){next_slots, next_slots ? next_count : 0};
+        if (next.count > ATTN_BLOCK) next.count = ATTN_BLOCK;
+        const int64_t elem = a->dtype == 0 ? 4 : 2, head_bytes = dim * elem;
         for (int64_t kv = 0; kv < kv_count; kv++) {
 #ifdef HAVE_AVX512_BF16
             if (a->dtype == 1) {  // bf16: dot products straight from the stored keys
                 attn_scores_bf16(a, b, slots, t0, count, padded, kvh0 + kv, group,
-                                 head0 + kv * group, scores + kv * group, kv == 0, CHUNKS / 2);
+                                 head0 + kv * group, scores + kv * group, kv == 0, &next,
+                                 CHUNKS / 2);
                 continue;
             }
 #endif
@@ -562,10 +589,16 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
                     prefetch_rows(a->k_cache, row_bytes, ahead);
                     prefetch_rows(a->v_cache, row_bytes, ahead);
                 }
+                if (j < next.count)
+                    prefetch_head(a->k_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
+                                  next.slots[j]);
                 int64_t row = (int64_t)slots[t0 + j] * row_elems + (kvh0 + kv) * dim;
                 for (int c = 0; c < CHUNKS; c++)
                     _mm512_storeu_ps(rows[j] + 16 * c, load16(a->k_cache, row + 16 * c, a->dtype));
             }
+            for (int64_t j = count; j < next.count; j++)
+                prefetch_head(a->k_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
+                              next.slots[j]);
             for (int64_t j = count; j < padded; j++)
                 for (int c = 0; c < CHUNKS; c++)
                     _mm512_storeu_ps(rows[j] + 16 * c, _mm512_setzero_ps());
@@ -614,10 +647,16 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         has_state = 1;
         for (int64_t kv = 0; kv < kv_count; kv++) {
             for (int64_t j = 0; j < count; j++) {
+                if (j < next.count)
+                    prefetch_head(a->v_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
+                                  next.slots[j]);
                 int64_t row = (int64_t)slots[t0 + j] * row_elems + (kvh0 + kv) * dim;
                 for (int c = 0; c < CHUNKS; c++)
                     _mm512_storeu_ps(rows[j] + 16 * c, load16(a->v_cache, row + 16 * c, a->dtype));
             }
+            for (int64_t j = count; j < next.count; j++)
+                prefetch_head(a->v_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
+                              next.slots[j]);
             for (int64_t g = 0; g < group; g++) {
                 float* acc_h = acc[kv * group + g];
                 const float* p = scores[kv * group + g];
@@ -700,6 +739,23 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
     }
 }
 
+// One task: kv heads [first, first + count) of request b; next_slots/next_count: the positions
+// of the request this thread takes next (NULL: unknown), whose first block is fetched ahead.
+static void attn_run_task(const attn_args* a, int64_t b, int64_t first, int64_t count,
+                          const int32_t* next_slots, int64_t next_count) {
+#ifdef __AVX512F__
+    if (a->num_heads / a->num_kv_heads <= ATTN_MAX_HEADS) {
+        switch (a->head_dim) {
+            case 64: attn_task_avx512(a, b, first, count, next_slots, next_count, 4); return;
+            case 128: attn_task_avx512(a, b, first, count, next_slots, next_count, 8); return;
+            case 256: attn_task_avx512(a, b, first, count, next_slots, next_count, 16); return;
+            default: break;
+        }
+    }
+#endif
+    for (int64_t kvh = first; kvh < first + count; kvh++) attn_task_generic(a, b, kvh);
+}
+
 void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
                               const int32_t* page_table, int64_t table_stride,
                               const int64_t* rows, const int64_t* kv_lens,
@@ -710,26 +766,40 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
     attn_args a = {q,          k_cache,    v_cache,   out,          page_table, table_stride,
                    rows,       kv_lens,    kv_starts, prefix_out,   prefix_lse, num_heads,
                    num_kv_heads, head_dim, window,    scale,        dtype};
-    // A task is a whole request when there are enough of them (each position's rows are read
-    // once for all its heads); with few requests, one kv head per task keeps every core busy.
-    int whole_requests = num_reqs >= 2 * nthreads && num_heads <= ATTN_MAX_HEADS;
-    int64_t heads_per_task = whole_requests ? num_kv_heads : 1;
-    int64_t tasks_per_req = num_kv_heads / heads_per_task;
+    // With few requests, one kv head per task keeps every core busy.
+    if (num_reqs < 2 * nthreads || num_heads > ATTN_MAX_HEADS) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_reqs * tasks_per_req; task++) {
-        int64_t b = task / tasks_per_req, first = (task % tasks_per_req) * heads_per_task;
-#ifdef __AVX512F__
-        if (num_heads / num_kv_heads <= ATTN_MAX_HEADS) {
-            switch (head_dim) {
-                case 64: attn_task_avx512(&a, b, first, heads_per_task, 4); continue;
-                case 128: attn_task_avx512(&a, b, first, heads_per_task, 8); continue;
-                case 256: attn_task_avx512(&a, b, first, heads_per_task, 16); continue;
-                default: break;
+        for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
+            attn_run_task(&a, task / num_kv_heads, task % num_kv_heads, 1, NULL, 0);
+        return;
+    }
+    // Otherwise a task is a whole request (each position's rows are read once for all its
+    // heads), and each thread takes a contiguous run of requests holding an equal share of the
+    // positions, so it knows which request comes next and can fetch its first block early.
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t total = 0, done = 0, lo = num_reqs, hi = num_reqs;
+        for (int64_t b = 0; b < num_reqs; b++) total += kv_lens[b] - attn_start(&a, b);
+        for (int64_t b = 0; b < num_reqs; b++) {
+            int64_t owner = total > 0 ? done * workers / total : 0;  // where b's work begins
+            if (owner == me && lo == num_reqs) lo = b;
+            if (owner > me) {
+                hi = b;
+                break;
             }
+            done += kv_lens[b] - attn_start(&a, b);
         }
-#endif
-        for (int64_t kvh = first; kvh < first + heads_per_task; kvh++)
-            attn_task_generic(&a, b, kvh);
+        for (int64_t b = lo; b < hi; b++) {
+            const int32_t* next_slots = NULL;
+            int64_t next_count = 0;
+            if (b + 1 < hi) {
+                int64_t next_start = attn_start(&a, b + 1);
+                next_slots = page_table + rows[b + 1] * table_stride + next_start;
+                next_count = kv_lens[b + 1] - next_start;
+            }
+            attn_run_task(&a, b, 0, num_kv_heads, next_slots, next_count);
+        }
     }
 }
 
