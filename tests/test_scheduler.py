@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from helpers import (
     MIXED_PROMPTS,
     assert_all_pages_free,
@@ -231,3 +232,30 @@ def _hit_rate(policy: str) -> float:
 
 def test_lpm_beats_fcfs_on_shuffled_prefix_groups() -> None:
     assert _hit_rate("lpm") > _hit_rate("fcfs")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_freed_pages_come_back_lowest_first_as_runs(page_size: int) -> None:
+    """Pages freed out of order are handed out in slot order, so a new prompt's KV is one run."""
+    from minisgl.core import Req
+    from minisgl.kvcache import create_prefix_cache
+    from minisgl.scheduler.cache import CacheManager
+
+    page_table = torch.zeros(5, 64, dtype=torch.int32)
+    cache = CacheManager(32, page_size, page_table, create_prefix_cache("naive", "cpu"))
+    length = 8 * page_size  # four of them fill the pool
+
+    def release(req: Req) -> None:
+        req.device_len = len(req.input_ids)
+        req.cache_handle = cache.match_req(req)
+        cache.release_uncached(req)
+
+    reqs = [Req(i, torch.arange(length), SamplingParams(), length, 64, i) for i in range(4)]
+    cache.allocate(reqs, [length] * 4)
+    for i in (3, 0, 2, 1):
+        release(reqs[i])
+    big = Req(4, torch.arange(2 * length), SamplingParams(), 2 * length, 64, 4)
+    cache.allocate([big], [2 * length])
+    assert torch.equal(page_table[4, : 2 * length], torch.arange(2 * length, dtype=torch.int32))
+    release(big)
+    cache.check_integrity()
