@@ -14,6 +14,7 @@ from minisgl.env import ENV
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import create_model, load_model_config
 from minisgl.utils import div_ceil, init_logger
+from minisgl.utils.memory import keep_freed_memory
 
 from .config import EngineConfig
 from .sample import SampleArgs, Sampler
@@ -62,6 +63,7 @@ class Engine:
         self.device = config.device
         if self.device.type == "cpu":
             configure_cpu_threads()
+            keep_freed_memory()
         self.model_config = load_model_config(config.model_path)
         model_max = self.model_config.max_position_embeddings
         self.max_seq_len = min(config.max_seq_len_override or model_max, model_max)

@@ -1,4 +1,5 @@
-"""Host memory placement: transparent huge pages for large CPU buffers."""
+"""Host memory placement: transparent huge pages for large CPU buffers, and a heap that keeps
+what it frees."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from .misc import align_down, align_up
 
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
+# glibc <malloc.h> mallopt parameters.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
@@ -31,3 +35,23 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(first, length, _MADV_HUGEPAGE) == 0
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc serve blocks up to 32 MB from its heap and keep freed memory there.
+
+    By default every block over 128 KB (a prefill's activations: a 2,048-token batch makes
+    ~12 MB ones per layer) is a fresh mmap, so each forward pass page-faults and zero-fills its
+    whole working set again: ~100k faults and ~5% of a W1 run here. Returns whether it applied
+    (glibc on Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    )
