@@ -273,3 +273,46 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
     assert len(fused_logits) == len(module_logits)
     for got, want in zip(fused_logits, module_logits):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(
+    kernels is None or not kernels.has_avx512_bf16, reason="the fused decode layer needs bf16 dots"
+)
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3"])
+def test_fused_cascade_decode_equals_the_module_path(arch, monkeypatch):
+    """Decode batches whose requests share a cached system prompt run each fused layer in two
+    C halves around the shared-prefix attention; logits equal the module path's bit for bit."""
+    from minisgl.attention import CpuAttnBackend
+    from minisgl.models.fused_decode import FusedDecode
+
+    monkeypatch.setattr(CpuAttnBackend, "cascade_min_prefix", 16)
+    system = list(range(3000, 3050))
+    prompts = [system + list(range(100 + i, 103 + 2 * i)) for i in range(6)]
+    max_new = [9, 4, 12, 6, 10, 3]
+    cascade_steps = []
+    run, cascade_args = FusedDecode.run, CpuAttnBackend.cascade_decode_args
+
+    def spying_args(self, batch):
+        args = cascade_args(self, batch)
+        if args is not None:
+            cascade_steps.append(len(batch.reqs))
+        return args
+
+    def decode_logits(fused: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        monkeypatch.setattr(FusedDecode, "run", run if fused else lambda self, *args: None)
+        llm = build_llm(arch, dtype=torch.bfloat16, page_size=4, overlap_schedule=False)
+        llm.generate([system + [7]], greedy(1))  # cache the shared prompt first
+        logits = spy_logits(llm, "decode")
+        outputs = llm.generate(prompts, [greedy(n) for n in max_new])
+        assert_all_pages_free(llm)
+        llm.shutdown()
+        return logits, [o["token_ids"] for o in outputs]
+
+    monkeypatch.setattr(CpuAttnBackend, "cascade_decode_args", spying_args)
+    fused_logits, fused_ids = decode_logits(True)
+    assert cascade_steps, "no cascade batch took the fused path"
+    module_logits, module_ids = decode_logits(False)
+    assert fused_ids == module_ids
+    assert len(fused_logits) == len(module_logits)
+    for got, want in zip(fused_logits, module_logits):
+        assert torch.equal(got, want)

@@ -37,6 +37,12 @@ class AttentionBackend(Protocol):
 
     def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
+    def cascade_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def shared_prefix_state(
+        self, q: torch.Tensor, layer_id: int, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
+
 
 @dataclass
 class SamplingParams:

@@ -26,3 +26,16 @@ class BaseAttnBackend(ABC):
         """(page-table rows, KV lengths) when this decode batch may run the fused C decode
         layer (its attention reads the pool in place through the page table), else None."""
         return None
+
+    def cascade_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As paged_decode_args, for a decode batch whose requests share a cached prefix: the
+        kernel reads each request's own positions and continues from shared_prefix_state."""
+        return None
+
+    def shared_prefix_state(
+        self, q: torch.Tensor, layer_id: int, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(kv_starts [B], out [B, heads, dim] float32, lse [B, heads] float32): attention of
+        q [B, heads, dim] over the prefix all of the batch's requests share, for the paged
+        kernel to continue from; None when they share none."""
+        return None

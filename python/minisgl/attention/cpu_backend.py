@@ -90,6 +90,23 @@ class CpuAttnBackend(TorchAttnBackend):
             return meta.rows, meta.kv_lens
         return None
 
+    def cascade_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        meta = batch.attn_metadata
+        if batch.is_decode and isinstance(meta, CpuPagedMetadata) and meta.shared_slots is not None:
+            return meta.rows, meta.kv_lens
+        return None
+
+    def shared_prefix_state(
+        self, q: torch.Tensor, layer_id: int, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        meta = batch.attn_metadata
+        if not isinstance(meta, CpuPagedMetadata) or meta.shared_slots is None:
+            return None
+        assert meta.kv_starts is not None
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = self._shared_prefix(q, meta.shared_slots, layer_id, scale)
+        return meta.kv_starts, out, lse
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
@@ -102,11 +119,6 @@ class CpuAttnBackend(TorchAttnBackend):
         assert batch.out_loc is not None
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         q = q.contiguous()
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        prefix = None
-        if meta.shared_slots is not None and meta.kv_starts is not None:
-            out, lse = self._shared_prefix(q, meta.shared_slots, layer_id, scale)
-            prefix = (meta.kv_starts, out, lse)
         return self.kernels.decode_attention(
             q,
             self.kv_cache.k_cache(layer_id),
@@ -114,9 +126,9 @@ class CpuAttnBackend(TorchAttnBackend):
             self.page_table,
             meta.rows,
             meta.kv_lens,
-            scale,
+            1.0 / math.sqrt(q.shape[-1]),
             self.sliding_windows[layer_id],
-            prefix,
+            self.shared_prefix_state(q, layer_id, batch),
         )
 
     def _shared_prefix(

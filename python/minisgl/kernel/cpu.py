@@ -56,8 +56,16 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer_scratch": [_ptr, _i64],
     "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
+    "minisgl_decode_layer_q_offset": [_ptr, _i64],
+    "minisgl_decode_layer_begin": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _int],
+    "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
+    + [_int],
 }
-_RESTYPES = {"minisgl_decode_layer_scratch": _i64, "minisgl_amx_packed_elems": _i64}
+_RESTYPES = {
+    "minisgl_decode_layer_scratch": _i64,
+    "minisgl_decode_layer_q_offset": _i64,
+    "minisgl_amx_packed_elems": _i64,
+}
 
 
 class DecodeLayerParams(ctypes.Structure):
@@ -392,6 +400,68 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out, new_residual
+
+    def decode_layer_begin(
+        self,
+        layer: DecodeLayerParams,
+        model: DecodeModelParams,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_layer up to the attention: input norm, qkv projection, q/k norms, rotary and
+        the KV store. Returns (residual, the queries [tokens, heads, head_dim] in scratch)."""
+        tokens = x.shape[0]
+        new_residual = torch.empty_like(x) if residual is None else residual
+        self.lib.minisgl_decode_layer_begin(
+            ctypes.byref(layer),
+            ctypes.byref(model),
+            x.data_ptr(),
+            new_residual.data_ptr(),
+            residual is not None,
+            scratch.data_ptr(),
+            tokens,
+            positions.data_ptr(),
+            out_loc.data_ptr(),
+            torch.get_num_threads(),
+        )
+        offset = self.lib.minisgl_decode_layer_q_offset(ctypes.byref(model), tokens)
+        q_width = model.num_heads * model.head_dim
+        q = scratch[offset : offset + tokens * q_width].view(tokens, model.num_heads, -1)
+        return new_residual, q
+
+    def decode_layer_end(
+        self,
+        layer: DecodeLayerParams,
+        model: DecodeModelParams,
+        residual: torch.Tensor,
+        rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        scratch: torch.Tensor,
+        prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of decode_layer after decode_layer_begin: paged attention (merged with a
+        prefix state as in decode_attention), o projection, post-attention norm and MLP.
+        Returns (MLP output, residual)."""
+        out = torch.empty_like(residual)
+        starts, prefix_out, prefix_lse = prefix if prefix is not None else (None, None, None)
+        self.lib.minisgl_decode_layer_end(
+            ctypes.byref(layer),
+            ctypes.byref(model),
+            residual.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            residual.shape[0],
+            rows.data_ptr(),
+            kv_lens.data_ptr(),
+            None if starts is None else starts.data_ptr(),
+            None if prefix_out is None else prefix_out.data_ptr(),
+            None if prefix_lse is None else prefix_lse.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out, residual
 
 
 @functools.cache

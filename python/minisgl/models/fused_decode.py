@@ -127,16 +127,33 @@ class FusedDecode:
         if not batch.is_decode or x.shape[0] > self.max_tokens or batch.out_loc is None:
             return None
         backend = get_global_ctx().attn_backend
-        args = None if backend is None else backend.paged_decode_args(batch)
+        if backend is None:
+            return None
+        args = backend.paged_decode_args(batch)
+        # Requests sharing a cached prefix: each layer runs in two halves around the backend's
+        # attention over the shared positions (one product for the whole batch).
+        cascade = args is None
+        if cascade:
+            args = backend.cascade_decode_args(batch)
         if args is None:
             return None
         rows, kv_lens = args
         positions = positions.long().contiguous()
         out_loc = batch.out_loc.long().contiguous()
-        scratch = x.new_empty(self.kernels.decode_layer_scratch(self.model_params, x.shape[0]))
+        kernels, model_params = self.kernels, self.model_params
+        scratch = x.new_empty(kernels.decode_layer_scratch(model_params, x.shape[0]))
         residual = None
-        for params in self.layer_params:
-            x, residual = self.kernels.decode_layer(
-                params, self.model_params, x, residual, positions, rows, kv_lens, out_loc, scratch
+        for layer_id, params in enumerate(self.layer_params):
+            if not cascade:
+                x, residual = kernels.decode_layer(
+                    params, model_params, x, residual, positions, rows, kv_lens, out_loc, scratch
+                )
+                continue
+            residual, q = kernels.decode_layer_begin(
+                params, model_params, x, residual, positions, out_loc, scratch
+            )
+            prefix = backend.shared_prefix_state(q, layer_id, batch)
+            x, residual = kernels.decode_layer_end(
+                params, model_params, residual, rows, kv_lens, scratch, prefix
             )
         return model.norm(x, residual)[0]

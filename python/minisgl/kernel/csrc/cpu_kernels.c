@@ -935,14 +935,12 @@ void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads
 // q_norm is set), rotary, the new keys/values into the pool at out_loc, paged attention.
 // qkv: [tokens, q | k | v] (modified in place); q_buf: [tokens, q_width] scratch;
 // out: [tokens, q_width].
-void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const void* q_norm,
-                                    const void* k_norm, float eps, void* k_cache, void* v_cache,
-                                    const int64_t* out_loc, const int64_t* positions,
-                                    const float* cos, const float* sin, const int32_t* page_table,
-                                    int64_t table_stride, const int64_t* rows,
-                                    const int64_t* kv_lens, int64_t tokens, int64_t num_heads,
-                                    int64_t num_kv_heads, int64_t dim, float scale,
-                                    int64_t window, int dtype, int nthreads) {
+// Everything before the attention itself: norms, rotary, q into q_buf, new keys/values stored.
+static void attention_inputs(void* qkv, void* q_buf, const void* q_norm, const void* k_norm,
+                             float eps, void* k_cache, void* v_cache, const int64_t* out_loc,
+                             const int64_t* positions, const float* cos, const float* sin,
+                             int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                             int dtype, int nthreads) {
     const int64_t q_width = num_heads * dim, kv_width = num_kv_heads * dim;
     const int64_t qkv_width = q_width + 2 * kv_width;
     const size_t elem = dtype == 0 ? 4 : 2;
@@ -966,6 +964,18 @@ void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const voi
         memcpy((char*)v_cache + out_loc[t] * kv_width * elem, row + (q_width + kv_width) * elem,
                (size_t)kv_width * elem);
     }
+}
+
+void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const void* q_norm,
+                                    const void* k_norm, float eps, void* k_cache, void* v_cache,
+                                    const int64_t* out_loc, const int64_t* positions,
+                                    const float* cos, const float* sin, const int32_t* page_table,
+                                    int64_t table_stride, const int64_t* rows,
+                                    const int64_t* kv_lens, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t dim, float scale,
+                                    int64_t window, int dtype, int nthreads) {
+    attention_inputs(qkv, q_buf, q_norm, k_norm, eps, k_cache, v_cache, out_loc, positions, cos,
+                     sin, tokens, num_heads, num_kv_heads, dim, dtype, nthreads);
     minisgl_decode_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
                              kv_lens, NULL, NULL, NULL, tokens, num_heads, num_kv_heads, dim,
                              scale, window, dtype, nthreads);
@@ -1010,6 +1020,76 @@ int64_t minisgl_decode_layer_scratch(const decode_model* m, int64_t tokens) {
     return tokens * (2 * m->hidden + q_width + 2 * kv_width + 2 * q_width + 3 * m->inter);
 }
 
+// Where the first half leaves the rotated queries [tokens, heads, head_dim] in the scratch.
+int64_t minisgl_decode_layer_q_offset(const decode_model* m, int64_t tokens) {
+    return tokens * (m->hidden + (m->num_heads + 2 * m->num_kv_heads) * m->head_dim);
+}
+
+// The layer's scratch, carved from one bf16 buffer of minisgl_decode_layer_scratch elements.
+typedef struct {
+    bf16_t *normed, *qkv, *q, *attn, *proj, *gate_up, *act;
+} layer_scratch;
+
+static layer_scratch carve_scratch(const decode_model* m, bf16_t* scratch, int64_t tokens) {
+    const int64_t q_width = m->num_heads * m->head_dim;
+    layer_scratch s;
+    s.normed = scratch;                                        // [tokens, hidden]
+    s.qkv = s.normed + tokens * m->hidden;                     // [tokens, q | k | v]
+    s.q = scratch + minisgl_decode_layer_q_offset(m, tokens);  // [tokens, q_width]
+    s.attn = s.q + tokens * q_width;                           // [tokens, q_width]
+    s.proj = s.attn + tokens * q_width;                        // [tokens, hidden]
+    s.gate_up = s.proj + tokens * m->hidden;                   // [tokens, 2 * inter]
+    s.act = s.gate_up + tokens * 2 * m->inter;                 // [tokens, inter]
+    return s;
+}
+
+// First half of a layer: the input norm (x + residual -> residual), the qkv projection, q/k
+// norms and rotary, the new keys/values into the pool, the queries into the scratch.
+void minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, const bf16_t* x,
+                                bf16_t* residual, int has_residual, bf16_t* scratch,
+                                int64_t tokens, const int64_t* positions, const int64_t* out_loc,
+                                int nthreads) {
+    const int64_t hidden = m->hidden, dim = m->head_dim;
+    const int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * dim;
+    layer_scratch s = carve_scratch(m, scratch, tokens);
+    if (has_residual) {
+        minisgl_add_rms_norm(x, residual, L->input_norm, s.normed, residual, tokens, hidden,
+                             m->eps, 1, nthreads);
+    } else {
+        memcpy(residual, x, (size_t)(tokens * hidden) * sizeof(bf16_t));
+        minisgl_add_rms_norm(x, NULL, L->input_norm, s.normed, NULL, tokens, hidden, m->eps, 1,
+                             nthreads);
+    }
+    layer_matmul(m, s.normed, L->qkv_w, L->qkv_t, L->qkv_b, s.qkv, tokens, qkv_width, hidden,
+                 nthreads);
+    attention_inputs(s.qkv, s.q, L->q_norm, L->k_norm, m->eps, L->k_cache, L->v_cache, out_loc,
+                     positions, m->cos, m->sin, tokens, m->num_heads, m->num_kv_heads, dim, 1,
+                     nthreads);
+}
+
+// Second half: paged attention over each request's positions (continuing from a prefix state
+// when kv_starts is set, see minisgl_decode_attention), the o projection, the post-attention
+// norm and the MLP into out.
+void minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_t* residual,
+                              bf16_t* out, bf16_t* scratch, int64_t tokens, const int64_t* rows,
+                              const int64_t* kv_lens, const int64_t* kv_starts,
+                              const float* prefix_out, const float* prefix_lse, int nthreads) {
+    const int64_t hidden = m->hidden, q_width = m->num_heads * m->head_dim;
+    layer_scratch s = carve_scratch(m, scratch, tokens);
+    minisgl_decode_attention(s.q, L->k_cache, L->v_cache, s.attn, m->page_table, m->table_stride,
+                             rows, kv_lens, kv_starts, prefix_out, prefix_lse, tokens,
+                             m->num_heads, m->num_kv_heads, m->head_dim, m->scale, L->window, 1,
+                             nthreads);
+    layer_matmul(m, s.attn, L->o_w, L->o_t, L->o_b, s.proj, tokens, hidden, q_width, nthreads);
+    minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
+                         m->eps, 1, nthreads);
+    layer_matmul(m, s.normed, L->gate_up_w, L->gate_up_t, L->gate_up_b, s.gate_up, tokens,
+                 2 * m->inter, hidden, nthreads);
+    minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
+    layer_matmul(m, s.act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
+                 nthreads);
+}
+
 // x: [tokens, hidden] the layer's input; residual: [tokens, hidden], read (when has_residual)
 // and updated; out: [tokens, hidden] the MLP output. rows/kv_lens: the requests' page-table
 // rows and lengths (new token included); out_loc: the new tokens' KV slots.
@@ -1017,37 +1097,8 @@ void minisgl_decode_layer(const decode_layer* L, const decode_model* m, const bf
                           bf16_t* residual, int has_residual, bf16_t* out, bf16_t* scratch,
                           int64_t tokens, const int64_t* positions, const int64_t* rows,
                           const int64_t* kv_lens, const int64_t* out_loc, int nthreads) {
-    const int64_t hidden = m->hidden, dim = m->head_dim;
-    const int64_t q_width = m->num_heads * dim, kv_width = m->num_kv_heads * dim;
-    const int64_t qkv_width = q_width + 2 * kv_width;
-    bf16_t* normed = scratch;                        // [tokens, hidden]
-    bf16_t* qkv = normed + tokens * hidden;          // [tokens, qkv_width]
-    bf16_t* q = qkv + tokens * qkv_width;            // [tokens, q_width]
-    bf16_t* attn = q + tokens * q_width;             // [tokens, q_width]
-    bf16_t* proj = attn + tokens * q_width;          // [tokens, hidden]
-    bf16_t* gate_up = proj + tokens * hidden;        // [tokens, 2 * inter]
-    bf16_t* act = gate_up + tokens * 2 * m->inter;   // [tokens, inter]
-
-    if (has_residual) {
-        minisgl_add_rms_norm(x, residual, L->input_norm, normed, residual, tokens, hidden,
-                             m->eps, 1, nthreads);
-    } else {
-        memcpy(residual, x, (size_t)(tokens * hidden) * sizeof(bf16_t));
-        minisgl_add_rms_norm(x, NULL, L->input_norm, normed, NULL, tokens, hidden, m->eps, 1,
+    minisgl_decode_layer_begin(L, m, x, residual, has_residual, scratch, tokens, positions,
+                               out_loc, nthreads);
+    minisgl_decode_layer_end(L, m, residual, out, scratch, tokens, rows, kv_lens, NULL, NULL, NULL,
                              nthreads);
-    }
-    layer_matmul(m, normed, L->qkv_w, L->qkv_t, L->qkv_b, qkv, tokens, qkv_width, hidden,
-                 nthreads);
-    minisgl_decode_attention_block(qkv, q, attn, L->q_norm, L->k_norm, m->eps, L->k_cache,
-                                   L->v_cache, out_loc, positions, m->cos, m->sin, m->page_table,
-                                   m->table_stride, rows, kv_lens, tokens, m->num_heads,
-                                   m->num_kv_heads, dim, m->scale, L->window, 1, nthreads);
-    layer_matmul(m, attn, L->o_w, L->o_t, L->o_b, proj, tokens, hidden, q_width, nthreads);
-    minisgl_add_rms_norm(proj, residual, L->post_norm, normed, residual, tokens, hidden, m->eps,
-                         1, nthreads);
-    layer_matmul(m, normed, L->gate_up_w, L->gate_up_t, L->gate_up_b, gate_up, tokens,
-                 2 * m->inter, hidden, nthreads);
-    minisgl_silu_and_mul(gate_up, act, tokens, m->inter, 1, nthreads);
-    layer_matmul(m, act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
-                 nthreads);
 }
