@@ -316,3 +316,29 @@ def test_fused_cascade_decode_equals_the_module_path(arch, monkeypatch):
     assert len(fused_logits) == len(module_logits)
     for got, want in zip(fused_logits, module_logits):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 96)])
+@pytest.mark.parametrize("tokens,prefix_len", [(7, 1000), (40, 33), (1, 1)])
+def test_shared_prefix_attention_on_tiles_matches_float_reference(
+    heads, kv_heads, head_dim, tokens, prefix_len
+):
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(1200, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(1200, kv_heads, head_dim, generator=gen).bfloat16()
+    slots = torch.randperm(1200, generator=gen)[:prefix_len]
+    q = torch.randn(tokens, heads, head_dim, generator=gen).bfloat16()
+    scale = 1 / math.sqrt(head_dim)
+    result = kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
+    assert result is not None
+    out, lse = result
+    group = heads // kv_heads
+    keys = k_cache[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [heads, P, dim]
+    values = v_cache[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = (q.float().transpose(0, 1) @ keys.transpose(1, 2)) * scale  # [heads, tokens, P]
+    want_out = (scores.softmax(-1) @ values).transpose(0, 1)
+    want_lse = scores.logsumexp(-1).transpose(0, 1)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    # The probabilities meet the values as bf16, as in PyTorch's own bf16 attention.
+    torch.testing.assert_close(out, want_out, atol=2e-2, rtol=0)

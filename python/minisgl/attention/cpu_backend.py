@@ -136,9 +136,13 @@ class CpuAttnBackend(TorchAttnBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every request's query against the shared keys at once: (out [B, heads, dim] float32,
         log-sum-exp [B, heads] float32)."""
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        on_tiles = self.kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
+        if on_tiles is not None:
+            return on_tiles
         num_reqs, num_heads, head_dim = q.shape
-        keys = self.kv_cache.k_cache(layer_id).index_select(0, slots)  # [P, kv_heads, dim]
-        values = self.kv_cache.v_cache(layer_id).index_select(0, slots)
+        keys = k_cache.index_select(0, slots)  # [P, kv_heads, dim]
+        values = v_cache.index_select(0, slots)
         kv_heads = keys.shape[1]
         group = num_heads // kv_heads
         # The queries of one kv head's group, from every request, form one sequence.

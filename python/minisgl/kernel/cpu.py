@@ -57,11 +57,14 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
     "minisgl_decode_layer_q_offset": [_ptr, _i64],
+    "minisgl_shared_prefix_attention": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
+    + [_i64, _i64, _float, _int],
     "minisgl_decode_layer_begin": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _int],
     "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_int],
 }
 _RESTYPES = {
+    "minisgl_shared_prefix_attention": _int,
     "minisgl_decode_layer_scratch": _i64,
     "minisgl_decode_layer_q_offset": _i64,
     "minisgl_amx_packed_elems": _i64,
@@ -257,6 +260,43 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def shared_prefix_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every query token of q [tokens, heads, dim] (bf16) against the KV at `slots`, on the
+        AMX tiles: (out [tokens, heads, dim] float32, lse [tokens, heads] float32), the state
+        decode_attention's prefix continues from; None where it does not apply (no AMX, not
+        bf16, head_dim not a multiple of 32)."""
+        tokens, num_heads, head_dim = q.shape
+        if not self.has_amx or q.dtype != torch.bfloat16 or head_dim % 32 or len(slots) == 0:
+            return None
+        if head_dim > MAX_HEAD_DIM or k_cache.dtype != torch.bfloat16:
+            return None
+        q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
+        out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+        lse = torch.empty(tokens, num_heads, dtype=torch.float32)
+        done = self.lib.minisgl_shared_prefix_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            len(slots),
+            out.data_ptr(),
+            lse.data_ptr(),
+            tokens,
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            scale,
+            torch.get_num_threads(),
+        )
+        return (out, lse) if done else None
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

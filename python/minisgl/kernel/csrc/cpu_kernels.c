@@ -253,6 +253,18 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
+// This thread's eight tiles as 16 rows of 64 bytes (16 float32 or 32 bf16 a row).
+static inline void amx_configure(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 // Accumulator tile rows (float32, 16 columns each) + bias -> bf16 rows of y, for valid rows
 // and columns only.
 static inline void amx_store(const float (*acc)[16], const bf16_t* bias, bf16_t* y, int64_t N,
@@ -358,14 +370,7 @@ void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bia
     }
 #pragma omp parallel num_threads(nthreads)
     {
-        amx_tilecfg cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        amx_configure();
         // Consecutive tasks share a column block, so a thread's later row groups find its
         // weights in cache.
 #pragma omp for schedule(static)
@@ -801,6 +806,195 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
             attn_run_task(&a, b, 0, num_kv_heads, next_slots, next_count);
         }
     }
+}
+
+
+// ----------------------------------------------------------- shared-prefix attention (AMX)
+// The cascade's first half on CPUs with AMX tiles: every query token of a batch (q [tokens,
+// heads, dim] bf16) against the `prefix_len` positions all its requests share (KV at `slots`).
+// Writes out [tokens, heads, dim] float32 (normalised) and lse [tokens, heads] (natural
+// log-sum-exp of the scaled scores), the state minisgl_decode_attention continues from.
+// The keys are laid out once per call as the tiles' B operand (pairs of dims down, 16 keys
+// across), the values as pairs of positions; a task is 16 query rows of one kv head (its GQA
+// group's heads of consecutive tokens): scores = Q K^T on the tiles, a two-pass softmax along
+// each row (the whole prefix is known: no rescaling), out = P V with the probabilities rounded
+// to bf16 (as PyTorch's bf16 attention rounds them). head_dim: a multiple of 32 up to
+// ATTN_MAX_DIM. Returns 0 (nothing written) without AMX.
+int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                                    const int64_t* slots, int64_t prefix_len, float* out,
+                                    float* lse, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t dim, float scale,
+                                    int nthreads) {
+#ifdef HAVE_AMX
+    if (dim % 32 != 0 || dim > ATTN_MAX_DIM || prefix_len <= 0) return 0;
+    const int64_t group = num_heads / num_kv_heads, rows = tokens * group;
+    const int64_t tiles = (rows + 15) / 16, padded = (prefix_len + 31) / 32 * 32;
+    const int64_t chunks = dim / 32, row_elems = num_kv_heads * dim;
+    // keys_t [kv head][16-key block][32-dim chunk][dim pair 16][key 16] and values_p [kv head]
+    // [32-position block][16-dim tile][position pair 16][dim 16], as 32-bit bf16 pairs, zero
+    // past the prefix; per thread: scores [16, padded] float32, probabilities [16, padded] bf16.
+    const size_t kv_words = (size_t)(num_kv_heads * padded * dim / 2);
+    const size_t thread_bytes = (size_t)(16 * padded * 4 + 16 * padded * 2);
+    char* buffer = (char*)aligned_alloc(64, 8 * kv_words + (size_t)nthreads * thread_bytes);
+    if (!buffer) return 0;
+    uint32_t* keys_t = (uint32_t*)buffer;
+    uint32_t* values_p = keys_t + kv_words;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < num_kv_heads * padded / 16; block++) {
+            const int64_t h = block / (padded / 16), p0 = block % (padded / 16) * 16;
+            uint32_t* dst = keys_t + (h * padded + p0) * dim / 2;  // this block's chunks
+            // The 16 keys side by side, then each pair of dims gathered across them.
+            uint32_t rows16[16][ATTN_MAX_DIM / 2] __attribute__((aligned(64)));
+            for (int64_t n = 0; n < 16; n++) {
+                if (p0 + n < prefix_len)
+                    memcpy(rows16[n], k_cache + slots[p0 + n] * row_elems + h * dim,
+                           (size_t)dim * 2);
+                else
+                    memset(rows16[n], 0, (size_t)dim * 2);
+            }
+            const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9,
+                                                                       8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                      _mm512_set1_epi32(ATTN_MAX_DIM / 2));
+            for (int64_t i = 0; i < dim / 2; i++)  // chunk i / 16, pair i % 16
+                _mm512_store_si512(dst + (i / 16) * 256 + (i % 16) * 16,
+                                   _mm512_i32gather_epi32(across, rows16[0] + i, 4));
+        }
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < num_kv_heads * padded / 32; block++) {
+            const int64_t h = block / (padded / 32), p0 = block % (padded / 32) * 32;
+            uint32_t* dst = values_p + (h * padded + p0) * dim / 2;
+            for (int64_t pair = 0; pair < 16; pair++) {
+                const int64_t p = p0 + 2 * pair;
+                const bf16_t* first =
+                    p < prefix_len ? v_cache + slots[p] * row_elems + h * dim : NULL;
+                const bf16_t* second =
+                    p + 1 < prefix_len ? v_cache + slots[p + 1] * row_elems + h * dim : NULL;
+                for (int64_t d = 0; d < dim; d += 16) {  // dim tile d / 16
+                    __m512i low = first ? _mm512_cvtepu16_epi32(
+                                              _mm256_loadu_si256((const __m256i*)(first + d)))
+                                        : _mm512_setzero_si512();
+                    __m512i high = second ? _mm512_cvtepu16_epi32(
+                                                _mm256_loadu_si256((const __m256i*)(second + d)))
+                                          : _mm512_setzero_si512();
+                    _mm512_store_si512(dst + (d / 16) * 256 + pair * 16,
+                                       _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+                }
+            }
+        }
+        amx_configure();
+        char* mine = buffer + 8 * kv_words + (size_t)omp_get_thread_num() * thread_bytes;
+        float* scores = (float*)mine;
+        bf16_t* probs = (bf16_t*)(mine + 16 * padded * 4);
+        bf16_t queries[16][ATTN_MAX_DIM] __attribute__((aligned(64)));
+        float acc[ATTN_MAX_DIM / 16][16][16] __attribute__((aligned(64)));
+        const int64_t step = padded / 16 * 256;  // words between a kv head's key blocks
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_kv_heads * tiles; task++) {
+            const int64_t h = task / tiles, row0 = task % tiles * 16;
+            const uint32_t* head_keys = keys_t + h * step * (dim / 32);
+            const uint32_t* head_values = values_p + h * padded * dim / 2;
+            for (int64_t n = 0; n < 16; n++) {
+                int64_t r = row0 + n;
+                if (r < rows)
+                    memcpy(queries[n], q + ((r / group) * num_heads + h * group + r % group) * dim,
+                           (size_t)dim * 2);
+                else
+                    memset(queries[n], 0, (size_t)dim * 2);
+            }
+            for (int64_t p0 = 0; p0 < padded; p0 += 32) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t c = 0; c < chunks; c++) {
+                    _tile_loadd(4, queries[0] + 32 * c, ATTN_MAX_DIM * 2);
+                    _tile_loadd(6, head_keys + (p0 / 16 * chunks + c) * 256, 64);
+                    _tile_loadd(7, head_keys + ((p0 / 16 + 1) * chunks + c) * 256, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, scores + p0, padded * 4);
+                _tile_stored(1, scores + p0 + 16, padded * 4);
+            }
+            // Each query row's softmax over the prefix; the tail past it gets probability 0.
+            const __m512 scale_v = _mm512_set1_ps(scale);
+            float maxes[16], sums[16];
+            for (int64_t n = 0; n < 16; n++) {
+                float* row = scores + n * padded;
+                bf16_t* prob = probs + n * padded;
+                __m512 row_max = _mm512_set1_ps(-3.0e38f);
+                for (int64_t p = 0; p < prefix_len; p += 16) {
+                    __mmask16 m = prefix_len - p >= 16 ? 0xffff
+                                                       : (__mmask16)((1u << (prefix_len - p)) - 1u);
+                    row_max = _mm512_mask_max_ps(row_max, m, row_max,
+                                                 _mm512_mul_ps(_mm512_loadu_ps(row + p), scale_v));
+                }
+                const __m512 max_v = _mm512_set1_ps(maxes[n] = _mm512_reduce_max_ps(row_max));
+                __m512 row_sum = _mm512_setzero_ps();
+                for (int64_t p = 0; p < padded; p += 32) {
+                    __m512 e[2];
+                    for (int half = 0; half < 2; half++) {
+                        int64_t first = p + 16 * half;
+                        __mmask16 m = prefix_len - first >= 16 ? 0xffff
+                                      : prefix_len > first
+                                          ? (__mmask16)((1u << (prefix_len - first)) - 1u)
+                                          : 0;
+                        e[half] = _mm512_maskz_mov_ps(
+                            m, exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + first), scale_v,
+                                                      max_v)));
+                        row_sum = _mm512_add_ps(row_sum, e[half]);
+                    }
+                    _mm512_storeu_si512(prob + p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+                }
+                sums[n] = _mm512_reduce_add_ps(row_sum);
+            }
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                const int64_t dtiles = dim - d0 >= 64 ? 4 : (dim - d0) / 16;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t p0 = 0; p0 < padded; p0 += 32) {
+                    const uint32_t* block = head_values + p0 * dim / 2 + d0 / 16 * 256;
+                    _tile_loadd(4, probs + p0, padded * 2);
+                    _tile_loadd(6, block, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (dtiles > 1) {
+                        _tile_loadd(7, block + 256, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (dtiles > 2) {
+                        _tile_loadd(6, block + 512, 64);
+                        _tile_dpbf16ps(2, 4, 6);
+                    }
+                    if (dtiles > 3) {
+                        _tile_loadd(7, block + 768, 64);
+                        _tile_dpbf16ps(3, 4, 7);
+                    }
+                }
+                _tile_stored(0, acc[d0 / 16], 64);
+                if (dtiles > 1) _tile_stored(1, acc[d0 / 16 + 1], 64);
+                if (dtiles > 2) _tile_stored(2, acc[d0 / 16 + 2], 64);
+                if (dtiles > 3) _tile_stored(3, acc[d0 / 16 + 3], 64);
+            }
+            for (int64_t n = 0; n < 16 && row0 + n < rows; n++) {
+                int64_t r = row0 + n, head = (r / group) * num_heads + h * group + r % group;
+                __m512 inv = _mm512_set1_ps(1.0f / sums[n]);
+                for (int64_t t = 0; t < dim / 16; t++)
+                    _mm512_storeu_ps(out + head * dim + 16 * t,
+                                     _mm512_mul_ps(_mm512_load_ps(acc[t][n]), inv));
+                lse[head] = maxes[n] + logf(sums[n]);
+            }
+        }
+        _tile_release();
+    }
+    free(buffer);
+    return 1;
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)slots, (void)prefix_len, (void)out, (void)lse;
+    (void)tokens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)scale, (void)nthreads;
+    return 0;
+#endif
 }
 
 // ------------------------------------------------------------------------ fused elementwise
