@@ -122,6 +122,39 @@ def attention_case(kernels: CpuKernels, args: argparse.Namespace, batch: int, co
     return label, "gather + SDPA", seconds(baseline, 3), seconds(kernel, 3)
 
 
+def shared_prefix_case(
+    kernels: CpuKernels, args: argparse.Namespace, tokens: int, prefix_len: int
+) -> Row:
+    """Cascade attention's shared half: `tokens` queries over one `prefix_len`-position prefix,
+    every layer (AMX tiles vs SDPA's flash kernel, as attention/cpu_backend.py calls it)."""
+    shape = (prefix_len + 64, args.kv_heads, args.head_dim)
+    k_caches = [torch.randn(shape, dtype=BF16) for _ in range(args.layers)]
+    v_caches = [torch.randn(shape, dtype=BF16) for _ in range(args.layers)]
+    slots = torch.arange(32, 32 + prefix_len)
+    q = torch.randn(tokens, args.heads, args.head_dim, dtype=BF16)
+    scale = 1 / math.sqrt(args.head_dim)
+    group = args.heads // args.kv_heads
+
+    def kernel() -> None:
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
+
+    def baseline() -> None:
+        queries = q.view(tokens, args.kv_heads, group, args.head_dim).permute(1, 2, 0, 3)
+        queries = queries.reshape(1, args.kv_heads, group * tokens, args.head_dim)
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            keys = k_cache.index_select(0, slots).transpose(0, 1)[None]
+            values = v_cache.index_select(0, slots).transpose(0, 1)[None]
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                queries, keys, values, scale=scale
+            )
+
+    label = (
+        f"shared-prefix attention, {tokens} queries x {prefix_len} positions, {args.layers} layers"
+    )
+    return label, "SDPA flash", seconds(baseline, 3), seconds(kernel, 3)
+
+
 def elementwise_cases(kernels: CpuKernels, tokens: int, hidden: int, inter: int) -> list[Row]:
     """Residual + RMSNorm and SiLU-and-mul on `tokens` rows: kernel vs the PyTorch ops."""
     x = torch.randn(tokens, hidden, dtype=BF16)
@@ -187,6 +220,8 @@ def main() -> None:
         if kernels.has_amx and packed is not None:
             rows += [amx_case(kernels, weights, packed, n) for n in (16, 32, 64, 256)]
     rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
+    if kernels.has_amx and args.head_dim % 32 == 0:
+        rows += [shared_prefix_case(kernels, args, t, 1024) for t in (63, 2016)]
     for tokens in (1, 64, 2048):
         rows += elementwise_cases(kernels, tokens, args.hidden, args.intermediate)
     print("| operation | baseline | baseline ms | kernel ms | speedup |")
