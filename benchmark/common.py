@@ -354,10 +354,11 @@ class RunResult:
         return data
 
 
-def median_run(runs: Sequence[RunResult]) -> RunResult:
-    """The run with the median wall time (the lower middle one for an even count)."""
+def median_run(runs: Sequence[RunResult], upper: bool = False) -> RunResult:
+    """The run with the median wall time (for an even count the lower middle one, or with
+    `upper` the higher: the slower of the two)."""
     ordered = sorted(runs, key=lambda r: r.wall_s)
-    chosen = ordered[(len(ordered) - 1) // 2]
+    chosen = ordered[len(ordered) // 2 if upper else (len(ordered) - 1) // 2]
     chosen.extra["repeats"] = len(runs)
     chosen.extra["wall_s_all"] = [round(r.wall_s, 4) for r in runs]
     if len(runs) > 1:

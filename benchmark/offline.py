@@ -10,7 +10,10 @@ With --decode-batch-sizes 1,8,32 it measures decode instead: batches of 16-token
 generating 128 tokens, decode steps/s and tok/s next to the memory-bandwidth bound.
 
 Each engine gets a warm-up (fresh ids) that is not timed; every timed repeat draws fresh ids
-too, so minisgl's radix cache never serves a repeat from an earlier one. Prints a Markdown
+too, so minisgl's radix cache never serves a repeat from an earlier one. When other engines
+run, minisgl runs first and again after them (a fresh engine, the same ids) and its figure is
+the median over both sessions (the slower middle run for an even count), so a machine whose
+speed drifts during the invocation favours neither side (--no-bracket: once, first). Prints a Markdown
 table and writes a PNG and a JSON under benchmark/out/. Figures only: nothing is asserted.
 
     python benchmark/offline.py                      # W1 on the default model (SmolLM2-135M)
@@ -154,6 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-type", default="radix", help="minisgl prefix cache: radix or naive")
     p.add_argument("--max-prefill-length", type=int, default=None, help="minisgl prefill budget")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test, < 1 minute")
+    p.add_argument(
+        "--no-bracket",
+        action="store_true",
+        help="run minisgl once, first (default: also again after HF / vLLM, median of both)",
+    )
     add_run_options(p)
     return parse_run_args(p, argv)
 
@@ -192,6 +200,24 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def timed_runs(
+    runner: MinisglRunner | HFRunner,
+    shapes: list[Shape],
+    tokens: TokenSource,
+    args: argparse.Namespace,
+) -> list[list[RunResult]]:
+    """Warm up, then --repeat timed runs per shape."""
+    per_shape = []
+    for shape in shapes:
+        runner.run(shape.warmup(tokens, args.full_warmup), "warmup")
+        runs = [runner.run(shape.phases(tokens, r), shape.describe()) for r in range(args.repeat)]
+        for run in runs:
+            run.extra.pop("outputs", None)
+        log(f"  {runner.name} {shape.describe()}: {', '.join(f'{r.wall_s:.2f}' for r in runs)} s")
+        per_shape.append(runs)
+    return per_shape
+
+
 def run_engine(
     runner: MinisglRunner | HFRunner,
     shapes: list[Shape],
@@ -199,15 +225,7 @@ def run_engine(
     args: argparse.Namespace,
 ) -> list[RunResult]:
     """Warm up, then the median of --repeat timed runs per shape."""
-    results = []
-    for shape in shapes:
-        runner.run(shape.warmup(tokens, args.full_warmup), "warmup")
-        runs = [runner.run(shape.phases(tokens, r), shape.describe()) for r in range(args.repeat)]
-        best = median_run(runs)
-        best.extra.pop("outputs", None)
-        log(f"  {runner.name} {shape.describe()}: {best.wall_s:.2f} s")
-        results.append(best)
-    return results
+    return [median_run(runs) for runs in timed_runs(runner, shapes, tokens, args)]
 
 
 def run_vllm(
@@ -243,19 +261,25 @@ def run_all(
     samples = [shape.phases(tokens, 0) for shape in shapes]
     seq_len = max(max_seq_len(p) for p in samples)
     results: list[RunResult] = []
-    log(f"minisgl: loading {model}")
-    minisgl = MinisglRunner(
-        model,
-        args.dtype,
-        max_seq_len=seq_len,
-        # The largest workload's requests all resident at once, with room to spare.
-        kv_tokens=int(1.25 * max(total_kv_tokens(p) for p in samples)) + 64,
-        cache_type=args.cache_type,
-        page_size=args.page_size,
-        max_prefill_length=args.max_prefill_length,
-    )
-    results += run_engine(minisgl, shapes, tokens, args)
-    minisgl.close()
+
+    def minisgl_session() -> list[list[RunResult]]:
+        log(f"minisgl: loading {model}")
+        minisgl = MinisglRunner(
+            model,
+            args.dtype,
+            max_seq_len=seq_len,
+            # The largest workload's requests all resident at once, with room to spare.
+            kv_tokens=int(1.25 * max(total_kv_tokens(p) for p in samples)) + 64,
+            cache_type=args.cache_type,
+            page_size=args.page_size,
+            max_prefill_length=args.max_prefill_length,
+        )
+        try:
+            return timed_runs(minisgl, shapes, tokens, args)
+        finally:
+            minisgl.close()
+
+    ours = minisgl_session()
     if not args.skip_hf:
         log("HF transformers: loading")
         hf = HFRunner(model, args.dtype, args.hf_batch_size)
@@ -263,7 +287,12 @@ def run_all(
         hf.close()
     if "vllm" in args.peer:
         results += run_vllm(model, shapes, tokens, args)
-    return results
+    if results and not args.no_bracket:
+        log("minisgl: again, after the others (the machine's speed drifts)")
+        ours = [first + again for first, again in zip(ours, minisgl_session())]
+        # An even count of runs: the slower middle one, never the flattering one.
+        return [median_run(runs, upper=True) for runs in ours] + results
+    return [median_run(runs) for runs in ours] + results
 
 
 def report_throughput(
