@@ -15,9 +15,12 @@ for every engine; greedy, EOS ignored, every request generates exactly its outpu
 Per run it reports the prompt tokens the engine actually computed (minisgl: counted at each
 prefill forward; vLLM: prompt - cached), what a perfect token-level cache would compute, the
 cache hit rate, wall time (the sum of the `generate` calls, one per phase) and the speedup over
-minisgl's naive cache. With --peer vllm, minisgl's configs run before the peer and again after
-it, and each figure is the median over both sessions (--no-bracket: before only). Prints a
-Markdown table; writes a PNG and a JSON under benchmark/out/. Figures only: nothing is asserted.
+minisgl's naive cache. minisgl's configs are loaded together and take turns on each workload
+(reversed every other repeat: with --repeat 3, naive radix radix naive naive radix), so radix
+vs naive is measured side by side. With --peer vllm, minisgl's configs run before the peer and
+again after it, and each figure is the median over both sessions (--no-bracket: before only).
+Prints a Markdown table; writes a PNG and a JSON under benchmark/out/. Figures only: nothing is
+asserted.
 
     python benchmark/prefix.py                     # all workloads, default model, bf16
     python benchmark/prefix.py --workloads P1,P3 --peer vllm --vllm-block-size 32
@@ -201,25 +204,6 @@ def warmup_phases(tokens: TokenSource) -> Phases:
     return [[Request(tokens.draw(rng, 64), 4) for _ in range(4)]]
 
 
-def run_workloads(
-    run: Callable[[Phases, str], RunResult],
-    workloads: dict[str, Workload],
-    tokens: TokenSource,
-    repeat: int,
-    name: str,
-) -> dict[str, list[RunResult]]:
-    """--repeat timed runs of each workload, by workload."""
-    results = {}
-    for wname, workload in workloads.items():
-        runs = [run(workload.phases(tokens, r), wname) for r in range(repeat)]
-        for result in runs:
-            result.extra.pop("outputs", None)
-        walls = ", ".join(f"{r.wall_s:.2f}" for r in runs)
-        log(f"  {name} {wname}: {walls} s, computed {runs[0].prefill_computed} tokens")
-        results[wname] = runs
-    return results
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__)
     p.add_argument(
@@ -328,11 +312,14 @@ def main(argv: list[str] | None = None) -> None:
     ideal = {n: ideal_prefill_tokens(p) for n, p in samples.items()}
 
     def minisgl_runs() -> dict[tuple[str, str], list[RunResult]]:
-        runs: dict[tuple[str, str], list[RunResult]] = {}
+        """--repeat runs of every workload on every config. The configs' engines are loaded
+        together and take turns (in reverse order every other repeat), so a ratio between them
+        (radix vs naive) is measured on the same machine, not minutes apart."""
+        runners: dict[str, MinisglRunner] = {}
         for name, kwargs in minisgl_configs(args.configs.split(",") if args.configs else None):
             log(f"minisgl {name}: loading")
             try:
-                runner = MinisglRunner(
+                runners[name] = MinisglRunner(
                     model,
                     args.dtype,
                     name=name,
@@ -344,12 +331,25 @@ def main(argv: list[str] | None = None) -> None:
             except (TypeError, ValueError) as exc:
                 log(f"minisgl {name}: skipped ({exc})")
                 continue
-            runner.run(warmup_phases(tokens), "warmup")
-            for wname, wruns in run_workloads(
-                runner.run, workloads, tokens, args.repeat, name
-            ).items():
-                runs[(name, wname)] = wruns
-            runner.close()
+            runners[name].run(warmup_phases(tokens), "warmup")
+        runs: dict[tuple[str, str], list[RunResult]] = {
+            (name, wname): [] for name in runners for wname in workloads
+        }
+        try:
+            for wname, workload in workloads.items():
+                for r in range(args.repeat):
+                    turn = list(runners.items()) if r % 2 == 0 else list(runners.items())[::-1]
+                    for name, runner in turn:
+                        result = runner.run(workload.phases(tokens, r), wname)
+                        result.extra.pop("outputs", None)
+                        runs[(name, wname)].append(result)
+                for name in runners:
+                    done = runs[(name, wname)]
+                    walls = ", ".join(f"{run.wall_s:.2f}" for run in done)
+                    log(f"  {name} {wname}: {walls} s, computed {done[0].prefill_computed} tokens")
+        finally:
+            for runner in runners.values():
+                runner.close()
         return runs
 
     ours = minisgl_runs()
