@@ -13,9 +13,11 @@ to the workload; --server-args adds flags) and always stops it, or it uses a run
 (output tokens - 1)), ITL (every gap between streamed text chunks; a chunk that carries k
 tokens counts as k gaps of 1/k each) and e2e latency; it prints p50/p90/p99, request and token
 throughput as a Markdown table and writes a PNG of the latency CDFs and a JSON under
-benchmark/out/. With --compare-offline it then stops the server and measures the decode step
-time of the offline `LLM` at batch size --max-concurrency on the same shapes, and prints the
-server's TPOT p50 / that step time (issue 6, acceptance 4). Figures only: nothing is asserted.
+benchmark/out/. With --compare-offline it measures the decode step time of the offline `LLM`
+at batch size --max-concurrency on the same shapes, before starting the server and again after
+stopping it (the machine's speed drifts over minutes; the median over both, the faster middle
+run for an even count, so drift never flatters the server), and prints the server's TPOT p50 /
+that step time (issue 6, acceptance 4). Figures only: nothing is asserted.
 
     python benchmark/serving.py --quick                      # smoke test, < 1 minute
     python benchmark/serving.py --max-concurrency 8 --num-prompts 32 --compare-offline
@@ -500,6 +502,13 @@ class OfflineStep:
     def tok_per_s(self) -> float:
         return self.batch / self.step_s
 
+    @staticmethod
+    def merged(*measures: OfflineStep) -> OfflineStep:
+        """One measure from several sessions: the median step over all their runs (the faster
+        middle one for an even count)."""
+        runs = [step for measure in measures for step in measure.runs_s]
+        return OfflineStep(measures[0].batch, sorted(runs)[(len(runs) - 1) // 2], runs)
+
 
 def offline_decode_step(
     model: Path, tokens: TokenSource, args: argparse.Namespace, batch: int
@@ -622,6 +631,12 @@ def main(argv: list[str] | None = None) -> None:
     # Against a running server, its own folder (from /v1/models) is the model, unless --model.
     model = resolve_bench_model(args.model) if args.url is None or args.model else None
     server: Server | None = None
+    before: OfflineStep | None = None
+    batch = offline_batch(args)
+    if args.compare_offline and args.url is None and batch is not None:
+        assert model is not None
+        log(f"offline: decode step of minisgl.llm.LLM at batch {batch}, before the server")
+        before = offline_decode_step(model, TokenSource(model, args.seed), args, batch)
     try:
         if args.url is None:
             assert model is not None
@@ -663,10 +678,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare_offline:
         if args.url is not None:
             log("note: the running server shares the cores with the offline engine")
-        batch = offline_batch(args)
         assert batch is not None  # parse_args checked
         log(f"offline: decode step of minisgl.llm.LLM at batch {batch}")
         offline = offline_decode_step(model, tokens, args, batch)
+        if before is not None:
+            offline = OfflineStep.merged(before, offline)
         tpot = summary.stat("TPOT", 50)
         ratio = None if tpot is None else tpot / (1e3 * offline.step_s)
         rows = [
