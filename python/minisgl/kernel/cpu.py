@@ -450,10 +450,10 @@ class CpuKernels:
         positions: torch.Tensor,
         out_loc: torch.Tensor,
         scratch: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """decode_layer up to the attention: input norm, qkv projection, q/k norms, rotary and
-        the KV store. Returns (residual, the queries [tokens, heads, head_dim] in scratch)."""
-        tokens = x.shape[0]
+        the KV store; the queries land in scratch (`decode_layer_queries`). Returns the
+        residual."""
         new_residual = torch.empty_like(x) if residual is None else residual
         self.lib.minisgl_decode_layer_begin(
             ctypes.byref(layer),
@@ -462,15 +462,21 @@ class CpuKernels:
             new_residual.data_ptr(),
             residual is not None,
             scratch.data_ptr(),
-            tokens,
+            x.shape[0],
             positions.data_ptr(),
             out_loc.data_ptr(),
             torch.get_num_threads(),
         )
+        return new_residual
+
+    def decode_layer_queries(
+        self, model: DecodeModelParams, scratch: torch.Tensor, tokens: int
+    ) -> torch.Tensor:
+        """Where decode_layer_begin leaves the rotated queries: [tokens, heads, head_dim], a
+        view of scratch (the same for every layer of a step)."""
         offset = self.lib.minisgl_decode_layer_q_offset(ctypes.byref(model), tokens)
         q_width = model.num_heads * model.head_dim
-        q = scratch[offset : offset + tokens * q_width].view(tokens, model.num_heads, -1)
-        return new_residual, q
+        return scratch[offset : offset + tokens * q_width].view(tokens, model.num_heads, -1)
 
     def decode_layer_end(
         self,
