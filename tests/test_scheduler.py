@@ -64,6 +64,20 @@ def test_decode_is_not_starved_by_a_long_chunked_prompt() -> None:
     llm.shutdown()
 
 
+def test_waiting_prompts_are_prefilled_before_running_requests_decode() -> None:
+    llm = build_llm("qwen3", max_prefill_length=8, cache_type="naive", overlap_schedule=False)
+    running = llm.add_request([5, 6, 7], greedy(20))
+    llm.step()  # prefill it: it is running now
+    later = [llm.add_request(list(range(300 + 8 * i, 308 + 8 * i)), greedy(2)) for i in range(3)]
+    for uid in later:  # one whole 8-token prompt per step, with no decode step between them
+        assert [o.uid for o in llm.step() if o.token is not None] == [uid]
+    assert {o.uid for o in llm.step() if o.token is not None} == {running, *later}
+    while llm.has_work:
+        llm.step()
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
 @pytest.mark.parametrize(
     "config",
     [

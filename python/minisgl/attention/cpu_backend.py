@@ -25,9 +25,19 @@ class CpuPagedMetadata:
     kv_starts: torch.Tensor | None = None  # [B] int64, all len(shared_slots)
 
 
+@dataclass
+class CpuPrefillMetadata:
+    """A prefill on the AMX tiles: request b's new tokens follow its cached_lens[b] positions."""
+
+    rows: torch.Tensor  # [B] int64 page-table row
+    cached_lens: torch.Tensor  # [B] int64
+    extend_lens: torch.Tensor  # [B] int64
+
+
 class CpuAttnBackend(TorchAttnBackend):
     """Decode reads each request's KV slots in place (no gather, no padding); one query per
-    request, heads of a GQA group sharing every key/value read. Prefill uses the torch backend.
+    request, heads of a GQA group sharing every key/value read. Prefill runs causal attention
+    on the AMX tiles where the CPU has them and the pool is bf16, else the torch backend.
 
     Cascade: when every request of a batch starts with the same cached slots (a shared system
     prompt) of at least `cascade_min_prefix` positions, those are attended once for the whole
@@ -51,11 +61,19 @@ class CpuAttnBackend(TorchAttnBackend):
         k_cache = kv_cache.k_cache(0)
         # The pool's dtype and head size decide once whether the kernel can read it.
         self.kernel_fits = kernels.supports(k_cache.dtype) and k_cache.shape[-1] <= MAX_HEAD_DIM
+        self.prefill_on_tiles = (
+            self.kernel_fits
+            and kernels.has_amx
+            and k_cache.dtype == torch.bfloat16
+            and k_cache.shape[-1] % 32 == 0
+        )
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.reqs
-        if not self.kernel_fits or (batch.is_prefill and len(reqs) < 2):
+        if not self.kernel_fits:
             return super().prepare_metadata(batch)
+        if batch.is_prefill and len(reqs) < 2:
+            return self._prepare_prefill(batch)
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
         # Only positions every request had cached before this step can be shared.
         shared_max = min(r.cached_len for r in reqs)
@@ -69,7 +87,7 @@ class CpuAttnBackend(TorchAttnBackend):
             shared = 0
         if batch.is_prefill:
             if not shared or max(r.extend_len for r in reqs) > self.cascade_max_extend:
-                return super().prepare_metadata(batch)
+                return self._prepare_prefill(batch)
             assert batch.positions is not None
             extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
             meta = CpuPagedMetadata(
@@ -83,6 +101,15 @@ class CpuAttnBackend(TorchAttnBackend):
             meta.shared_slots = self.page_table[reqs[0].table_idx, :shared].long()
             meta.kv_starts = torch.full_like(meta.kv_lens, shared)
         batch.attn_metadata = meta
+
+    def _prepare_prefill(self, batch: Batch) -> None:
+        if not self.prefill_on_tiles:
+            return super().prepare_metadata(batch)
+        batch.attn_metadata = CpuPrefillMetadata(
+            torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64),
+            torch.tensor([r.cached_len for r in batch.reqs], dtype=torch.int64),
+            torch.tensor([r.extend_len for r in batch.reqs], dtype=torch.int64),
+        )
 
     def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = batch.attn_metadata
@@ -111,6 +138,24 @@ class CpuAttnBackend(TorchAttnBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         meta = batch.attn_metadata
+        if isinstance(meta, CpuPrefillMetadata):
+            assert batch.out_loc is not None
+            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+            out = self.kernels.prefill_attention(
+                q,
+                self.kv_cache.k_cache(layer_id),
+                self.kv_cache.v_cache(layer_id),
+                self.page_table,
+                meta.rows,
+                meta.cached_lens,
+                meta.extend_lens,
+                1.0 / math.sqrt(q.shape[-1]),
+                self.sliding_windows[layer_id],
+            )
+            if out is not None:
+                return out
+            super().prepare_metadata(batch)  # the kernel could not run (out of memory)
+            return super().forward(q, k, v, layer_id, batch)
         if isinstance(meta, CpuPagedMetadata) and q.shape[1] // k.shape[1] > MAX_GROUP:
             super().prepare_metadata(batch)  # a GQA group wider than the kernel's buffers
             meta = batch.attn_metadata

@@ -59,12 +59,15 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer_q_offset": [_ptr, _i64],
     "minisgl_shared_prefix_attention": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
     + [_i64, _i64, _float, _int],
+    "minisgl_prefill_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
+    + [_i64, _i64, _i64, _float, _i64, _int],
     "minisgl_decode_layer_begin": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _int],
     "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_int],
 }
 _RESTYPES = {
     "minisgl_shared_prefix_attention": _int,
+    "minisgl_prefill_attention": _int,
     "minisgl_decode_layer_scratch": _i64,
     "minisgl_decode_layer_q_offset": _i64,
     "minisgl_amx_packed_elems": _i64,
@@ -297,6 +300,53 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return (out, lse) if done else None
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        rows: torch.Tensor,
+        cached_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Causal attention of a prefill batch on the AMX tiles: the new tokens of request b
+        (consecutive rows of q [tokens, heads, dim], bf16) attend to the KV of page-table row
+        rows[b] up to their own positions (cached_lens[b] + j; the new K/V already stored).
+        Returns out [tokens, heads, dim] bf16, or None where it does not apply."""
+        tokens, num_heads, head_dim = q.shape
+        if not self.has_amx or q.dtype != torch.bfloat16 or head_dim % 32 or len(rows) == 0:
+            return None
+        if head_dim > MAX_HEAD_DIM or k_cache.dtype != torch.bfloat16:
+            return None
+        assert page_table.dtype == torch.int32 and page_table.is_contiguous()
+        q = q.contiguous()
+        rows, cached_lens, extend_lens = (
+            t.to(torch.int64).contiguous() for t in (rows, cached_lens, extend_lens)
+        )
+        out = torch.empty_like(q)
+        done = self.lib.minisgl_prefill_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            page_table.data_ptr(),
+            page_table.shape[1],
+            rows.data_ptr(),
+            cached_lens.data_ptr(),
+            extend_lens.data_ptr(),
+            len(rows),
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            scale,
+            window or 0,
+            torch.get_num_threads(),
+        )
+        return out if done else None
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

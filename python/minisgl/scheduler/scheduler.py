@@ -155,8 +155,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- scheduling
     def _schedule(self) -> Batch | None:
-        # Alternate while a long prompt is chunked, so running decodes are not starved.
-        prefill_first = not (self._last_was_prefill and self.running)
+        # Prefill first (whole prompts waiting are admitted back to back: fewer, fuller decode
+        # steps), but alternate while a long prompt is chunked, so running decodes are not
+        # starved.
+        chunking = self._last_was_prefill and self.chunked is not None
+        prefill_first = not (chunking and self.running)
         batch = None
         if prefill_first:
             batch = self._schedule_prefill()

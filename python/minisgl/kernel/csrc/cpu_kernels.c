@@ -809,17 +809,172 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
 }
 
 
-// ----------------------------------------------------------- shared-prefix attention (AMX)
-// The cascade's first half on CPUs with AMX tiles: every query token of a batch (q [tokens,
-// heads, dim] bf16) against the `prefix_len` positions all its requests share (KV at `slots`).
-// Writes out [tokens, heads, dim] float32 (normalised) and lse [tokens, heads] (natural
-// log-sum-exp of the scaled scores), the state minisgl_decode_attention continues from.
-// The keys are laid out once per call as the tiles' B operand (pairs of dims down, 16 keys
-// across), the values as pairs of positions; a task is 16 query rows of one kv head (its GQA
-// group's heads of consecutive tokens): scores = Q K^T on the tiles, a two-pass softmax along
-// each row (the whole prefix is known: no rescaling), out = P V with the probabilities rounded
-// to bf16 (as PyTorch's bf16 attention rounds them). head_dim: a multiple of 32 up to
-// ATTN_MAX_DIM. Returns 0 (nothing written) without AMX.
+// ------------------------------------------------------------- attention on the AMX tiles
+// Keys and values are first laid out as tile operands: keys [16-key block][32-dim chunk][dim
+// pair 16][key 16] (the B operand of Q K^T) and values [32-position block][16-dim tile][position
+// pair 16][dim 16] (the B operand of P V), as 32-bit bf16 pairs, zero past the last position.
+// A task then takes 16 query rows of one kv head (its GQA group's heads of consecutive tokens):
+// scores = Q K^T on the tiles, a two-pass softmax along each row (every key is known up front:
+// no rescaling), out = P V with float32 probabilities, as PyTorch's bf16 attention keeps them:
+// each is split into a bf16 part and a bf16 remainder, two tile products (the value half of the
+// work doubles; rounding P to bf16 alone costs ~10% more error than PyTorch's SDPA).
+// head_dim: a multiple of 32 up to ATTN_MAX_DIM.
+#ifdef HAVE_AMX
+// 16 keys (row pointers into the pool, NULL past the end) as one key block of `dim / 32` chunks.
+static void tile_layout_keys(uint32_t* dst, const bf16_t* const* keys, int64_t dim) {
+    uint32_t rows16[16][ATTN_MAX_DIM / 2] __attribute__((aligned(64)));
+    for (int64_t n = 0; n < 16; n++) {
+        if (keys[n])
+            memcpy(rows16[n], keys[n], (size_t)dim * 2);
+        else
+            memset(rows16[n], 0, (size_t)dim * 2);
+    }
+    // Each pair of dims gathered across the 16 keys.
+    const __m512i across =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(ATTN_MAX_DIM / 2));
+    for (int64_t i = 0; i < dim / 2; i++)  // chunk i / 16, pair i % 16
+        _mm512_store_si512(dst + (i / 16) * 256 + (i % 16) * 16,
+                           _mm512_i32gather_epi32(across, rows16[0] + i, 4));
+}
+
+// 32 values (row pointers, NULL past the end) as one value block.
+static void tile_layout_values(uint32_t* dst, const bf16_t* const* values, int64_t dim) {
+    for (int64_t pair = 0; pair < 16; pair++) {
+        const bf16_t* first = values[2 * pair];
+        const bf16_t* second = values[2 * pair + 1];
+        for (int64_t d = 0; d < dim; d += 16) {  // dim tile d / 16
+            __m512i low =
+                first ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(first + d)))
+                      : _mm512_setzero_si512();
+            __m512i high =
+                second ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(second + d)))
+                       : _mm512_setzero_si512();
+            _mm512_store_si512(dst + (d / 16) * 256 + pair * 16,
+                               _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        }
+    }
+}
+
+static inline __m512 bf16x16_to_f32(__m256i packed) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
+}
+
+// Bits i of a 16-lane block starting at position p with lo <= p + i < hi.
+static inline __mmask16 lanes_between(int64_t p, int64_t lo, int64_t hi) {
+    int64_t first = lo - p < 0 ? 0 : lo - p > 16 ? 16 : lo - p;
+    int64_t end = hi - p < 0 ? 0 : hi - p > 16 ? 16 : hi - p;
+    uint32_t below_end = (uint32_t)((1ull << end) - 1), below_first = (uint32_t)((1ull << first) - 1);
+    return (__mmask16)(below_end & ~below_first);
+}
+
+// One task: 16 query rows (row stride ATTN_MAX_DIM) against the keys of positions [k0, k1)
+// (multiples of 32) of one head's laid-out keys and values; row n sees positions [lo[n], hi[n])
+// (none for padding rows). Leaves each row's unnormalised P V in acc [dim / 16][16][16], its
+// largest scaled score in maxes and its sum of exponentials in sums. scores [16][k1 - k0]
+// float32 and probs [2][16][k1 - k0] bf16 (bf16 parts, then remainders) are scratch.
+static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* head_keys,
+                        const uint32_t* head_values, int64_t k0, int64_t k1, const int64_t* lo,
+                        const int64_t* hi, int64_t dim, float scale, float* scores, bf16_t* probs,
+                        float (*acc)[16][16], float* maxes, float* sums) {
+    const int64_t chunks = dim / 32, span = k1 - k0;
+    for (int64_t p0 = k0; p0 < k1; p0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(4, queries[0] + 32 * c, ATTN_MAX_DIM * 2);
+            _tile_loadd(6, head_keys + (p0 / 16 * chunks + c) * 256, 64);
+            _tile_loadd(7, head_keys + ((p0 / 16 + 1) * chunks + c) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, scores + (p0 - k0), span * 4);
+        _tile_stored(1, scores + (p0 - k0) + 16, span * 4);
+    }
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t n = 0; n < 16; n++) {
+        const float* row = scores + n * span;
+        bf16_t* prob = probs + n * span;
+        bf16_t* remainder = probs + (16 + n) * span;
+        __m512 row_max = _mm512_set1_ps(-3.0e38f);
+        for (int64_t p = k0; p < k1; p += 16)
+            row_max = _mm512_mask_max_ps(row_max, lanes_between(p, lo[n], hi[n]), row_max,
+                                         _mm512_mul_ps(_mm512_loadu_ps(row + (p - k0)), scale_v));
+        const __m512 max_v = _mm512_set1_ps(maxes[n] = _mm512_reduce_max_ps(row_max));
+        __m512 row_sum = _mm512_setzero_ps();
+        for (int64_t p = k0; p < k1; p += 32) {
+            __m512 e[2];
+            for (int half = 0; half < 2; half++) {
+                const int64_t first = p + 16 * half;
+                e[half] = _mm512_maskz_mov_ps(
+                    lanes_between(first, lo[n], hi[n]),
+                    exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + (first - k0)), scale_v, max_v)));
+                row_sum = _mm512_add_ps(row_sum, e[half]);
+            }
+            const __m512bh rounded = _mm512_cvtne2ps_pbh(e[1], e[0]);
+            const __m512i halves = (__m512i)rounded;  // e[0]'s 16 in the low half
+            const __m512 rest0 = _mm512_sub_ps(e[0], bf16x16_to_f32(_mm512_castsi512_si256(halves)));
+            const __m512 rest1 = _mm512_sub_ps(e[1], bf16x16_to_f32(_mm512_extracti64x4_epi64(halves, 1)));
+            _mm512_storeu_si512(prob + (p - k0), (__m512i)rounded);
+            _mm512_storeu_si512(remainder + (p - k0), (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0));
+        }
+        sums[n] = _mm512_reduce_add_ps(row_sum);
+    }
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int64_t dtiles = dim - d0 >= 64 ? 4 : (dim - d0) / 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t p0 = k0; p0 < k1; p0 += 32) {
+            const uint32_t* block = head_values + p0 * dim / 2 + d0 / 16 * 256;
+            _tile_loadd(4, probs + (p0 - k0), span * 2);
+            _tile_loadd(5, probs + 16 * span + (p0 - k0), span * 2);
+            _tile_loadd(6, block, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+            if (dtiles > 1) {
+                _tile_loadd(7, block + 256, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(1, 5, 7);
+            }
+            if (dtiles > 2) {
+                _tile_loadd(6, block + 512, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+            }
+            if (dtiles > 3) {
+                _tile_loadd(7, block + 768, 64);
+                _tile_dpbf16ps(3, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, acc[d0 / 16], 64);
+        if (dtiles > 1) _tile_stored(1, acc[d0 / 16 + 1], 64);
+        if (dtiles > 2) _tile_stored(2, acc[d0 / 16 + 2], 64);
+        if (dtiles > 3) _tile_stored(3, acc[d0 / 16 + 3], 64);
+    }
+}
+
+// Query rows [row0, row0 + 16) of kv head h (row r: token r / group, head h * group + r % group)
+// of q [tokens, heads, dim]; zero past `rows`.
+static void tile_queries(bf16_t (*queries)[ATTN_MAX_DIM], const bf16_t* q, int64_t row0,
+                         int64_t rows, int64_t h, int64_t group, int64_t num_heads, int64_t dim) {
+    for (int64_t n = 0; n < 16; n++) {
+        const int64_t r = row0 + n;
+        if (r < rows)
+            memcpy(queries[n], q + ((r / group) * num_heads + h * group + r % group) * dim,
+                   (size_t)dim * 2);
+        else
+            memset(queries[n], 0, (size_t)dim * 2);
+    }
+}
+#endif
+
+// The cascade's first half: every query token of a batch (q [tokens, heads, dim] bf16) against
+// the `prefix_len` positions all its requests share (KV at `slots`). Writes out [tokens, heads,
+// dim] float32 (normalised) and lse [tokens, heads] (natural log-sum-exp of the scaled scores),
+// the state minisgl_decode_attention continues from. Returns 0 (nothing written) without AMX.
 int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                                     const int64_t* slots, int64_t prefix_len, float* out,
                                     float* lse, int64_t tokens, int64_t num_heads,
@@ -829,12 +984,11 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
     if (dim % 32 != 0 || dim > ATTN_MAX_DIM || prefix_len <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, rows = tokens * group;
     const int64_t tiles = (rows + 15) / 16, padded = (prefix_len + 31) / 32 * 32;
-    const int64_t chunks = dim / 32, row_elems = num_kv_heads * dim;
-    // keys_t [kv head][16-key block][32-dim chunk][dim pair 16][key 16] and values_p [kv head]
-    // [32-position block][16-dim tile][position pair 16][dim 16], as 32-bit bf16 pairs, zero
-    // past the prefix; per thread: scores [16, padded] float32, probabilities [16, padded] bf16.
+    const int64_t row_elems = num_kv_heads * dim;
+    // Laid-out keys and values [kv head][position], then per thread: scores [16, padded]
+    // float32, probabilities [2, 16, padded] bf16.
     const size_t kv_words = (size_t)(num_kv_heads * padded * dim / 2);
-    const size_t thread_bytes = (size_t)(16 * padded * 4 + 16 * padded * 2);
+    const size_t thread_bytes = (size_t)(16 * padded * 4 * 2);
     char* buffer = (char*)aligned_alloc(64, 8 * kv_words + (size_t)nthreads * thread_bytes);
     if (!buffer) return 0;
     uint32_t* keys_t = (uint32_t*)buffer;
@@ -842,46 +996,19 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t block = 0; block < num_kv_heads * padded / 16; block++) {
-            const int64_t h = block / (padded / 16), p0 = block % (padded / 16) * 16;
-            uint32_t* dst = keys_t + (h * padded + p0) * dim / 2;  // this block's chunks
-            // The 16 keys side by side, then each pair of dims gathered across them.
-            uint32_t rows16[16][ATTN_MAX_DIM / 2] __attribute__((aligned(64)));
-            for (int64_t n = 0; n < 16; n++) {
-                if (p0 + n < prefix_len)
-                    memcpy(rows16[n], k_cache + slots[p0 + n] * row_elems + h * dim,
-                           (size_t)dim * 2);
-                else
-                    memset(rows16[n], 0, (size_t)dim * 2);
-            }
-            const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9,
-                                                                       8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                      _mm512_set1_epi32(ATTN_MAX_DIM / 2));
-            for (int64_t i = 0; i < dim / 2; i++)  // chunk i / 16, pair i % 16
-                _mm512_store_si512(dst + (i / 16) * 256 + (i % 16) * 16,
-                                   _mm512_i32gather_epi32(across, rows16[0] + i, 4));
-        }
-#pragma omp for schedule(static)
         for (int64_t block = 0; block < num_kv_heads * padded / 32; block++) {
             const int64_t h = block / (padded / 32), p0 = block % (padded / 32) * 32;
-            uint32_t* dst = values_p + (h * padded + p0) * dim / 2;
-            for (int64_t pair = 0; pair < 16; pair++) {
-                const int64_t p = p0 + 2 * pair;
-                const bf16_t* first =
-                    p < prefix_len ? v_cache + slots[p] * row_elems + h * dim : NULL;
-                const bf16_t* second =
-                    p + 1 < prefix_len ? v_cache + slots[p + 1] * row_elems + h * dim : NULL;
-                for (int64_t d = 0; d < dim; d += 16) {  // dim tile d / 16
-                    __m512i low = first ? _mm512_cvtepu16_epi32(
-                                              _mm256_loadu_si256((const __m256i*)(first + d)))
-                                        : _mm512_setzero_si512();
-                    __m512i high = second ? _mm512_cvtepu16_epi32(
-                                                _mm256_loadu_si256((const __m256i*)(second + d)))
-                                          : _mm512_setzero_si512();
-                    _mm512_store_si512(dst + (d / 16) * 256 + pair * 16,
-                                       _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
-                }
+            const bf16_t* keys[32];
+            const bf16_t* values[32];
+            for (int64_t n = 0; n < 32; n++) {
+                const int64_t at = p0 + n < prefix_len ? slots[p0 + n] * row_elems + h * dim : -1;
+                keys[n] = at < 0 ? NULL : k_cache + at;
+                values[n] = at < 0 ? NULL : v_cache + at;
             }
+            const int64_t base = (h * padded + p0) * dim / 2;
+            tile_layout_keys(keys_t + base, keys, dim);
+            tile_layout_keys(keys_t + base + 8 * dim, keys + 16, dim);
+            tile_layout_values(values_p + base, values, dim);
         }
         amx_configure();
         char* mine = buffer + 8 * kv_words + (size_t)omp_get_thread_num() * thread_bytes;
@@ -889,94 +1016,16 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
         bf16_t* probs = (bf16_t*)(mine + 16 * padded * 4);
         bf16_t queries[16][ATTN_MAX_DIM] __attribute__((aligned(64)));
         float acc[ATTN_MAX_DIM / 16][16][16] __attribute__((aligned(64)));
-        const int64_t step = padded / 16 * 256;  // words between a kv head's key blocks
+        int64_t lo[16], hi[16];
+        float maxes[16], sums[16];
+        for (int64_t n = 0; n < 16; n++) lo[n] = 0, hi[n] = prefix_len;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_kv_heads * tiles; task++) {
             const int64_t h = task / tiles, row0 = task % tiles * 16;
-            const uint32_t* head_keys = keys_t + h * step * (dim / 32);
-            const uint32_t* head_values = values_p + h * padded * dim / 2;
-            for (int64_t n = 0; n < 16; n++) {
-                int64_t r = row0 + n;
-                if (r < rows)
-                    memcpy(queries[n], q + ((r / group) * num_heads + h * group + r % group) * dim,
-                           (size_t)dim * 2);
-                else
-                    memset(queries[n], 0, (size_t)dim * 2);
-            }
-            for (int64_t p0 = 0; p0 < padded; p0 += 32) {
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t c = 0; c < chunks; c++) {
-                    _tile_loadd(4, queries[0] + 32 * c, ATTN_MAX_DIM * 2);
-                    _tile_loadd(6, head_keys + (p0 / 16 * chunks + c) * 256, 64);
-                    _tile_loadd(7, head_keys + ((p0 / 16 + 1) * chunks + c) * 256, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                _tile_stored(0, scores + p0, padded * 4);
-                _tile_stored(1, scores + p0 + 16, padded * 4);
-            }
-            // Each query row's softmax over the prefix; the tail past it gets probability 0.
-            const __m512 scale_v = _mm512_set1_ps(scale);
-            float maxes[16], sums[16];
-            for (int64_t n = 0; n < 16; n++) {
-                float* row = scores + n * padded;
-                bf16_t* prob = probs + n * padded;
-                __m512 row_max = _mm512_set1_ps(-3.0e38f);
-                for (int64_t p = 0; p < prefix_len; p += 16) {
-                    __mmask16 m = prefix_len - p >= 16 ? 0xffff
-                                                       : (__mmask16)((1u << (prefix_len - p)) - 1u);
-                    row_max = _mm512_mask_max_ps(row_max, m, row_max,
-                                                 _mm512_mul_ps(_mm512_loadu_ps(row + p), scale_v));
-                }
-                const __m512 max_v = _mm512_set1_ps(maxes[n] = _mm512_reduce_max_ps(row_max));
-                __m512 row_sum = _mm512_setzero_ps();
-                for (int64_t p = 0; p < padded; p += 32) {
-                    __m512 e[2];
-                    for (int half = 0; half < 2; half++) {
-                        int64_t first = p + 16 * half;
-                        __mmask16 m = prefix_len - first >= 16 ? 0xffff
-                                      : prefix_len > first
-                                          ? (__mmask16)((1u << (prefix_len - first)) - 1u)
-                                          : 0;
-                        e[half] = _mm512_maskz_mov_ps(
-                            m, exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + first), scale_v,
-                                                      max_v)));
-                        row_sum = _mm512_add_ps(row_sum, e[half]);
-                    }
-                    _mm512_storeu_si512(prob + p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-                }
-                sums[n] = _mm512_reduce_add_ps(row_sum);
-            }
-            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-                const int64_t dtiles = dim - d0 >= 64 ? 4 : (dim - d0) / 16;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t p0 = 0; p0 < padded; p0 += 32) {
-                    const uint32_t* block = head_values + p0 * dim / 2 + d0 / 16 * 256;
-                    _tile_loadd(4, probs + p0, padded * 2);
-                    _tile_loadd(6, block, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (dtiles > 1) {
-                        _tile_loadd(7, block + 256, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (dtiles > 2) {
-                        _tile_loadd(6, block + 512, 64);
-                        _tile_dpbf16ps(2, 4, 6);
-                    }
-                    if (dtiles > 3) {
-                        _tile_loadd(7, block + 768, 64);
-                        _tile_dpbf16ps(3, 4, 7);
-                    }
-                }
-                _tile_stored(0, acc[d0 / 16], 64);
-                if (dtiles > 1) _tile_stored(1, acc[d0 / 16 + 1], 64);
-                if (dtiles > 2) _tile_stored(2, acc[d0 / 16 + 2], 64);
-                if (dtiles > 3) _tile_stored(3, acc[d0 / 16 + 3], 64);
-            }
+            const int64_t base = h * padded * dim / 2;
+            tile_queries(queries, q, row0, rows, h, group, num_heads, dim);
+            tile_attend(queries, keys_t + base, values_p + base, 0, padded, lo, hi, dim, scale,
+                        scores, probs, acc, maxes, sums);
             for (int64_t n = 0; n < 16 && row0 + n < rows; n++) {
                 int64_t r = row0 + n, head = (r / group) * num_heads + h * group + r % group;
                 __m512 inv = _mm512_set1_ps(1.0f / sums[n]);
@@ -993,6 +1042,157 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)slots, (void)prefix_len, (void)out, (void)lse;
     (void)tokens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)scale, (void)nthreads;
+    return 0;
+#endif
+}
+
+#ifdef HAVE_AMX
+// Where a prefill attention task's 16 query rows (row0 on, `rows` in its request) sit: each
+// row's visible positions [lo, hi) and the key blocks [k0, k1) they span, all for a request with
+// `cached` positions before its new tokens.
+typedef struct {
+    int64_t lo[16], hi[16], k0, k1, last;
+} prefill_tile;
+
+static inline void prefill_tile_bounds(prefill_tile* t, int64_t row0, int64_t rows,
+                                       int64_t group, int64_t cached, int64_t window) {
+    for (int64_t n = 0; n < 16; n++) {
+        const int64_t own = cached + (row0 + n) / group, valid = row0 + n < rows;
+        t->hi[n] = valid ? own + 1 : 0;
+        t->lo[n] = valid && window > 0 && own - window + 1 > 0 ? own - window + 1 : 0;
+    }
+    t->last = (rows - row0 < 16 ? rows - row0 : 16) - 1;
+    t->k0 = t->lo[0] / 32 * 32;
+    t->k1 = (t->hi[t->last] + 31) / 32 * 32;
+}
+#endif
+
+// Causal prefill attention: request b's extend_lens[b] new tokens (consecutive rows of q
+// [tokens, heads, dim] bf16, request after request) at positions cached_lens[b] + j attend to
+// the positions [lo, own] of page-table row rows[b] (lo = own - window + 1 with a sliding
+// window, else 0), read from the pool (their new K/V already stored). Writes out [tokens,
+// heads, dim] bf16. Each request's keys and values are laid out once for all its query tiles, a
+// tile computes only the key blocks its rows can see, and each thread takes a contiguous run of
+// tiles (so a request's keys stay in its cache) holding an equal share of the key blocks.
+// Returns 0 (nothing written) without AMX.
+int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                              bf16_t* out, const int32_t* page_table, int64_t table_stride,
+                              const int64_t* rows, const int64_t* cached_lens,
+                              const int64_t* extend_lens, int64_t num_reqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t dim, float scale, int64_t window,
+                              int nthreads) {
+#ifdef HAVE_AMX
+    if (dim % 32 != 0 || dim > ATTN_MAX_DIM || num_reqs <= 0) return 0;
+    const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * dim;
+    // Per request (prefix sums, one extra entry for the totals): first query token, first
+    // laid-out position, first 32-position block (x kv heads), first task.
+    int64_t* starts = (int64_t*)malloc((size_t)(4 * (num_reqs + 1)) * sizeof(int64_t));
+    if (!starts) return 0;
+    int64_t *q_first = starts, *kv_first = starts + num_reqs + 1;
+    int64_t *block_first = kv_first + num_reqs + 1, *task_first = block_first + num_reqs + 1;
+    int64_t max_padded = 0;
+    q_first[0] = kv_first[0] = block_first[0] = task_first[0] = 0;
+    for (int64_t b = 0; b < num_reqs; b++) {
+        const int64_t padded = (cached_lens[b] + extend_lens[b] + 31) / 32 * 32;
+        max_padded = padded > max_padded ? padded : max_padded;
+        q_first[b + 1] = q_first[b] + extend_lens[b];
+        kv_first[b + 1] = kv_first[b] + padded;
+        block_first[b + 1] = block_first[b] + padded / 32 * num_kv_heads;
+        task_first[b + 1] = task_first[b] + (extend_lens[b] * group + 15) / 16 * num_kv_heads;
+    }
+    const int64_t tasks = task_first[num_reqs];
+    // A task's cost: its key blocks plus a fixed share for loading queries and storing rows.
+    int64_t* cost_first = (int64_t*)malloc((size_t)(tasks + 1) * sizeof(int64_t));
+    const size_t kv_words = (size_t)(kv_first[num_reqs] * num_kv_heads * dim / 2);
+    const size_t thread_bytes = (size_t)(16 * max_padded * 4 * 2);
+    char* buffer = (char*)aligned_alloc(64, 8 * kv_words + (size_t)nthreads * thread_bytes);
+    if (!buffer || !cost_first) {
+        free(buffer), free(cost_first), free(starts);
+        return 0;
+    }
+    cost_first[0] = 0;
+    for (int64_t b = 0, i = 0; b < num_reqs; b++) {
+        const int64_t tiles = (task_first[b + 1] - task_first[b]) / num_kv_heads;
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int64_t tile = 0; tile < tiles; tile++, i++) {
+                prefill_tile t;
+                prefill_tile_bounds(&t, tile * 16, extend_lens[b] * group, group, cached_lens[b],
+                                    window);
+                cost_first[i + 1] = cost_first[i] + (t.k1 - t.k0) / 32 + 2;
+            }
+    }
+    uint32_t* keys_t = (uint32_t*)buffer;
+    uint32_t* values_p = keys_t + kv_words;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t b = 0;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < block_first[num_reqs]; i++) {
+            while (block_first[b + 1] <= i) b++;  // a thread's i only grows
+            const int64_t local = i - block_first[b], h = local % num_kv_heads;
+            const int64_t p0 = local / num_kv_heads * 32, kv_len = cached_lens[b] + extend_lens[b];
+            const int64_t padded = kv_first[b + 1] - kv_first[b];
+            // With a window, blocks before the first new token's window are never read.
+            if (window > 0 && p0 + 32 <= cached_lens[b] - window + 1) continue;
+            const int32_t* slots = page_table + rows[b] * table_stride;
+            const bf16_t* keys[32];
+            const bf16_t* values[32];
+            for (int64_t n = 0; n < 32; n++) {
+                const int64_t at = p0 + n < kv_len ? slots[p0 + n] * row_elems + h * dim : -1;
+                keys[n] = at < 0 ? NULL : k_cache + at;
+                values[n] = at < 0 ? NULL : v_cache + at;
+            }
+            const int64_t base = (kv_first[b] * num_kv_heads + h * padded + p0) * dim / 2;
+            tile_layout_keys(keys_t + base, keys, dim);
+            tile_layout_keys(keys_t + base + 8 * dim, keys + 16, dim);
+            tile_layout_values(values_p + base, values, dim);
+        }  // the implicit barrier: every layout is done before any task reads it
+        amx_configure();
+        const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t total = cost_first[tasks];
+        int64_t first = 0, end = 0;  // tasks whose cost starts in this thread's share
+        while (first < tasks && cost_first[first] * workers < total * me) first++;
+        end = first;
+        while (end < tasks && cost_first[end] * workers < total * (me + 1)) end++;
+        char* mine = buffer + 8 * kv_words + (size_t)me * thread_bytes;
+        float* scores = (float*)mine;
+        bf16_t* probs = (bf16_t*)(mine + 16 * max_padded * 4);
+        bf16_t queries[16][ATTN_MAX_DIM] __attribute__((aligned(64)));
+        float acc[ATTN_MAX_DIM / 16][16][16] __attribute__((aligned(64)));
+        float maxes[16], sums[16];
+        b = 0;
+        for (int64_t i = first; i < end; i++) {
+            while (task_first[b + 1] <= i) b++;
+            const int64_t tiles = (task_first[b + 1] - task_first[b]) / num_kv_heads;
+            const int64_t h = (i - task_first[b]) / tiles, row0 = (i - task_first[b]) % tiles * 16;
+            const int64_t rows_b = extend_lens[b] * group, padded = kv_first[b + 1] - kv_first[b];
+            prefill_tile t;
+            prefill_tile_bounds(&t, row0, rows_b, group, cached_lens[b], window);
+            const int64_t base = (kv_first[b] * num_kv_heads + h * padded) * dim / 2;
+            tile_queries(queries, q + q_first[b] * num_heads * dim, row0, rows_b, h, group,
+                         num_heads, dim);
+            tile_attend(queries, keys_t + base, values_p + base, t.k0, t.k1, t.lo, t.hi, dim,
+                        scale, scores, probs, acc, maxes, sums);
+            for (int64_t n = 0; n <= t.last; n++) {
+                const int64_t r = row0 + n, token = q_first[b] + r / group;
+                bf16_t* dst = out + (token * num_heads + h * group + r % group) * dim;
+                const __m512 inv = _mm512_set1_ps(1.0f / sums[n]);
+                for (int64_t d = 0; d < dim / 16; d++)
+                    _mm256_storeu_si256((__m256i*)(dst + 16 * d),
+                                        (__m256i)_mm512_cvtneps_pbh(
+                                            _mm512_mul_ps(_mm512_load_ps(acc[d][n]), inv)));
+            }
+        }
+        _tile_release();
+    }
+    free(buffer);
+    free(cost_first);
+    free(starts);
+    return 1;
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)out, (void)page_table, (void)table_stride;
+    (void)rows, (void)cached_lens, (void)extend_lens, (void)num_reqs, (void)num_heads;
+    (void)num_kv_heads, (void)dim, (void)scale, (void)window, (void)nthreads;
     return 0;
 #endif
 }
