@@ -864,7 +864,8 @@ static inline __m512 bf16x16_to_f32(__m256i packed) {
 static inline __mmask16 lanes_between(int64_t p, int64_t lo, int64_t hi) {
     int64_t first = lo - p < 0 ? 0 : lo - p > 16 ? 16 : lo - p;
     int64_t end = hi - p < 0 ? 0 : hi - p > 16 ? 16 : hi - p;
-    uint32_t below_end = (uint32_t)((1ull << end) - 1), below_first = (uint32_t)((1ull << first) - 1);
+    const uint32_t below_end = (uint32_t)((1ull << end) - 1);
+    const uint32_t below_first = (uint32_t)((1ull << first) - 1);
     return (__mmask16)(below_end & ~below_first);
 }
 
@@ -913,8 +914,10 @@ static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* h
             }
             const __m512bh rounded = _mm512_cvtne2ps_pbh(e[1], e[0]);
             const __m512i halves = (__m512i)rounded;  // e[0]'s 16 in the low half
-            const __m512 rest0 = _mm512_sub_ps(e[0], bf16x16_to_f32(_mm512_castsi512_si256(halves)));
-            const __m512 rest1 = _mm512_sub_ps(e[1], bf16x16_to_f32(_mm512_extracti64x4_epi64(halves, 1)));
+            const __m512 rest0 =
+                _mm512_sub_ps(e[0], bf16x16_to_f32(_mm512_castsi512_si256(halves)));
+            const __m512 rest1 =
+                _mm512_sub_ps(e[1], bf16x16_to_f32(_mm512_extracti64x4_epi64(halves, 1)));
             _mm512_storeu_si512(prob + (p - k0), (__m512i)rounded);
             _mm512_storeu_si512(remainder + (p - k0), (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0));
         }
