@@ -77,12 +77,13 @@ def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
-@pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100])
+@pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100, 260, 300])
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_mid_sized_bf16_projection_matches_float_matmul(rows, out_features, in_features, bias):
     """Between the GEMV and prefill: the AMX tiles where the CPU has them (odd shapes padded
-    to whole tiles), else oneDNN's packed matmul."""
+    to whole tiles; from 256 rows by panels of columns, rows split by thread), else oneDNN's
+    packed matmul."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
@@ -93,6 +94,29 @@ def test_mid_sized_bf16_projection_matches_float_matmul(rows, out_features, in_f
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     want = x.float() @ weight.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
+@pytest.mark.parametrize("rows", [5, 64, 260])  # above the GEMV; both tile orders
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_projection_fuses_silu_into_the_tile_matmul(rows, bias):
+    gen = torch.Generator().manual_seed(4)
+    inter, hidden = 80, 96
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    weight = torch.randn(2 * inter, hidden, generator=gen).bfloat16()
+    b = torch.randn(2 * inter, generator=gen).bfloat16() if bias else None
+    gated = CpuProjection(weight, kernels, gated=True, bias=b)
+    assert gated.gated
+    out = gated.silu_and_mul(x)
+    assert out is not None and out.shape == (rows, inter)
+    # The same tile products, SiLU after: bit for bit what the unfused kernels give.
+    unfused = kernels.silu_and_mul(CpuProjection(weight, kernels)(x, weight, b))
+    assert torch.equal(out, unfused)
+    # Plain calls to a gated projection still return [gate | up] in order.
+    plain = gated(x, weight, b)
+    want = x.float() @ weight.float().T + (0 if b is None else b.float())
+    torch.testing.assert_close(plain.float(), want, atol=1e-3, rtol=2**-8)
+    assert CpuProjection(weight, kernels, gated=True).silu_and_mul(x[:4]) is None  # the GEMV's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -46,6 +46,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_amx_packed_elems": [_i64, _i64],
     "minisgl_amx_pack": [_ptr, _ptr, _i64, _i64, _int],
     "minisgl_amx_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_amx_gated_silu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_i64, _i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
@@ -96,6 +97,7 @@ class DecodeLayerParams(ctypes.Structure):
             "o_t",
             "gate_up_t",
             "down_t",
+            "gate_up_tb",
             "k_cache",
             "v_cache",
         )
@@ -214,6 +216,25 @@ class CpuKernels:
             out.data_ptr(),
             rows,
             out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def amx_gated_silu(
+        self, x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) [M, inter] on the AMX tiles, from a gate_up weight packed
+        by `amx_pack` with its gate and up rows interleaved in 16s (`interleave_gate_up`)."""
+        rows, in_features = x.shape
+        out = x.new_empty(rows, inter)
+        self.lib.minisgl_amx_gated_silu(
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            inter,
             in_features,
             torch.get_num_threads(),
         )

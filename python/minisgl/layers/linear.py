@@ -8,6 +8,8 @@ from torch import nn
 
 from minisgl.kernel.cpu import CpuKernels
 
+from .activation import silu_and_mul
+
 # Rows per call decide the CPU matmul (benchmark/kernels.py, offline.py --decode-batch-sizes):
 # the C GEMV for a few rows (bandwidth-bound at 1-4 rows, ~1.2-3x oneDNN's bf16 there; at 5-8
 # level with oneDNN, so it keeps up to GEMV_MAX_ROWS where the AMX matmul is absent), then up
@@ -26,12 +28,30 @@ def onednn_packing_available() -> bool:
     )
 
 
+def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
+    """A gate_up weight (or bias) [2 * inter, ...] with its gate and up rows interleaved in 16s
+    (gate 0-15, up 0-15, gate 16-31, ...): the layout the AMX gated kernel packs from."""
+    inter = rows.shape[0] // 2
+    blocks = torch.arange(inter).view(-1, 16)
+    return rows[torch.stack((blocks, blocks + inter), dim=1).flatten()]
+
+
 class CpuProjection:
     """How a half-precision weight is multiplied on the CPU, by rows per call: the C GEMV
     (bf16), a packed copy for mid-sized calls (the C AMX tile layout, or oneDNN's), then
-    F.linear. Without the GEMV and F.linear only the packed copy is kept."""
+    F.linear. Without the GEMV and F.linear only the packed copy is kept.
 
-    def __init__(self, weight: torch.Tensor, kernels: CpuKernels | None) -> None:
+    gated (a gate_up projection): on AMX the tile copy holds gate and up interleaved, for
+    `silu_and_mul`, which then runs every call above the GEMV's rows on the tiles, SiLU in the
+    matmul's epilogue; plain calls take the GEMV or F.linear."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        kernels: CpuKernels | None,
+        gated: bool = False,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         bf16 = weight.dtype == torch.bfloat16
         # Only with the bf16 dot-product instructions does the GEMV beat oneDNN.
         usable = kernels is not None and kernels.has_avx512_bf16
@@ -40,7 +60,13 @@ class CpuProjection:
         self.out_features = weight.shape[0]
         self.gemv_max_rows = AMX_GEMV_MAX_ROWS if self.amx is not None else GEMV_MAX_ROWS
         self.packed: torch.Tensor | None = None
-        if self.amx is not None:
+        self.gated = gated and self.amx is not None and weight.shape[0] % 32 == 0
+        self.gated_bias: torch.Tensor | None = None
+        if self.gated:
+            assert self.amx is not None
+            self.packed = self.amx.amx_pack(interleave_gate_up(weight))
+            self.gated_bias = None if bias is None else interleave_gate_up(bias).contiguous()
+        elif self.amx is not None:
             self.packed = self.amx.amx_pack(weight)
         elif onednn_packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
@@ -55,6 +81,8 @@ class CpuProjection:
         rows = x.shape[0] if x.dim() == 2 else -1
         if self.gemv is not None and 0 <= rows <= self.gemv_max_rows:
             return self.gemv.gemv_bf16(x.contiguous(), weight, bias)
+        if self.gated:  # the tile copy is interleaved: only silu_and_mul reads it
+            return F.linear(x, weight, bias)
         if self.packed is not None and (not self.needs_weight or 0 <= rows < PACKED_MAX_ROWS):
             if self.amx is not None:
                 return self.amx.amx_linear(x.contiguous(), self.packed, self.out_features, bias)
@@ -63,13 +91,26 @@ class CpuProjection:
             )
         return F.linear(x, weight, bias)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The gated activation straight from the tiles, where this projection has them for
+        this many rows; else None."""
+        if not self.gated or x.dim() != 2 or x.shape[0] <= self.gemv_max_rows:
+            return None
+        assert self.amx is not None and self.packed is not None
+        return self.amx.amx_gated_silu(
+            x.contiguous(), self.packed, self.out_features // 2, self.gated_bias
+        )
+
 
 class Linear(nn.Module):
-    """y = x W^T + b, weights filled by the loader."""
+    """y = x W^T + b, weights filled by the loader. gated: a gate_up projection ([gate; up]
+    rows), which also offers `silu_and_mul`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, gated: bool = False
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.gated = in_features, out_features, gated
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.cpu_projection: CpuProjection | None = None
@@ -77,7 +118,8 @@ class Linear(nn.Module):
     def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
         """Pick the CPU matmul path for a half-precision weight (after loading)."""
         if self.weight.device.type == "cpu" and self.weight.dtype in HALF_DTYPES:
-            self.cpu_projection = CpuProjection(self.weight.data, kernels)
+            bias = None if self.bias is None else self.bias.data
+            self.cpu_projection = CpuProjection(self.weight.data, kernels, self.gated, bias)
             if not self.cpu_projection.needs_weight:  # the packed copy replaces the weight
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
@@ -85,3 +127,12 @@ class Linear(nn.Module):
         if self.cpu_projection is not None:
             return self.cpu_projection(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gated projection: fused on the CPU where it can be."""
+        assert self.gated
+        if self.cpu_projection is not None:
+            fused = self.cpu_projection.silu_and_mul(x)
+            if fused is not None:
+                return fused
+        return silu_and_mul(self(x))

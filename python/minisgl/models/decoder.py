@@ -14,7 +14,6 @@ from minisgl.layers import (
     RotaryEmbedding,
     RotaryInputs,
     VocabEmbedding,
-    silu_and_mul,
 )
 
 from .config import ModelConfig
@@ -25,11 +24,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=config.mlp_bias, gated=True)
         self.down_proj = Linear(inter, hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class SelfAttention(nn.Module):

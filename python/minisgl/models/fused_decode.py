@@ -41,7 +41,13 @@ def _projection(linear: Linear) -> CpuProjection:
 
 def _tiles(linear: Linear) -> torch.Tensor | None:
     projection = _projection(linear)
+    if linear.gated:  # the C layer reads a gate_up's tiles only in the interleaved layout
+        return projection.packed if projection.gated else None
     return projection.packed if projection.amx is not None else None
+
+
+def _gated_bias(linear: Linear) -> torch.Tensor | None:
+    return _projection(linear).gated_bias
 
 
 class FusedDecode:
@@ -93,6 +99,7 @@ class FusedDecode:
                     o_t=_ptr(_tiles(attn.o_proj)),
                     gate_up_t=_ptr(_tiles(mlp.gate_up_proj)),
                     down_t=_ptr(_tiles(mlp.down_proj)),
+                    gate_up_tb=_ptr(_gated_bias(mlp.gate_up_proj)),
                     k_cache=_ptr(ctx.kv_cache.k_cache(i)),
                     v_cache=_ptr(ctx.kv_cache.v_cache(i)),
                     window=config.sliding_windows[i] or 0,

@@ -265,18 +265,51 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-// Accumulator tile rows (float32, 16 columns each) + bias -> bf16 rows of y, for valid rows
-// and columns only.
-static inline void amx_store(const float (*acc)[16], const bf16_t* bias, bf16_t* y, int64_t N,
-                             int64_t m0, int64_t rows, int64_t n0) {
-    __mmask16 cols = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1u);
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + n0)), 16));
+// Two accumulator tiles side by side (float32 rows of 16 columns: columns n0.. and n0 + 16..)
+// + bias -> bf16 rows of y, a 64-byte line per row, for valid rows and columns only.
+static inline void amx_store(const float (*left)[16], const float (*right)[16],
+                             const bf16_t* bias, bf16_t* y, int64_t N, int64_t m0, int64_t rows,
+                             int64_t n0) {
+    const __mmask32 cols = N - n0 >= 32 ? 0xffffffffu : (__mmask32)((1ull << (N - n0)) - 1u);
+    __m512 bias_left = _mm512_setzero_ps(), bias_right = _mm512_setzero_ps();
+    if (bias) {
+        const __m512i b = _mm512_maskz_loadu_epi16(cols, bias + n0);
+        bias_left = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
+        bias_right = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
+    }
     for (int64_t r = 0; r < rows; r++) {
-        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[r]), b));
-        _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, cols, (__m256i)v);
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(right[r]), bias_right),
+                                               _mm512_add_ps(_mm512_load_ps(left[r]), bias_left));
+        _mm512_mask_storeu_epi16(y + (m0 + r) * N + n0, cols, (__m512i)v);
+    }
+}
+
+static inline __m512 silu_times(__m512 gate, __m512 up, int dtype);
+static inline __m512 round_bf16_512(__m512 x);
+
+// The gated form: the left tile holds 16 gate columns, the right one the matching 16 up
+// columns (the weight packed with its gate and up rows interleaved in 16s, bias likewise);
+// writes round(silu(gate)) * up, rounded as minisgl_silu_and_mul rounds, to 16 columns of y
+// [M, width] from col0.
+static inline void amx_store_gated(const float (*gate)[16], const float (*up)[16],
+                                   const bf16_t* bias, bf16_t* y, int64_t width, int64_t m0,
+                                   int64_t rows, int64_t col0) {
+    const __mmask16 cols = width - col0 >= 16 ? 0xffff : (__mmask16)((1u << (width - col0)) - 1u);
+    __m512 bias_gate = _mm512_setzero_ps(), bias_up = _mm512_setzero_ps();
+    if (bias) {
+        bias_gate = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias)), 16));
+        bias_up = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + 16))), 16));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 g = round_bf16_512(_mm512_add_ps(_mm512_load_ps(gate[r]), bias_gate));
+        const __m512 u = round_bf16_512(_mm512_add_ps(_mm512_load_ps(up[r]), bias_up));
+        const __m512i v = _mm512_castps_si512(silu_times(g, u, 1));  // already bf16-rounded
+        _mm256_mask_storeu_epi16(y + (m0 + r) * width + col0, cols,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
     }
 }
 
@@ -295,10 +328,11 @@ static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf
     _tile_loadd(7, b + 512, 64);
 }
 
-// Rows [m0, m1) of x (whole 16-row tiles, row stride ldx elements) times column block nb.
+// Rows [m0, m1) of x (whole 16-row tiles, row stride ldx elements) times the column block at
+// n0; gated: the block is 16 gate and 16 up columns, and y holds N / 2 activations a row.
 static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
                      bf16_t* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
-                     int64_t n0) {
+                     int64_t n0, int gated) {
     float acc[4][16][16] __attribute__((aligned(64)));
     for (int64_t m = m0; m < m1; m += 32) {
         const bf16_t* a0 = x + m * ldx;
@@ -338,22 +372,35 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
             int64_t first_row = m + 16 * mt;
             int64_t rows = M - first_row < 16 ? M - first_row : 16;
             if (rows <= 0) break;
-            for (int nt = 0; nt < 2 && n0 + 16 * nt < N; nt++)
-                amx_store(acc[2 * mt + nt], bias, y, N, first_row, rows, n0 + 16 * nt);
+            if (gated)
+                amx_store_gated(acc[2 * mt], acc[2 * mt + 1], bias ? bias + n0 : NULL, y, N / 2,
+                                first_row, rows, n0 / 2);
+            else
+                amx_store(acc[2 * mt], acc[2 * mt + 1], bias, y, N, first_row, rows, n0);
         }
     }
 }
 #endif
 
-// x [M, K] (contiguous) times the packed weight; M rows of y [M, N]. Rows and k are padded to
-// whole tiles in a copy of x only when they are not already.
-void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
-                        int64_t M, int64_t N, int64_t K, int nthreads) {
+// x [M, K] (contiguous) times the packed weight; M rows of y [M, N] (gated: [M, N / 2]). Rows
+// and k are padded to whole tiles in a copy of x only when they are not already.
+//
+// Up to AMX_PANEL_MIN_ROWS rows the weights stream from memory once: a task is a column block
+// and a group of rows, consecutive tasks share a block. With more rows (prefill) each thread
+// takes its own rows, and the columns go by panels of AMX_PANEL_BYTES of weights (kept in L2):
+// per panel, each 64-row slice of x (in L1) meets every block of the panel, so the result is
+// written a row segment at a time, not a 32-column strip down the whole matrix.
+#define AMX_PANEL_MIN_ROWS 256
+#define AMX_PANEL_BYTES (1 << 20)
+#define AMX_PANEL_ROWS 64
+static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
+                       int64_t M, int64_t N, int64_t K, int gated, int nthreads) {
 #ifdef HAVE_AMX
     const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP, kpad = ksteps * AMX_KSTEP;
     const int64_t mpad = (M + 15) / 16 * 16;
     const int64_t nblocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
     const int64_t mgroups = (mpad + AMX_MGROUP - 1) / AMX_MGROUP;
+    const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
     bf16_t* xpad = NULL;
     const bf16_t* a = x;
     int64_t ldx = K;
@@ -368,6 +415,26 @@ void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bia
         a = xpad;
         ldx = kpad;
     }
+    if (mpad >= AMX_PANEL_MIN_ROWS) {
+        int64_t panel = AMX_PANEL_BYTES / (block_elems * 2);
+        panel = panel > 0 ? panel : 1;
+#pragma omp parallel num_threads(nthreads)
+        {
+            amx_configure();
+            const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t tiles = mpad / 16;  // this thread's share of whole 16-row tiles
+            const int64_t r0 = tiles * me / workers * 16, r1 = tiles * (me + 1) / workers * 16;
+            for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
+                for (int64_t m = r0; m < r1; m += AMX_PANEL_ROWS)
+                    for (int64_t nb = p0; nb < p0 + panel && nb < nblocks; nb++)
+                        amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m,
+                                 m + AMX_PANEL_ROWS < r1 ? m + AMX_PANEL_ROWS : r1,
+                                 nb * AMX_NBLOCK, gated);
+            _tile_release();
+        }
+        free(xpad);
+        return;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         amx_configure();
@@ -377,15 +444,28 @@ void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bia
         for (int64_t task = 0; task < nblocks * mgroups; task++) {
             int64_t nb = task / mgroups, g = task % mgroups;
             int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
-            amx_task(a, ldx, packed + nb * ksteps * AMX_NBLOCK * AMX_KSTEP, bias, y, M, N,
-                     ksteps, m0, m1, nb * AMX_NBLOCK);
+            amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
+                     nb * AMX_NBLOCK, gated);
         }
         _tile_release();
     }
     free(xpad);
 #else
-    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)gated;
+    (void)nthreads;
 #endif
+}
+
+void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
+                        int64_t M, int64_t N, int64_t K, int nthreads) {
+    amx_matmul(x, packed, bias, y, M, N, K, 0, nthreads);
+}
+
+// silu(gate) * up straight from a gate_up weight packed with its gate and up rows interleaved
+// in 16s (and its bias likewise): y [M, inter]; inter a multiple of 16.
+void minisgl_amx_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
+                            int64_t M, int64_t inter, int64_t K, int nthreads) {
+    amx_matmul(x, packed, bias, y, M, 2 * inter, K, 1, nthreads);
 }
 
 // --------------------------------------------------------------------- paged decode attention
@@ -1309,6 +1389,20 @@ void minisgl_add_rms_norm(const void* x, const void* residual, const void* weigh
     }
 }
 
+#ifdef __AVX512F__
+// round(round(silu(gate)) * up) in the dtype, as PyTorch's op-by-op silu(gate) * up rounds.
+// A correctly rounded division (the explicit-rounding form, which -ffast-math leaves alone), as
+// PyTorch divides: the gated matmul's epilogue and minisgl_silu_and_mul agree bit for bit, and
+// a reciprocal estimate's last-bit error would flip bf16 roundings PyTorch does not.
+static inline __m512 silu_times(__m512 gate, __m512 up, int dtype) {
+    const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate),
+                                     _mm512_set1_ps(88.0f));
+    const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(neg));
+    const __m512 silu = _mm512_div_round_ps(gate, denom, _MM_FROUND_CUR_DIRECTION);
+    return round_to_512(dtype, _mm512_mul_ps(round_to_512(dtype, silu), up));
+}
+#endif
+
 // out[r, i] = round(silu(gate[r, i])) * up[r, i], gate_up = [gate | up] per row.
 void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t inter,
                           int dtype, int nthreads) {
@@ -1316,19 +1410,10 @@ void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t 
     for (int64_t r = 0; r < rows; r++) {
         int64_t i = 0;
 #ifdef __AVX512F__
-        const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= inter; i += 16) {
             __m512 gate = load16(gate_up, r * 2 * inter + i, dtype);
             __m512 up = load16(gate_up, r * 2 * inter + inter + i, dtype);
-            __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate),
-                                       _mm512_set1_ps(88.0f));
-            // gate / (1 + e^-gate) by a reciprocal estimate and one Newton step (float32
-            // accurate; a division costs more than the rest of the loop).
-            __m512 denom = _mm512_add_ps(one, exp512(neg)), inv = _mm512_rcp14_ps(denom);
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(denom, inv, _mm512_set1_ps(2.0f)));
-            __m512 silu = _mm512_mul_ps(gate, inv);
-            store16(out, r * inter + i, dtype,
-                    round_to_512(dtype, _mm512_mul_ps(round_to_512(dtype, silu), up)));
+            store16(out, r * inter + i, dtype, silu_times(gate, up, dtype));
         }
 #endif
         for (; i < inter; i++) {
@@ -1451,6 +1536,7 @@ typedef struct {
     const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
     const bf16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
     const bf16_t *qkv_t, *o_t, *gate_up_t, *down_t;  // AMX tile layouts, or NULL
+    const bf16_t* gate_up_tb;  // gate_up's bias interleaved as gate_up_t is (gated), or NULL
     bf16_t *k_cache, *v_cache;  // this layer's pool: [slots, kv_heads, head_dim]
     int64_t window;             // 0: none
 } decode_layer;
@@ -1542,9 +1628,14 @@ void minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16
     layer_matmul(m, s.attn, L->o_w, L->o_t, L->o_b, s.proj, tokens, hidden, q_width, nthreads);
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
-    layer_matmul(m, s.normed, L->gate_up_w, L->gate_up_t, L->gate_up_b, s.gate_up, tokens,
-                 2 * m->inter, hidden, nthreads);
-    minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
+    if (L->gate_up_t && tokens > m->gemv_max_rows) {
+        minisgl_amx_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens, m->inter,
+                               hidden, nthreads);
+    } else {
+        layer_matmul(m, s.normed, L->gate_up_w, NULL, L->gate_up_b, s.gate_up, tokens,
+                     2 * m->inter, hidden, nthreads);
+        minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
+    }
     layer_matmul(m, s.act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
                  nthreads);
 }
