@@ -119,6 +119,19 @@ def test_gated_projection_fuses_silu_into_the_tile_matmul(rows, bias):
     assert CpuProjection(weight, kernels, gated=True).silu_and_mul(x[:4]) is None  # the GEMV's
 
 
+@pytest.mark.parametrize("cols", [1, 15, 16, 49152, 1000])
+def test_argmax_bf16_matches_torch_max_with_ties_and_nans(cols):
+    gen = torch.Generator().manual_seed(6)
+    # Few distinct values: many ties, whose first column must win.
+    x = torch.randint(-3, 4, (7, cols), generator=gen).bfloat16()
+    if cols > 20:
+        x[1, 5] = x[1, cols - 3] = float("nan")  # the first NaN wins
+        x[2, cols - 1] = 100.0  # the max in the scalar tail
+        x[3] = float("-inf")
+    got = kernels.argmax_bf16(x)
+    assert torch.equal(got, x.max(dim=-1).indices)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_matches_module(dtype, with_residual):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Req
+from minisgl.kernel.cpu import kernels_for
 
 
 @dataclass
@@ -121,11 +122,12 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, args: SampleArgs, token_pool: torch.Tensor
     ) -> torch.Tensor:
-        """logits: [B, vocab] float32. Returns [B] int32 token ids."""
+        """logits: [B, vocab] in the model's dtype. Returns [B] int32 token ids."""
         if args.penalties is not None:
-            logits = self._apply_penalties(logits, args.penalties, token_pool)
-        if args.all_greedy:
+            logits = self._apply_penalties(logits.float(), args.penalties, token_pool)
+        if args.all_greedy:  # the argmax of the logits as they are: widening changes no order
             return _argmax(logits).to(torch.int32)
+        logits = logits.float()
         assert args.temperatures is not None and args.greedy_rows is not None
         probs = torch.softmax(logits / args.temperatures, dim=-1)
         if args.top_k is not None or args.top_p is not None:
@@ -159,5 +161,9 @@ class Sampler:
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (first index on ties); `max` is ~2.5x faster than `argmax` on CPU."""
+    """Row-wise argmax (first index on ties); `max` is ~2.5x faster than `argmax` on CPU, and
+    the C kernel ~4x faster than `max` on bf16 logits."""
+    kernels = kernels_for(x)
+    if kernels is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] > 0:
+        return kernels.argmax_bf16(x)
     return x.max(dim=-1).indices

@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, list[type]] = {
     + [_i64, _i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
+    "minisgl_argmax_bf16": [_ptr, _ptr, _i64, _i64, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
     + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _float, _i64, _int, _int],
@@ -402,6 +403,15 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def argmax_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of x [rows, cols] bf16 (first index on ties, a NaN wins), int64."""
+        x = x.contiguous()
+        indices = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.minisgl_argmax_bf16(
+            x.data_ptr(), indices.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads()
+        )
+        return indices
 
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

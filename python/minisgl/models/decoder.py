@@ -111,7 +111,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder plus LM head; `forward` returns logits only for the rows asked for."""
+    """Decoder plus LM head; `forward` returns logits (in the model's dtype) only for the rows
+    asked for."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -129,4 +130,4 @@ class CausalLM(nn.Module):
         hidden = self.model(input_ids, positions)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)

@@ -1426,6 +1426,60 @@ void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t 
     }
 }
 
+// indices[r] = the first column of row r of x [rows, cols] (bf16) holding its largest value,
+// or its first NaN (as torch.max(dim=-1) picks): greedy sampling straight from bf16 logits,
+// which a float32 copy would only widen (bf16 -> float32 is exact).
+void minisgl_argmax_bf16(const bf16_t* x, int64_t* indices, int64_t rows, int64_t cols,
+                         int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16_t* row = x + r * cols;
+        int64_t c = 0, best = 0;
+        float best_value = bf16_to_f32(row[0]);
+#ifdef __AVX512F__
+        if (cols >= 16) {
+            // Per lane: the largest value so far and its first column; a NaN stops the scan.
+            __m512 lane_max = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)row));
+            __m512i lane_at =
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            __m512i at = lane_at;
+            const __m512i step = _mm512_set1_epi32(16);
+            int nan = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q) != 0;
+            for (c = 16; c + 16 <= cols && !nan; c += 16) {
+                at = _mm512_add_epi32(at, step);
+                const __m512 v = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(row + c)));
+                const __mmask16 higher = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+                lane_max = _mm512_mask_mov_ps(lane_max, higher, v);
+                lane_at = _mm512_mask_mov_epi32(lane_at, higher, at);
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+            }
+            if (nan) {  // the scalar scan below finds the first NaN
+                c = 0;
+            } else {
+                float values[16];
+                int32_t at_lane[16];
+                _mm512_storeu_ps(values, lane_max);
+                _mm512_storeu_si512(at_lane, lane_at);
+                best_value = values[0], best = at_lane[0];
+                for (int lane = 1; lane < 16; lane++)
+                    if (values[lane] > best_value ||
+                        (values[lane] == best_value && at_lane[lane] < best))
+                        best_value = values[lane], best = at_lane[lane];
+            }
+        }
+#endif
+        for (; c < cols; c++) {
+            const float v = bf16_to_f32(row[c]);
+            if (v != v) {
+                best = c;
+                break;
+            }
+            if (v > best_value) best_value = v, best = c;
+        }
+        indices[r] = best;
+    }
+}
+
 // Rotary embedding (neox layout: rotate halves), in place on x viewed as [tokens, heads, dim]
 // with `token_stride` elements between tokens (q or k inside the fused qkv rows). cos/sin are
 // float32 [max_positions, dim] tables; as transformers does, they are rounded to the dtype and
