@@ -12,10 +12,10 @@ from .activation import silu_and_mul
 
 # Rows per call decide the CPU matmul (benchmark/kernels.py, offline.py --decode-batch-sizes):
 # the C GEMV for a few rows (bandwidth-bound at 1-4 rows, ~1.2-3x oneDNN's bf16 there; at 5-8
-# level with oneDNN, so it keeps up to GEMV_MAX_ROWS where the AMX matmul is absent), then up
-# to PACKED_MAX_ROWS the C AMX matmul where the CPU has tiles (1.3-1.6x oneDNN at 5-64 rows,
-# 1.5x the GEMV at 5-8), else oneDNN's packed layout (1.3-2x F.linear); prefill-sized calls
-# take F.linear, as fast there.
+# level with oneDNN, so it keeps up to GEMV_MAX_ROWS where the AMX matmul is absent), then the C
+# AMX matmul where the CPU has tiles (1.3-1.6x oneDNN at 5-64 rows, 1.5x the GEMV at 5-8,
+# 1.3x at 1,024; level to 5% ahead in whole prefills), else up to PACKED_MAX_ROWS oneDNN's
+# packed layout (1.3-2x F.linear), and F.linear for prefill-sized calls, as fast there.
 GEMV_MAX_ROWS = 8
 AMX_GEMV_MAX_ROWS = 4
 PACKED_MAX_ROWS = 1024
@@ -83,9 +83,9 @@ class CpuProjection:
             return self.gemv.gemv_bf16(x.contiguous(), weight, bias)
         if self.gated:  # the tile copy is interleaved: only silu_and_mul reads it
             return F.linear(x, weight, bias)
+        if self.amx is not None and self.packed is not None and rows >= 0:
+            return self.amx.amx_linear(x.contiguous(), self.packed, self.out_features, bias)
         if self.packed is not None and (not self.needs_weight or 0 <= rows < PACKED_MAX_ROWS):
-            if self.amx is not None:
-                return self.amx.amx_linear(x.contiguous(), self.packed, self.out_features, bias)
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )
