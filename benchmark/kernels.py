@@ -25,7 +25,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
-from minisgl.layers.linear import onednn_packing_available
+from minisgl.layers.linear import interleave_gate_up, onednn_packing_available
 
 BF16 = torch.bfloat16
 
@@ -155,6 +155,76 @@ def shared_prefix_case(
     return label, "SDPA flash", seconds(baseline, 3), seconds(kernel, 3)
 
 
+def prefill_attention_case(
+    kernels: CpuKernels, args: argparse.Namespace, requests: int, tokens: int
+) -> Row:
+    """Causal prefill of `requests` fresh prompts of `tokens` tokens, every layer: the AMX tiles
+    over the pool vs SDPA's causal path on the new q/k/v (as the torch backend runs it)."""
+    slots = requests * tokens
+    shape = (slots, args.kv_heads, args.head_dim)
+    k_caches = [torch.randn(shape, dtype=BF16) for _ in range(args.layers)]
+    v_caches = [torch.randn(shape, dtype=BF16) for _ in range(args.layers)]
+    table = torch.arange(slots, dtype=torch.int32).view(requests, tokens)
+    q = torch.randn(slots, args.heads, args.head_dim, dtype=BF16)
+    rows, cached = torch.arange(requests), torch.zeros(requests, dtype=torch.int64)
+    extend = torch.full((requests,), tokens)
+    scale = 1 / math.sqrt(args.head_dim)
+
+    def kernel() -> None:
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            kernels.prefill_attention(q, k_cache, v_cache, table, rows, cached, extend, scale, None)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.view(requests, tokens, *x.shape[1:]).transpose(1, 2)
+
+    def baseline() -> None:
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            F.scaled_dot_product_attention(
+                heads_first(q),
+                heads_first(k_cache),
+                heads_first(v_cache),
+                is_causal=True,
+                enable_gqa=True,
+            )
+
+    label = f"prefill attention, {requests} x {tokens} tokens, {args.layers} layers"
+    return label, "SDPA causal", seconds(baseline, 3), seconds(kernel, 3)
+
+
+def gated_case(kernels: CpuKernels, args: argparse.Namespace, tokens: int) -> Row:
+    """gate_up projection + SiLU-and-mul over every layer: one tile matmul with SiLU in its
+    store vs the tile matmul and the separate kernel."""
+    weights = [
+        torch.randn(2 * args.intermediate, args.hidden, dtype=BF16) * 0.02
+        for _ in range(args.layers)
+    ]
+    plain = [kernels.amx_pack(w) for w in weights]
+    gated = [kernels.amx_pack(interleave_gate_up(w)) for w in weights]
+    x = torch.randn(tokens, args.hidden, dtype=BF16)
+
+    def kernel() -> None:
+        for packed in gated:
+            kernels.amx_gated_silu(x, packed, args.intermediate, None)
+
+    def baseline() -> None:
+        for packed in plain:
+            kernels.silu_and_mul(kernels.amx_linear(x, packed, 2 * args.intermediate, None))
+
+    label = f"gate_up + SiLU, {tokens} rows, {args.layers} layers"
+    return label, "AMX matmul + SiLU", seconds(baseline, 5), seconds(kernel, 5)
+
+
+def argmax_case(kernels: CpuKernels, rows: int, vocab: int) -> Row:
+    """Greedy sampling of bf16 logits: the C argmax vs a float32 copy and torch.max."""
+    logits = torch.randn(rows, vocab, dtype=BF16)
+    return (
+        f"argmax, {rows} x {vocab} bf16 logits",
+        "float() + max",
+        seconds(lambda: logits.float().max(dim=-1).indices, 20),
+        seconds(lambda: kernels.argmax_bf16(logits), 20),
+    )
+
+
 def elementwise_cases(kernels: CpuKernels, tokens: int, hidden: int, inter: int) -> list[Row]:
     """Residual + RMSNorm and SiLU-and-mul on `tokens` rows: kernel vs the PyTorch ops."""
     x = torch.randn(tokens, hidden, dtype=BF16)
@@ -222,6 +292,10 @@ def main() -> None:
     rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
     if kernels.has_amx and args.head_dim % 32 == 0:
         rows += [shared_prefix_case(kernels, args, t, 1024) for t in (63, 2016)]
+        rows += [prefill_attention_case(kernels, args, r, t) for r, t in ((16, 128), (1, 2048))]
+    if kernels.has_amx and args.intermediate % 16 == 0:
+        rows += [gated_case(kernels, args, t) for t in (64, 2048)]
+    rows.append(argmax_case(kernels, 64, 49152))
     for tokens in (1, 64, 2048):
         rows += elementwise_cases(kernels, tokens, args.hidden, args.intermediate)
     print("| operation | baseline | baseline ms | kernel ms | speedup |")

@@ -48,6 +48,10 @@ class CpuAttnBackend(TorchAttnBackend):
 
     cascade_min_prefix = 128
     cascade_max_extend = 256
+    # The shared half runs on the AMX tiles below this many query tokens (decode batches, short
+    # extends); past it SDPA's flash kernel is as fast (benchmark/kernels.py: 1.3x at 63
+    # queries, level at 128-1,024, 0.9x at 1,024 on Qwen3's heads).
+    tiles_max_shared_queries = 128
 
     def __init__(
         self,
@@ -182,9 +186,10 @@ class CpuAttnBackend(TorchAttnBackend):
         """Every request's query against the shared keys at once: (out [B, heads, dim] float32,
         log-sum-exp [B, heads] float32)."""
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        on_tiles = self.kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
-        if on_tiles is not None:
-            return on_tiles
+        if len(q) < self.tiles_max_shared_queries:
+            on_tiles = self.kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
+            if on_tiles is not None:
+                return on_tiles
         num_reqs, num_heads, head_dim = q.shape
         keys = k_cache.index_select(0, slots)  # [P, kv_heads, dim]
         values = v_cache.index_select(0, slots)
