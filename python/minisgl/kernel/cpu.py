@@ -210,36 +210,36 @@ class CpuKernels:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """x [M, K] @ W^T (+ bias) with the AMX tiles, W packed by `amx_pack`; all bfloat16."""
-        rows, in_features = x.shape
-        out = x.new_empty(rows, out_features)
-        self.lib.minisgl_amx_linear(
-            x.data_ptr(),
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            rows,
-            out_features,
-            in_features,
-            torch.get_num_threads(),
-        )
-        return out
+        return self._amx_call(self.lib.minisgl_amx_linear, x, packed, out_features, bias)
 
     def amx_gated_silu(
         self, x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) [M, inter] on the AMX tiles, from a gate_up weight packed
         by `amx_pack` with its gate and up rows interleaved in 16s (`interleave_gate_up`)."""
+        return self._amx_call(self.lib.minisgl_amx_gated_silu, x, packed, inter, bias)
+
+    @staticmethod
+    def _amx_call(
+        fn: ctypes._CFuncPtr,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_columns: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         rows, in_features = x.shape
-        out = x.new_empty(rows, inter)
-        self.lib.minisgl_amx_gated_silu(
+        out = x.new_empty(rows, out_columns)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        threads = torch.get_num_threads()
+        fn(
             x.data_ptr(),
             packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            bias_ptr,
             out.data_ptr(),
             rows,
-            inter,
+            out_columns,
             in_features,
-            torch.get_num_threads(),
+            threads,
         )
         return out
 

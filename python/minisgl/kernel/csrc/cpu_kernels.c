@@ -1012,26 +1012,20 @@ static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* h
         _tile_zero(3);
         for (int64_t p0 = k0; p0 < k1; p0 += 32) {
             const uint32_t* block = head_values + p0 * dim / 2 + d0 / 16 * 256;
-            _tile_loadd(4, probs + (p0 - k0), span * 2);
-            _tile_loadd(5, probs + 16 * span + (p0 - k0), span * 2);
-            _tile_loadd(6, block, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(0, 5, 6);
-            if (dtiles > 1) {
-                _tile_loadd(7, block + 256, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(1, 5, 7);
-            }
-            if (dtiles > 2) {
-                _tile_loadd(6, block + 512, 64);
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-            }
-            if (dtiles > 3) {
-                _tile_loadd(7, block + 768, 64);
-                _tile_dpbf16ps(3, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            _tile_loadd(4, probs + (p0 - k0), span * 2);  // bf16 parts
+            _tile_loadd(5, probs + 16 * span + (p0 - k0), span * 2);  // remainders
+            // Dim tile t's values (into tile 6 or 7) times both, into accumulator t.
+#define PV_TILE(t, values_tile)                          \
+    do {                                                 \
+        _tile_loadd(values_tile, block + 256 * (t), 64); \
+        _tile_dpbf16ps(t, 4, values_tile);               \
+        _tile_dpbf16ps(t, 5, values_tile);               \
+    } while (0)
+            PV_TILE(0, 6);
+            if (dtiles > 1) PV_TILE(1, 7);
+            if (dtiles > 2) PV_TILE(2, 6);
+            if (dtiles > 3) PV_TILE(3, 7);
+#undef PV_TILE
         }
         _tile_stored(0, acc[d0 / 16], 64);
         if (dtiles > 1) _tile_stored(1, acc[d0 / 16 + 1], 64);
