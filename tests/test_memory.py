@@ -1,4 +1,4 @@
-"""Host memory: huge-page advice for the CPU KV pool, a heap that keeps freed activations."""
+"""Host memory: huge pages for the CPU KV pool and weights, a heap that keeps freed activations."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import torch
+from helpers import build_llm, greedy
 
 from minisgl.kvcache.mha_pool import MHAKVCache
-from minisgl.utils.memory import HUGE_PAGE_BYTES, advise_huge_pages
+from minisgl.utils.memory import HUGE_PAGE_BYTES, advise_huge_pages, gather_on_huge_pages
 
 THP = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -52,3 +53,39 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     # A round maps 64 MB (16k pages of 4 KB) when it gets fresh memory; glibc's defaults refault
     # ~40k pages in these five rounds.
     assert int(result.stdout.strip()) < 16384, result.stdout
+
+
+def test_tensors_gathered_on_huge_pages_keep_their_values_back_to_back():
+    tensors = [
+        torch.randn(300, 7).bfloat16(),
+        torch.arange(5, dtype=torch.int32),
+        torch.randn(3 << 20),  # 12 MB: whole huge pages inside
+        torch.randn(1).bfloat16(),
+    ]
+    copies = gather_on_huge_pages(tensors)
+    for tensor, copy in zip(tensors, copies):
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape
+        assert copy.is_contiguous() and copy.data_ptr() % 64 == 0
+        assert torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
+    starts = [c.data_ptr() for c in copies]
+    assert starts == sorted(starts) and starts[0] % HUGE_PAGE_BYTES == 0
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    assert all(end <= start < end + 64 for end, start in zip(ends, starts[1:]))  # no gaps
+
+
+def test_model_weights_and_tile_copies_live_in_one_buffer():
+    llm = build_llm("smollm2", dtype=torch.bfloat16, cache_type="naive")
+    model = llm.engine.model
+    tensors = [p for p in model.parameters() if p.numel() > 0]
+    tensors += [
+        m.cpu_projection.packed
+        for m in model.modules()
+        if getattr(m, "cpu_projection", None) is not None
+        and m.cpu_projection.packed is not None
+        and m.cpu_projection.packed.layout == torch.strided
+    ]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(start < previous_end + 64 for (_, previous_end), (start, _) in zip(spans, spans[1:]))
+    out = llm.generate(["The capital of France is"], greedy(3))[0]
+    assert out["text"].startswith(" Paris")
+    llm.shutdown()

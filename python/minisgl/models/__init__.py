@@ -8,6 +8,7 @@ import torch
 
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers import Linear, LMHead
+from minisgl.utils.memory import gather_on_huge_pages
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM
@@ -42,7 +43,28 @@ def create_model(
         for module in model.modules():
             if isinstance(module, (Linear, LMHead)):
                 module.prepare_for_cpu(kernels)
+        _gather_weights_on_huge_pages(model)
     return model.eval()
+
+
+def _gather_weights_on_huge_pages(model: CausalLM) -> None:
+    """Every parameter and every AMX tile copy into one buffer on huge pages; before the first
+    forward, which is when the fused decode layer takes raw pointers."""
+    params = [p for p in model.parameters() if p.numel() > 0]
+    projections = [
+        m.cpu_projection
+        for m in model.modules()
+        if isinstance(m, (Linear, LMHead)) and m.cpu_projection is not None
+    ]
+    # oneDNN's packed copy is an opaque mkldnn tensor: it stays where oneDNN put it.
+    packed = [
+        pr for pr in projections if pr.packed is not None and pr.packed.layout == torch.strided
+    ]
+    copies = gather_on_huge_pages([p.data for p in params] + [pr.packed for pr in packed])
+    for param, copy in zip(params, copies):
+        param.data = copy
+    for projection, copy in zip(packed, copies[len(params) :]):
+        projection.packed = copy
 
 
 __all__ = [
