@@ -22,7 +22,6 @@ import torch
 
 from minisgl.env import ENV
 from minisgl.utils.hf import cache_dir
-from minisgl.utils.memory import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +195,6 @@ class CpuKernels:
         """A bf16 weight [N, K] in the AMX tile layout `amx_linear` takes (zero-padded)."""
         out_features, in_features = weight.shape
         packed = weight.new_empty(self.lib.minisgl_amx_packed_elems(out_features, in_features))
-        advise_huge_pages(packed)  # streamed whole every decode step: fewer TLB misses
         self.lib.minisgl_amx_pack(
             weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads()
         )
