@@ -439,3 +439,37 @@ def test_prefill_attention_on_tiles_matches_float_reference(
     )
     # Within the bf16 rounding of the output: the probabilities stay float32, as in SDPA.
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
+def test_prefill_on_tiles_matches_sdpa_inside_the_engine(monkeypatch):
+    """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention on the
+    tiles against the torch backend's SDPA on the same q/k/v and pool."""
+    from minisgl.attention.cpu_backend import CpuAttnBackend, CpuPrefillMetadata
+    from minisgl.attention.torch_backend import TorchAttnBackend
+
+    cached_seen: list[int] = []
+    on_tiles = CpuAttnBackend.forward
+
+    def forward(self, q, k, v, layer_id, batch):
+        out = on_tiles(self, q, k, v, layer_id, batch)
+        meta = batch.attn_metadata
+        if isinstance(meta, CpuPrefillMetadata):
+            TorchAttnBackend.prepare_metadata(self, batch)
+            want = TorchAttnBackend.forward(self, q, k, v, layer_id, batch)
+            batch.attn_metadata = meta
+            torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+            cached_seen.append(int(meta.cached_lens.max()))
+        return out
+
+    monkeypatch.setattr(CpuAttnBackend, "forward", forward)
+    llm = build_llm(
+        "smollm2", dtype=torch.bfloat16, cache_type="radix", page_size=4, max_prefill_length=16
+    )
+    # 93 tokens in chunks of 16, others sharing its start (hits on the second round).
+    prompts = [MIXED_PROMPTS[3], MIXED_PROMPTS[3] + " and then", MIXED_PROMPTS[4]]
+    for _ in range(2):  # the second round starts from radix hits
+        llm.generate(prompts, greedy(3))
+    assert cached_seen and max(cached_seen) > 16  # chunks and hits were among the checked
+    assert_all_pages_free(llm)
+    llm.shutdown()
