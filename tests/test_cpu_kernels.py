@@ -78,12 +78,12 @@ def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):
 
 
 @pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100, 260, 300])
-@pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40)])
+@pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40), (70, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_mid_sized_bf16_projection_matches_float_matmul(rows, out_features, in_features, bias):
     """Between the GEMV and prefill: the AMX tiles where the CPU has them (odd shapes padded
-    to whole tiles; from 256 rows by panels of columns, rows split by thread), else oneDNN's
-    packed matmul."""
+    to whole tiles; from 256 rows by panels of columns, rows split by thread, k of 1,024 and
+    more in chunks), else oneDNN's packed matmul."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
@@ -99,9 +99,10 @@ def test_mid_sized_bf16_projection_matches_float_matmul(rows, out_features, in_f
 @pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
 @pytest.mark.parametrize("rows", [5, 64, 260])  # above the GEMV; both tile orders
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_projection_fuses_silu_into_the_tile_matmul(rows, bias):
+@pytest.mark.parametrize("hidden", [96, 1100])  # k whole, k in chunks (from 260 rows)
+def test_gated_projection_fuses_silu_into_the_tile_matmul(rows, bias, hidden):
     gen = torch.Generator().manual_seed(4)
-    inter, hidden = 80, 96
+    inter = 80
     x = torch.randn(rows, hidden, generator=gen).bfloat16()
     weight = torch.randn(2 * inter, hidden, generator=gen).bfloat16()
     b = torch.randn(2 * inter, generator=gen).bfloat16() if bias else None

@@ -380,6 +380,63 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
         }
     }
 }
+
+// Rows [m0, m1) (at most 32) against the column blocks [nb0, nb1) of a panel, k in chunks of
+// AMX_KCHUNK steps: a chunk's 32 rows of x (16 KB) stay in L1 while every block of the panel
+// passes, each block's partial sums waiting in acc [blocks][4][16][16] float32 between chunks.
+#define AMX_KCHUNK 8
+static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
+                            int64_t block_elems, const bf16_t* bias, bf16_t* y, int64_t M,
+                            int64_t N, int64_t ksteps, int64_t m0, int64_t m1, int64_t nb0,
+                            int64_t nb1, int gated, int fetch, float (*acc)[4][16][16]) {
+    const bf16_t *a0 = x + m0 * ldx, *a1 = a0 + 16 * ldx;
+    const int pair = m1 - m0 >= 32;
+    for (int64_t kc = 0; kc < ksteps; kc += AMX_KCHUNK) {
+        const int64_t kend = kc + AMX_KCHUNK < ksteps ? kc + AMX_KCHUNK : ksteps;
+        for (int64_t nb = nb0; nb < nb1; nb++) {
+            float(*sums)[16][16] = acc[nb - nb0];
+            const bf16_t* wblock = packed + nb * block_elems;
+            if (kc == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            } else {
+                _tile_loadd(0, sums[0], 64);
+                _tile_loadd(1, sums[1], 64);
+                _tile_loadd(2, sums[2], 64);
+                _tile_loadd(3, sums[3], 64);
+            }
+            for (int64_t kb = kc; kb < kend; kb++) {
+                _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
+                amx_load_weight_tiles(wblock, kb, ksteps, fetch);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (pair) {
+                    _tile_loadd(5, a1 + kb * AMX_KSTEP, ldx * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+        }
+    }
+    for (int64_t nb = nb0; nb < nb1; nb++)
+        for (int mt = 0; mt < 2 && m0 + 16 * mt < m1; mt++) {
+            const int64_t first_row = m0 + 16 * mt, n0 = nb * AMX_NBLOCK;
+            const int64_t rows = M - first_row < 16 ? M - first_row : 16;
+            if (rows <= 0) break;
+            float(*sums)[16][16] = acc[nb - nb0];
+            if (gated)
+                amx_store_gated(sums[2 * mt], sums[2 * mt + 1], bias ? bias + n0 : NULL, y, N / 2,
+                                first_row, rows, n0 / 2);
+            else
+                amx_store(sums[2 * mt], sums[2 * mt + 1], bias, y, N, first_row, rows, n0);
+        }
+}
 #endif
 
 // x [M, K] (contiguous) times the packed weight; M rows of y [M, N] (gated: [M, N / 2]). Rows
@@ -424,12 +481,27 @@ static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
             const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
             const int64_t tiles = mpad / 16;  // this thread's share of whole 16-row tiles
             const int64_t r0 = tiles * me / workers * 16, r1 = tiles * (me + 1) / workers * 16;
-            for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
-                for (int64_t m = r0; m < r1; m += AMX_PANEL_ROWS)
-                    for (int64_t nb = p0; nb < p0 + panel && nb < nblocks; nb++)
-                        amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m,
-                                 m + AMX_PANEL_ROWS < r1 ? m + AMX_PANEL_ROWS : r1,
-                                 nb * AMX_NBLOCK, gated);
+            // Long k (1,024 and up) in chunks that keep x's rows in L1; short k whole, block
+            // by block (chunking it measured 2% slower there, 7% faster on Qwen3's shapes).
+            float(*acc)[4][16][16] = NULL;
+            if (ksteps >= 4 * AMX_KCHUNK)
+                acc = (float(*)[4][16][16])aligned_alloc(64, (size_t)panel * sizeof(*acc));
+            if (acc) {
+                for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
+                    for (int64_t m = r0; m < r1; m += 32)
+                        amx_panel_slice(a, ldx, packed, block_elems, bias, y, M, N, ksteps, m,
+                                        m + 32 < r1 ? m + 32 : r1, p0,
+                                        p0 + panel < nblocks ? p0 + panel : nblocks, gated,
+                                        m == r0, acc);
+            } else {
+                for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
+                    for (int64_t m = r0; m < r1; m += AMX_PANEL_ROWS)
+                        for (int64_t nb = p0; nb < p0 + panel && nb < nblocks; nb++)
+                            amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m,
+                                     m + AMX_PANEL_ROWS < r1 ? m + AMX_PANEL_ROWS : r1,
+                                     nb * AMX_NBLOCK, gated);
+            }
+            free(acc);
             _tile_release();
         }
         free(xpad);
