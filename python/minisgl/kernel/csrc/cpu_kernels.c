@@ -328,6 +328,23 @@ static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf
     _tile_loadd(7, b + 512, 64);
 }
 
+// A 32 x 32 block's four accumulator tiles (rows m.. of y, up to m1) through the plain or the
+// gated store.
+static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bias, bf16_t* y,
+                                   int64_t M, int64_t N, int64_t m, int64_t m1, int64_t n0,
+                                   int gated) {
+    for (int mt = 0; mt < 2 && m + 16 * mt < m1; mt++) {
+        const int64_t first_row = m + 16 * mt;
+        const int64_t rows = M - first_row < 16 ? M - first_row : 16;
+        if (rows <= 0) break;
+        if (gated)
+            amx_store_gated(acc[2 * mt], acc[2 * mt + 1], bias ? bias + n0 : NULL, y, N / 2,
+                            first_row, rows, n0 / 2);
+        else
+            amx_store(acc[2 * mt], acc[2 * mt + 1], bias, y, N, first_row, rows, n0);
+    }
+}
+
 // Rows [m0, m1) of x (whole 16-row tiles, row stride ldx elements) times the column block at
 // n0; gated: the block is 16 gate and 16 up columns, and y holds N / 2 activations a row.
 static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
@@ -368,16 +385,7 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
             _tile_stored(0, acc[0], 64);
             _tile_stored(1, acc[1], 64);
         }
-        for (int mt = 0; mt < 2 && m + 16 * mt < m1; mt++) {
-            int64_t first_row = m + 16 * mt;
-            int64_t rows = M - first_row < 16 ? M - first_row : 16;
-            if (rows <= 0) break;
-            if (gated)
-                amx_store_gated(acc[2 * mt], acc[2 * mt + 1], bias ? bias + n0 : NULL, y, N / 2,
-                                first_row, rows, n0 / 2);
-            else
-                amx_store(acc[2 * mt], acc[2 * mt + 1], bias, y, N, first_row, rows, n0);
-        }
+        amx_store_block((const float(*)[16][16])acc, bias, y, M, N, m, m1, n0, gated);
     }
 }
 
@@ -425,17 +433,8 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
         }
     }
     for (int64_t nb = nb0; nb < nb1; nb++)
-        for (int mt = 0; mt < 2 && m0 + 16 * mt < m1; mt++) {
-            const int64_t first_row = m0 + 16 * mt, n0 = nb * AMX_NBLOCK;
-            const int64_t rows = M - first_row < 16 ? M - first_row : 16;
-            if (rows <= 0) break;
-            float(*sums)[16][16] = acc[nb - nb0];
-            if (gated)
-                amx_store_gated(sums[2 * mt], sums[2 * mt + 1], bias ? bias + n0 : NULL, y, N / 2,
-                                first_row, rows, n0 / 2);
-            else
-                amx_store(sums[2 * mt], sums[2 * mt + 1], bias, y, N, first_row, rows, n0);
-        }
+        amx_store_block((const float(*)[16][16])acc[nb - nb0], bias, y, M, N, m0, m1,
+                        nb * AMX_NBLOCK, gated);
 }
 #endif
 
