@@ -328,6 +328,26 @@ static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf
     _tile_loadd(7, b + 512, 64);
 }
 
+// k-steps [kb0, kb1) of a block into accumulator tiles 0-1 (x rows from a0) and, with pair,
+// 2-3 (rows from a1); the weight tiles from wblock.
+static inline __attribute__((always_inline)) void amx_ksteps(const bf16_t* a0, const bf16_t* a1,
+                                                             int pair, int64_t ldx,
+                                                             const bf16_t* wblock, int64_t kb0,
+                                                             int64_t kb1, int64_t ksteps,
+                                                             int fetch) {
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
+        amx_load_weight_tiles(wblock, kb, ksteps, fetch);
+        if (pair) _tile_loadd(5, a1 + kb * AMX_KSTEP, ldx * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (pair) {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 // A 32 x 32 block's four accumulator tiles (rows m.. of y, up to m1) through the plain or the
 // gated store.
 static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bias, bf16_t* y,
@@ -360,15 +380,7 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t kb = 0; kb < ksteps; kb++) {
-                _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
-                amx_load_weight_tiles(wblock, kb, ksteps, first);
-                _tile_loadd(5, a1 + kb * AMX_KSTEP, ldx * 2);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            amx_ksteps(a0, a1, 1, ldx, wblock, 0, ksteps, ksteps, first);
             _tile_stored(0, acc[0], 64);
             _tile_stored(1, acc[1], 64);
             _tile_stored(2, acc[2], 64);
@@ -376,12 +388,7 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
         } else {
             _tile_zero(0);
             _tile_zero(1);
-            for (int64_t kb = 0; kb < ksteps; kb++) {
-                _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
-                amx_load_weight_tiles(wblock, kb, ksteps, first);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-            }
+            amx_ksteps(a0, NULL, 0, ldx, wblock, 0, ksteps, ksteps, first);
             _tile_stored(0, acc[0], 64);
             _tile_stored(1, acc[1], 64);
         }
@@ -415,17 +422,7 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
                 _tile_loadd(2, sums[2], 64);
                 _tile_loadd(3, sums[3], 64);
             }
-            for (int64_t kb = kc; kb < kend; kb++) {
-                _tile_loadd(4, a0 + kb * AMX_KSTEP, ldx * 2);
-                amx_load_weight_tiles(wblock, kb, ksteps, fetch);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (pair) {
-                    _tile_loadd(5, a1 + kb * AMX_KSTEP, ldx * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
+            amx_ksteps(a0, a1, pair, ldx, wblock, kc, kend, ksteps, fetch);
             _tile_stored(0, sums[0], 64);
             _tile_stored(1, sums[1], 64);
             _tile_stored(2, sums[2], 64);
