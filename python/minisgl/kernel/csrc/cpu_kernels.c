@@ -1009,6 +1009,22 @@ static void tile_layout_values(uint32_t* dst, const bf16_t* const* values, int64
     }
 }
 
+// 32 positions' keys and values (element offsets of their rows' head in the pool, -1 past the
+// end) as two key blocks and one value block at `base` words.
+static void tile_layout_positions(uint32_t* keys_t, uint32_t* values_p, int64_t base,
+                                  const bf16_t* k_cache, const bf16_t* v_cache,
+                                  const int64_t* at, int64_t dim) {
+    const bf16_t* keys[32];
+    const bf16_t* values[32];
+    for (int64_t n = 0; n < 32; n++) {
+        keys[n] = at[n] < 0 ? NULL : k_cache + at[n];
+        values[n] = at[n] < 0 ? NULL : v_cache + at[n];
+    }
+    tile_layout_keys(keys_t + base, keys, dim);
+    tile_layout_keys(keys_t + base + 8 * dim, keys + 16, dim);
+    tile_layout_values(values_p + base, values, dim);
+}
+
 // Bits i of a 16-lane block starting at position p with lo <= p + i < hi.
 static inline __mmask16 lanes_between(int64_t p, int64_t lo, int64_t hi) {
     int64_t first = lo - p < 0 ? 0 : lo - p > 16 ? 16 : lo - p;
@@ -1144,17 +1160,11 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
 #pragma omp for schedule(static)
         for (int64_t block = 0; block < num_kv_heads * padded / 32; block++) {
             const int64_t h = block / (padded / 32), p0 = block % (padded / 32) * 32;
-            const bf16_t* keys[32];
-            const bf16_t* values[32];
-            for (int64_t n = 0; n < 32; n++) {
-                const int64_t at = p0 + n < prefix_len ? slots[p0 + n] * row_elems + h * dim : -1;
-                keys[n] = at < 0 ? NULL : k_cache + at;
-                values[n] = at < 0 ? NULL : v_cache + at;
-            }
-            const int64_t base = (h * padded + p0) * dim / 2;
-            tile_layout_keys(keys_t + base, keys, dim);
-            tile_layout_keys(keys_t + base + 8 * dim, keys + 16, dim);
-            tile_layout_values(values_p + base, values, dim);
+            int64_t at[32];
+            for (int64_t n = 0; n < 32; n++)
+                at[n] = p0 + n < prefix_len ? slots[p0 + n] * row_elems + h * dim : -1;
+            tile_layout_positions(keys_t, values_p, (h * padded + p0) * dim / 2, k_cache, v_cache,
+                                  at, dim);
         }
         amx_configure();
         char* mine = buffer + 8 * kv_words + (size_t)omp_get_thread_num() * thread_bytes;
@@ -1281,17 +1291,12 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
             // With a window, blocks before the first new token's window are never read.
             if (window > 0 && p0 + 32 <= cached_lens[b] - window + 1) continue;
             const int32_t* slots = page_table + rows[b] * table_stride;
-            const bf16_t* keys[32];
-            const bf16_t* values[32];
-            for (int64_t n = 0; n < 32; n++) {
-                const int64_t at = p0 + n < kv_len ? slots[p0 + n] * row_elems + h * dim : -1;
-                keys[n] = at < 0 ? NULL : k_cache + at;
-                values[n] = at < 0 ? NULL : v_cache + at;
-            }
-            const int64_t base = (kv_first[b] * num_kv_heads + h * padded + p0) * dim / 2;
-            tile_layout_keys(keys_t + base, keys, dim);
-            tile_layout_keys(keys_t + base + 8 * dim, keys + 16, dim);
-            tile_layout_values(values_p + base, values, dim);
+            int64_t at[32];
+            for (int64_t n = 0; n < 32; n++)
+                at[n] = p0 + n < kv_len ? (int64_t)slots[p0 + n] * row_elems + h * dim : -1;
+            tile_layout_positions(keys_t, values_p,
+                                  (kv_first[b] * num_kv_heads + h * padded + p0) * dim / 2,
+                                  k_cache, v_cache, at, dim);
         }  // the implicit barrier: every layout is done before any task reads it
         amx_configure();
         const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
