@@ -10,7 +10,7 @@ import torch
 from helpers import build_llm, greedy
 
 from minisgl.kvcache.mha_pool import MHAKVCache
-from minisgl.utils.memory import HUGE_PAGE_BYTES, advise_huge_pages, gather_on_huge_pages
+from minisgl.utils.memory import HUGE_PAGE_BYTES, advise_huge_pages, empty_on_huge_pages
 
 THP = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -55,21 +55,22 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     assert int(result.stdout.strip()) < 16384, result.stdout
 
 
-def test_tensors_gathered_on_huge_pages_keep_their_values_back_to_back():
-    tensors = [
-        torch.randn(300, 7).bfloat16(),
-        torch.arange(5, dtype=torch.int32),
-        torch.randn(3 << 20),  # 12 MB: whole huge pages inside
-        torch.randn(1).bfloat16(),
+def test_tensors_on_huge_pages_lie_back_to_back():
+    specs = [
+        (torch.Size([300, 7]), torch.bfloat16),
+        (torch.Size([5]), torch.int32),
+        (torch.Size([3 << 20]), torch.float32),  # 12 MB: whole huge pages inside
+        (torch.Size([1]), torch.bfloat16),
     ]
-    copies = gather_on_huge_pages(tensors)
-    for tensor, copy in zip(tensors, copies):
-        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape
-        assert copy.is_contiguous() and copy.data_ptr() % 64 == 0
-        assert torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
-    starts = [c.data_ptr() for c in copies]
+    slots = empty_on_huge_pages(specs)
+    for (shape, dtype), slot in zip(specs, slots):
+        assert slot.dtype == dtype and slot.shape == shape
+        assert slot.is_contiguous() and slot.data_ptr() % 64 == 0
+        slot.fill_(1)  # writable, and each its own memory
+    assert all(bool((slot == 1).all()) for slot in slots)
+    starts = [s.data_ptr() for s in slots]
     assert starts == sorted(starts) and starts[0] % HUGE_PAGE_BYTES == 0
-    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    ends = [s.data_ptr() + s.numel() * s.element_size() for s in slots]
     assert all(end <= start < end + 64 for end, start in zip(ends, starts[1:]))  # no gaps
 
 

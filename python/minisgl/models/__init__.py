@@ -8,7 +8,7 @@ import torch
 
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers import Linear, LMHead
-from minisgl.utils.memory import gather_on_huge_pages
+from minisgl.utils.memory import empty_on_huge_pages
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM
@@ -48,8 +48,9 @@ def create_model(
 
 
 def _gather_weights_on_huge_pages(model: CausalLM) -> None:
-    """Every parameter and every AMX tile copy into one buffer on huge pages; before the first
-    forward, which is when the fused decode layer takes raw pointers."""
+    """Every parameter and every AMX tile copy into one buffer on huge pages, one at a time (each
+    original freed as its copy lands); before the first forward, which is when the fused decode
+    layer takes raw pointers."""
     params = [p for p in model.parameters() if p.numel() > 0]
     projections = [
         m.cpu_projection
@@ -60,11 +61,16 @@ def _gather_weights_on_huge_pages(model: CausalLM) -> None:
     packed = [
         pr for pr in projections if pr.packed is not None and pr.packed.layout == torch.strided
     ]
-    copies = gather_on_huge_pages([p.data for p in params] + [pr.packed for pr in packed])
-    for param, copy in zip(params, copies):
-        param.data = copy
-    for projection, copy in zip(packed, copies[len(params) :]):
-        projection.packed = copy
+    specs = [(p.shape, p.dtype) for p in params]
+    for projection in packed:
+        assert projection.packed is not None
+        specs.append((projection.packed.shape, projection.packed.dtype))
+    slots = empty_on_huge_pages(specs)
+    for param, slot in zip(params, slots):
+        param.data = slot.copy_(param.data)
+    for projection, slot in zip(packed, slots[len(params) :]):
+        assert projection.packed is not None
+        projection.packed = slot.copy_(projection.packed)
 
 
 __all__ = [
