@@ -65,12 +65,7 @@ class CpuAttnBackend(TorchAttnBackend):
         k_cache = kv_cache.k_cache(0)
         # The pool's dtype and head size decide once whether the kernel can read it.
         self.kernel_fits = kernels.supports(k_cache.dtype) and k_cache.shape[-1] <= MAX_HEAD_DIM
-        self.prefill_on_tiles = (
-            self.kernel_fits
-            and kernels.has_amx
-            and k_cache.dtype == torch.bfloat16
-            and k_cache.shape[-1] % 32 == 0
-        )
+        self.prefill_on_tiles = kernels.attends_on_tiles(k_cache.dtype, k_cache.shape[-1])
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.reqs

@@ -227,17 +227,15 @@ class CpuKernels:
     ) -> torch.Tensor:
         rows, in_features = x.shape
         out = x.new_empty(rows, out_columns)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        threads = torch.get_num_threads()
         fn(
             x.data_ptr(),
             packed.data_ptr(),
-            bias_ptr,
+            None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             rows,
             out_columns,
             in_features,
-            threads,
+            torch.get_num_threads(),
         )
         return out
 
@@ -286,6 +284,16 @@ class CpuKernels:
         )
         return out
 
+    def attends_on_tiles(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the AMX attention kernels take this KV: bf16, head_dim a multiple of 32 up to
+        MAX_HEAD_DIM, on a CPU with tiles."""
+        return (
+            self.has_amx
+            and dtype == torch.bfloat16
+            and head_dim % 32 == 0
+            and head_dim <= MAX_HEAD_DIM
+        )
+
     def shared_prefix_attention(
         self,
         q: torch.Tensor,
@@ -299,9 +307,9 @@ class CpuKernels:
         decode_attention's prefix continues from; None where it does not apply (no AMX, not
         bf16, head_dim not a multiple of 32)."""
         tokens, num_heads, head_dim = q.shape
-        if not self.has_amx or q.dtype != torch.bfloat16 or head_dim % 32 or len(slots) == 0:
+        if not self.attends_on_tiles(q.dtype, head_dim) or k_cache.dtype != q.dtype:
             return None
-        if head_dim > MAX_HEAD_DIM or k_cache.dtype != torch.bfloat16:
+        if len(slots) == 0:
             return None
         q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
         out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
@@ -340,9 +348,9 @@ class CpuKernels:
         rows[b] up to their own positions (cached_lens[b] + j; the new K/V already stored).
         Returns out [tokens, heads, dim] bf16, or None where it does not apply."""
         tokens, num_heads, head_dim = q.shape
-        if not self.has_amx or q.dtype != torch.bfloat16 or head_dim % 32 or len(rows) == 0:
+        if not self.attends_on_tiles(q.dtype, head_dim) or k_cache.dtype != q.dtype:
             return None
-        if head_dim > MAX_HEAD_DIM or k_cache.dtype != torch.bfloat16:
+        if len(rows) == 0:
             return None
         assert page_table.dtype == torch.int32 and page_table.is_contiguous()
         q = q.contiguous()
