@@ -25,7 +25,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
-from minisgl.layers.linear import interleave_gate_up, onednn_packing_available
+from minisgl.layers.linear import interleave_gate_up, onednn_pack
 
 BF16 = torch.bfloat16
 
@@ -283,9 +283,9 @@ def main() -> None:
         weights = [
             torch.randn(n, k, dtype=BF16) * 0.02 for _ in range(args.layers) for n, k in shapes
         ]
-        packed = None
-        if onednn_packing_available():
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        packed_or_none = [onednn_pack(w) for w in weights]
+        packed = [p for p in packed_or_none if p is not None]
+        packed = packed if len(packed) == len(weights) else None
         rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
         if kernels.has_amx and packed is not None:
             rows += [amx_case(kernels, weights, packed, n) for n in (16, 32, 64, 256)]

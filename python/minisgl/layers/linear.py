@@ -28,6 +28,17 @@ def onednn_packing_available() -> bool:
     )
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a weight [N, K], or None where this CPU's oneDNN cannot pack its
+    dtype (float16 needs avx_ne_convert or avx512_fp16)."""
+    if not onednn_packing_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    except RuntimeError:
+        return None
+
+
 def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
     """A gate_up weight (or bias) [2 * inter, ...] with its gate and up rows interleaved in 16s
     (gate 0-15, up 0-15, gate 16-31, ...): the layout the AMX gated kernel packs from."""
@@ -68,8 +79,8 @@ class CpuProjection:
             self.gated_bias = None if bias is None else interleave_gate_up(bias).contiguous()
         elif self.amx is not None:
             self.packed = self.amx.amx_pack(weight)
-        elif onednn_packing_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        else:
+            self.packed = onednn_pack(weight)
 
     @property
     def needs_weight(self) -> bool:
