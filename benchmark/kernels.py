@@ -290,7 +290,7 @@ def main() -> None:
         if kernels.has_amx and packed is not None:
             rows += [amx_case(kernels, weights, packed, n) for n in (16, 32, 64, 256)]
     rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
-    if kernels.has_amx and args.head_dim % 32 == 0:
+    if kernels.blocked_attention_fits(BF16, args.head_dim):
         rows += [shared_prefix_case(kernels, args, t, 1024) for t in (63, 2016)]
         rows += [prefill_attention_case(kernels, args, r, t) for r, t in ((16, 128), (1, 2048))]
     if kernels.has_amx and args.intermediate % 16 == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -356,11 +357,27 @@ def test_fused_cascade_decode_equals_the_module_path(arch, monkeypatch):
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
+def _blocked_attention_paths() -> list:
+    """The blocked attention kernels' products: vdpbf16ps always, the AMX tiles where present."""
+    if kernels is None or not kernels.has_avx512_bf16:
+        return []
+    vector = copy.copy(kernels)
+    vector.has_amx = False
+    paths = [pytest.param(vector, id="vdpbf16ps")]
+    if kernels.has_amx:
+        paths.append(pytest.param(kernels, id="tiles"))
+    return paths
+
+
+BLOCKED_PATHS = _blocked_attention_paths()
+
+
+@pytest.mark.skipif(not BLOCKED_PATHS, reason="needs avx512_bf16")
+@pytest.mark.parametrize("attn_kernels", BLOCKED_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 96)])
 @pytest.mark.parametrize("tokens,prefix_len", [(7, 1000), (40, 33), (1, 1)])
-def test_shared_prefix_attention_on_tiles_matches_float_reference(
-    heads, kv_heads, head_dim, tokens, prefix_len
+def test_shared_prefix_attention_matches_float_reference(
+    attn_kernels, heads, kv_heads, head_dim, tokens, prefix_len
 ):
     gen = torch.Generator().manual_seed(3)
     k_cache = torch.randn(1200, kv_heads, head_dim, generator=gen).bfloat16()
@@ -368,7 +385,7 @@ def test_shared_prefix_attention_on_tiles_matches_float_reference(
     slots = torch.randperm(1200, generator=gen)[:prefix_len]
     q = torch.randn(tokens, heads, head_dim, generator=gen).bfloat16()
     scale = 1 / math.sqrt(head_dim)
-    result = kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
+    result = attn_kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
     assert result is not None
     out, lse = result
     group = heads // kv_heads
@@ -403,7 +420,8 @@ def _reference_prefill_attention(q, k_cache, v_cache, page_table, rows, cached, 
     return torch.cat(outs)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
+@pytest.mark.skipif(not BLOCKED_PATHS, reason="needs avx512_bf16")
+@pytest.mark.parametrize("attn_kernels", BLOCKED_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 96)])
 @pytest.mark.parametrize("window", [None, 17])
 @pytest.mark.parametrize(
@@ -414,8 +432,8 @@ def _reference_prefill_attention(q, k_cache, v_cache, page_table, rows, cached, 
         ([0, 200, 31, 1, 0], [5, 1, 33, 64, 65]),  # block and tile boundaries
     ],
 )
-def test_prefill_attention_on_tiles_matches_float_reference(
-    heads, kv_heads, head_dim, window, cached, extend
+def test_prefill_attention_matches_float_reference(
+    attn_kernels, heads, kv_heads, head_dim, window, cached, extend
 ):
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn(3000, kv_heads, head_dim, generator=gen).bfloat16()
@@ -423,7 +441,7 @@ def test_prefill_attention_on_tiles_matches_float_reference(
     page_table = torch.randint(0, 3000, (10, 400), dtype=torch.int32, generator=gen)
     rows = torch.randperm(10, generator=gen)[: len(extend)]
     q = torch.randn(sum(extend), heads, head_dim, generator=gen).bfloat16()
-    out = kernels.prefill_attention(
+    out = attn_kernels.prefill_attention(
         q,
         k_cache,
         v_cache,
@@ -442,18 +460,18 @@ def test_prefill_attention_on_tiles_matches_float_reference(
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
-def test_prefill_on_tiles_matches_sdpa_inside_the_engine(monkeypatch):
-    """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention on the
-    tiles against the torch backend's SDPA on the same q/k/v and pool."""
+@pytest.mark.skipif(not BLOCKED_PATHS, reason="needs avx512_bf16")
+def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
+    """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention in the
+    C kernel against the torch backend's SDPA on the same q/k/v and pool."""
     from minisgl.attention.cpu_backend import CpuAttnBackend, CpuPrefillMetadata
     from minisgl.attention.torch_backend import TorchAttnBackend
 
     cached_seen: list[int] = []
-    on_tiles = CpuAttnBackend.forward
+    in_kernel = CpuAttnBackend.forward
 
     def forward(self, q, k, v, layer_id, batch):
-        out = on_tiles(self, q, k, v, layer_id, batch)
+        out = in_kernel(self, q, k, v, layer_id, batch)
         meta = batch.attn_metadata
         if isinstance(meta, CpuPrefillMetadata):
             TorchAttnBackend.prepare_metadata(self, batch)

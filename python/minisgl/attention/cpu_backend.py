@@ -27,7 +27,8 @@ class CpuPagedMetadata:
 
 @dataclass
 class CpuPrefillMetadata:
-    """A prefill on the AMX tiles: request b's new tokens follow its cached_lens[b] positions."""
+    """A prefill through the C kernel: request b's new tokens follow its cached_lens[b]
+    positions."""
 
     rows: torch.Tensor  # [B] int64 page-table row
     cached_lens: torch.Tensor  # [B] int64
@@ -37,7 +38,8 @@ class CpuPrefillMetadata:
 class CpuAttnBackend(TorchAttnBackend):
     """Decode reads each request's KV slots in place (no gather, no padding); one query per
     request, heads of a GQA group sharing every key/value read. Prefill runs causal attention
-    on the AMX tiles where the CPU has them and the pool is bf16, else the torch backend.
+    in the C blocked kernel where the pool is bf16 (on the AMX tiles where the CPU has them,
+    else vdpbf16ps), else the torch backend.
 
     Cascade: when every request of a batch starts with the same cached slots (a shared system
     prompt) of at least `cascade_min_prefix` positions, those are attended once for the whole
@@ -50,7 +52,8 @@ class CpuAttnBackend(TorchAttnBackend):
     cascade_max_extend = 256
     # The shared half runs on the AMX tiles below this many query tokens (decode batches, short
     # extends); past it SDPA's flash kernel is as fast (benchmark/kernels.py: 1.3x at 63
-    # queries, level at 128-1,024, 0.9x at 1,024 on Qwen3's heads).
+    # queries, level at 128-1,024, 0.9x at 1,024 on Qwen3's heads). Without tiles the
+    # vdpbf16ps kernel takes every size (2.6-2.9x SDPA at 63 and 2,016 queries on Zen 5).
     tiles_max_shared_queries = 128
 
     def __init__(
@@ -65,7 +68,7 @@ class CpuAttnBackend(TorchAttnBackend):
         k_cache = kv_cache.k_cache(0)
         # The pool's dtype and head size decide once whether the kernel can read it.
         self.kernel_fits = kernels.supports(k_cache.dtype) and k_cache.shape[-1] <= MAX_HEAD_DIM
-        self.prefill_on_tiles = kernels.attends_on_tiles(k_cache.dtype, k_cache.shape[-1])
+        self.prefill_in_kernel = kernels.blocked_attention_fits(k_cache.dtype, k_cache.shape[-1])
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.reqs
@@ -102,7 +105,7 @@ class CpuAttnBackend(TorchAttnBackend):
         batch.attn_metadata = meta
 
     def _prepare_prefill(self, batch: Batch) -> None:
-        if not self.prefill_on_tiles:
+        if not self.prefill_in_kernel:
             return super().prepare_metadata(batch)
         batch.attn_metadata = CpuPrefillMetadata(
             torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64),
@@ -181,10 +184,10 @@ class CpuAttnBackend(TorchAttnBackend):
         """Every request's query against the shared keys at once: (out [B, heads, dim] float32,
         log-sum-exp [B, heads] float32)."""
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        if len(q) < self.tiles_max_shared_queries:
-            on_tiles = self.kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
-            if on_tiles is not None:
-                return on_tiles
+        if len(q) < self.tiles_max_shared_queries or not self.kernels.has_amx:
+            in_kernel = self.kernels.shared_prefix_attention(q, k_cache, v_cache, slots, scale)
+            if in_kernel is not None:
+                return in_kernel
         num_reqs, num_heads, head_dim = q.shape
         keys = k_cache.index_select(0, slots)  # [P, kv_heads, dim]
         values = v_cache.index_select(0, slots)

@@ -60,9 +60,9 @@ _SIGNATURES: dict[str, list[type]] = {
     + [_ptr, _int],
     "minisgl_decode_layer_q_offset": [_ptr, _i64],
     "minisgl_shared_prefix_attention": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
-    + [_i64, _i64, _float, _int],
+    + [_i64, _i64, _float, _int, _int],
     "minisgl_prefill_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
-    + [_i64, _i64, _i64, _float, _i64, _int],
+    + [_i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_decode_layer_begin": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _int],
     "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_int],
@@ -284,11 +284,12 @@ class CpuKernels:
         )
         return out
 
-    def attends_on_tiles(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether the AMX attention kernels take this KV: bf16, head_dim a multiple of 32 up to
-        MAX_HEAD_DIM, on a CPU with tiles."""
+    def blocked_attention_fits(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the blocked attention kernels (prefill, shared prefix) take this KV: bf16,
+        head_dim a multiple of 32 up to MAX_HEAD_DIM, on a CPU with avx512_bf16 (they run on
+        the AMX tiles where it has them)."""
         return (
-            self.has_amx
+            self.has_avx512_bf16
             and dtype == torch.bfloat16
             and head_dim % 32 == 0
             and head_dim <= MAX_HEAD_DIM
@@ -302,12 +303,11 @@ class CpuKernels:
         slots: torch.Tensor,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every query token of q [tokens, heads, dim] (bf16) against the KV at `slots`, on the
-        AMX tiles: (out [tokens, heads, dim] float32, lse [tokens, heads] float32), the state
-        decode_attention's prefix continues from; None where it does not apply (no AMX, not
-        bf16, head_dim not a multiple of 32)."""
+        """Every query token of q [tokens, heads, dim] (bf16) against the KV at `slots`: (out
+        [tokens, heads, dim] float32, lse [tokens, heads] float32), the state decode_attention's
+        prefix continues from; None where it does not apply (`blocked_attention_fits`)."""
         tokens, num_heads, head_dim = q.shape
-        if not self.attends_on_tiles(q.dtype, head_dim) or k_cache.dtype != q.dtype:
+        if not self.blocked_attention_fits(q.dtype, head_dim) or k_cache.dtype != q.dtype:
             return None
         if len(slots) == 0:
             return None
@@ -327,6 +327,7 @@ class CpuKernels:
             k_cache.shape[1],
             head_dim,
             scale,
+            int(self.has_amx),
             torch.get_num_threads(),
         )
         return (out, lse) if done else None
@@ -343,12 +344,12 @@ class CpuKernels:
         scale: float,
         window: int | None,
     ) -> torch.Tensor | None:
-        """Causal attention of a prefill batch on the AMX tiles: the new tokens of request b
+        """Causal attention of a prefill batch: the new tokens of request b
         (consecutive rows of q [tokens, heads, dim], bf16) attend to the KV of page-table row
         rows[b] up to their own positions (cached_lens[b] + j; the new K/V already stored).
         Returns out [tokens, heads, dim] bf16, or None where it does not apply."""
         tokens, num_heads, head_dim = q.shape
-        if not self.attends_on_tiles(q.dtype, head_dim) or k_cache.dtype != q.dtype:
+        if not self.blocked_attention_fits(q.dtype, head_dim) or k_cache.dtype != q.dtype:
             return None
         if len(rows) == 0:
             return None
@@ -374,6 +375,7 @@ class CpuKernels:
             head_dim,
             scale,
             window or 0,
+            int(self.has_amx),
             torch.get_num_threads(),
         )
         return out if done else None

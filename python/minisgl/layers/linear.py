@@ -14,11 +14,10 @@ from .activation import silu_and_mul
 # the C GEMV for a few rows (bandwidth-bound at 1-4 rows, ~1.2-3x oneDNN's bf16 there; at 5-8
 # level with oneDNN, so it keeps up to GEMV_MAX_ROWS where the AMX matmul is absent), then the C
 # AMX matmul where the CPU has tiles (1.3-1.6x oneDNN at 5-64 rows, 1.5x the GEMV at 5-8,
-# 1.3x at 1,024; level to 5% ahead in whole prefills), else up to PACKED_MAX_ROWS oneDNN's
-# packed layout (1.3-2x F.linear), and F.linear for prefill-sized calls, as fast there.
+# 1.3x at 1,024; level to 5% ahead in whole prefills), else oneDNN's packed layout (1.3-2x
+# F.linear at decode sizes; a 64 x 128 prefill 11% faster than F.linear on Zen 5).
 GEMV_MAX_ROWS = 8
 AMX_GEMV_MAX_ROWS = 4
-PACKED_MAX_ROWS = 1024
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -49,8 +48,8 @@ def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
 
 class CpuProjection:
     """How a half-precision weight is multiplied on the CPU, by rows per call: the C GEMV
-    (bf16), a packed copy for mid-sized calls (the C AMX tile layout, or oneDNN's), then
-    F.linear. Without the GEMV and F.linear only the packed copy is kept.
+    (bf16), then a packed copy (the C AMX tile layout, or oneDNN's); F.linear where neither
+    applies. Without the GEMV only the packed copy is kept.
 
     gated (a gate_up projection): on AMX the tile copy holds gate and up interleaved, for
     `silu_and_mul`, which then runs every call above the GEMV's rows on the tiles, SiLU in the
@@ -96,7 +95,7 @@ class CpuProjection:
             return F.linear(x, weight, bias)
         if self.amx is not None and self.packed is not None and rows >= 0:
             return self.amx.amx_linear(x.contiguous(), self.packed, self.out_features, bias)
-        if self.packed is not None and (not self.needs_weight or 0 <= rows < PACKED_MAX_ROWS):
+        if self.packed is not None and (rows >= 0 or not self.needs_weight):
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )

@@ -24,10 +24,14 @@ from minisgl.kernel.cpu import (
     DecodeModelParams,
     kernels_for,
 )
-from minisgl.layers.linear import PACKED_MAX_ROWS, CpuProjection, Linear
+from minisgl.layers.linear import CpuProjection, Linear
 
 if TYPE_CHECKING:
     from .decoder import DecoderModel
+
+
+# Decode batches the C layer takes on the AMX tiles; larger ones go module by module.
+TILES_MAX_TOKENS = 1023
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -62,7 +66,7 @@ class FusedDecode:
         gemv_max_rows = min(_projection(m).gemv_max_rows for m in linears)
         with_tiles = all(_tiles(m) is not None for m in linears)
         # Rows past the GEMV's need every projection's AMX tiles.
-        self.max_tokens = PACKED_MAX_ROWS - 1 if with_tiles else gemv_max_rows
+        self.max_tokens = TILES_MAX_TOKENS if with_tiles else gemv_max_rows
         self.model_params = DecodeModelParams(
             hidden=config.hidden_size,
             inter=config.intermediate_size,

@@ -962,17 +962,19 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
 }
 
 
-// ------------------------------------------------------------- attention on the AMX tiles
+// --------------------------------------------------------- blocked attention (prefill, cascade)
 // Keys and values are first laid out as tile operands: keys [16-key block][32-dim chunk][dim
 // pair 16][key 16] (the B operand of Q K^T) and values [32-position block][16-dim tile][position
 // pair 16][dim 16] (the B operand of P V), as 32-bit bf16 pairs, zero past the last position.
 // A task then takes 16 query rows of one kv head (its GQA group's heads of consecutive tokens):
-// scores = Q K^T on the tiles, a two-pass softmax along each row (every key is known up front:
-// no rescaling), out = P V with float32 probabilities, as PyTorch's bf16 attention keeps them:
-// each is split into a bf16 part and a bf16 remainder, two tile products (the value half of the
-// work doubles; rounding P to bf16 alone costs ~10% more error than PyTorch's SDPA).
-// head_dim: a multiple of 32 up to ATTN_MAX_DIM.
-#ifdef HAVE_AMX
+// scores = Q K^T, a two-pass softmax along each row (every key is known up front: no
+// rescaling), out = P V with float32 probabilities, as PyTorch's bf16 attention keeps them:
+// each is split into a bf16 part and a bf16 remainder, two bf16 products (the value half of the
+// work doubles; rounding P to bf16 alone costs ~10% more error than PyTorch's SDPA). The
+// products run on the AMX tiles where the CPU has them (`tiles`), else with vdpbf16ps on the
+// same layout: a 32-bit pair of the query (or of P) broadcast against 16 keys' (or 16 dims')
+// pairs. head_dim: a multiple of 32 up to ATTN_MAX_DIM.
+#ifdef HAVE_AVX512_BF16
 // 16 keys (row pointers into the pool, NULL past the end) as one key block of `dim / 32` chunks.
 static void tile_layout_keys(uint32_t* dst, const bf16_t* const* keys, int64_t dim) {
     uint32_t rows16[16][ATTN_MAX_DIM / 2] __attribute__((aligned(64)));
@@ -1034,29 +1036,14 @@ static inline __mmask16 lanes_between(int64_t p, int64_t lo, int64_t hi) {
     return (__mmask16)(below_end & ~below_first);
 }
 
-// One task: 16 query rows (row stride ATTN_MAX_DIM) against the keys of positions [k0, k1)
-// (multiples of 32) of one head's laid-out keys and values; row n sees positions [lo[n], hi[n])
-// (none for padding rows). Leaves each row's unnormalised P V in acc [dim / 16][16][16], its
-// largest scaled score in maxes and its sum of exponentials in sums. scores [16][k1 - k0]
-// float32 and probs [2][16][k1 - k0] bf16 (bf16 parts, then remainders) are scratch.
-static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* head_keys,
-                        const uint32_t* head_values, int64_t k0, int64_t k1, const int64_t* lo,
-                        const int64_t* hi, int64_t dim, float scale, float* scores, bf16_t* probs,
-                        float (*acc)[16][16], float* maxes, float* sums) {
-    const int64_t chunks = dim / 32, span = k1 - k0;
-    for (int64_t p0 = k0; p0 < k1; p0 += 32) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t c = 0; c < chunks; c++) {
-            _tile_loadd(4, queries[0] + 32 * c, ATTN_MAX_DIM * 2);
-            _tile_loadd(6, head_keys + (p0 / 16 * chunks + c) * 256, 64);
-            _tile_loadd(7, head_keys + ((p0 / 16 + 1) * chunks + c) * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        _tile_stored(0, scores + (p0 - k0), span * 4);
-        _tile_stored(1, scores + (p0 - k0) + 16, span * 4);
-    }
+// The softmax of a task's 16 rows of scores [16][k1 - k0] (float32, unscaled; row n sees
+// positions [lo[n], hi[n])): each row's largest scaled score into maxes, its exponentials'
+// sum into sums, and the exponentials as probs [2][16][k1 - k0] bf16 (bf16 parts, then
+// remainders).
+static void attend_softmax(const float* scores, bf16_t* probs, int64_t k0, int64_t k1,
+                           const int64_t* lo, const int64_t* hi, float scale, float* maxes,
+                           float* sums) {
+    const int64_t span = k1 - k0;
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t n = 0; n < 16; n++) {
         const float* row = scores + n * span;
@@ -1088,6 +1075,33 @@ static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* h
         }
         sums[n] = _mm512_reduce_add_ps(row_sum);
     }
+}
+
+#ifdef HAVE_AMX
+// One task on the tiles: 16 query rows (row stride ATTN_MAX_DIM) against the keys of positions
+// [k0, k1) (multiples of 32) of one head's laid-out keys and values; row n sees positions
+// [lo[n], hi[n]) (none for padding rows). Leaves each row's unnormalised P V in acc
+// [dim / 16][16][16], its largest scaled score in maxes and its sum of exponentials in sums.
+// scores [16][k1 - k0] float32 and probs [2][16][k1 - k0] bf16 are scratch.
+static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* head_keys,
+                        const uint32_t* head_values, int64_t k0, int64_t k1, const int64_t* lo,
+                        const int64_t* hi, int64_t dim, float scale, float* scores, bf16_t* probs,
+                        float (*acc)[16][16], float* maxes, float* sums) {
+    const int64_t chunks = dim / 32, span = k1 - k0;
+    for (int64_t p0 = k0; p0 < k1; p0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(4, queries[0] + 32 * c, ATTN_MAX_DIM * 2);
+            _tile_loadd(6, head_keys + (p0 / 16 * chunks + c) * 256, 64);
+            _tile_loadd(7, head_keys + ((p0 / 16 + 1) * chunks + c) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, scores + (p0 - k0), span * 4);
+        _tile_stored(1, scores + (p0 - k0) + 16, span * 4);
+    }
+    attend_softmax(scores, probs, k0, k1, lo, hi, scale, maxes, sums);
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int64_t dtiles = dim - d0 >= 64 ? 4 : (dim - d0) / 16;
         _tile_zero(0);
@@ -1117,6 +1131,116 @@ static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* h
         if (dtiles > 3) _tile_stored(3, acc[d0 / 16 + 3], 64);
     }
 }
+#endif
+
+// Two adjacent bf16 values as one 32-bit lane, broadcast to all 16.
+static inline __m512bh broadcast_pair(const bf16_t* pair) {
+    uint32_t bits;
+    memcpy(&bits, pair, 4);
+    return (__m512bh)_mm512_set1_epi32((int)bits);
+}
+
+// Scores of query rows [n0, n0 + 8) against the 32 keys of two laid-out key blocks: per dim
+// pair, each row's pair broadcast against 16 keys' pairs (16 accumulators in registers).
+static inline __attribute__((always_inline)) void vec_scores_8x32(
+    const bf16_t (*queries)[ATTN_MAX_DIM], int64_t n0, const uint32_t* keys0,
+    const uint32_t* keys1, int64_t pairs, float* dst, int64_t span) {
+    __m512 acc[8][2];
+    for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; i++) {
+        const __m512bh first = (__m512bh)_mm512_load_si512(keys0 + 16 * i);
+        const __m512bh second = (__m512bh)_mm512_load_si512(keys1 + 16 * i);
+        for (int r = 0; r < 8; r++) {
+            const __m512bh query = broadcast_pair(queries[n0 + r] + 2 * i);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], query, first);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], query, second);
+        }
+    }
+    for (int r = 0; r < 8; r++) {
+        _mm512_storeu_ps(dst + (n0 + r) * span, acc[r][0]);
+        _mm512_storeu_ps(dst + (n0 + r) * span + 16, acc[r][1]);
+    }
+}
+
+// P V of rows [n0, n0 + 4) for DTILES 16-dim tiles from dim d0: per position pair, each row's
+// bf16 part and remainder broadcast against the tiles' value pairs (16 accumulators).
+static inline __attribute__((always_inline)) void vec_pv_4rows(
+    const bf16_t* probs, int64_t span, int64_t n0, const uint32_t* head_values, int64_t k0,
+    int64_t k1, int64_t d0, int64_t dim, const int dtiles, float (*acc)[16][16]) {
+    __m512 sum[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < 4; t++) sum[r][t] = _mm512_setzero_ps();
+    for (int64_t p = k0; p < k1; p += 2) {
+        const uint32_t* pair = head_values + p / 32 * 16 * dim + d0 / 16 * 256 + p % 32 / 2 * 16;
+        __m512bh values[4];
+        for (int t = 0; t < dtiles; t++) values[t] = (__m512bh)_mm512_load_si512(pair + 256 * t);
+        for (int r = 0; r < 4; r++) {
+            const __m512bh part = broadcast_pair(probs + (n0 + r) * span + (p - k0));
+            const __m512bh rest = broadcast_pair(probs + (16 + n0 + r) * span + (p - k0));
+            for (int t = 0; t < dtiles; t++) {
+                sum[r][t] = _mm512_dpbf16_ps(sum[r][t], part, values[t]);
+                sum[r][t] = _mm512_dpbf16_ps(sum[r][t], rest, values[t]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < dtiles; t++) _mm512_store_ps(acc[d0 / 16 + t][n0 + r], sum[r][t]);
+}
+
+// tile_attend's computation with vdpbf16ps instead of the tiles (same arguments and results).
+static void vec_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* head_keys,
+                       const uint32_t* head_values, int64_t k0, int64_t k1, const int64_t* lo,
+                       const int64_t* hi, int64_t dim, float scale, float* scores, bf16_t* probs,
+                       float (*acc)[16][16], float* maxes, float* sums) {
+    const int64_t span = k1 - k0;
+    for (int64_t p0 = k0; p0 < k1; p0 += 32) {
+        const uint32_t* block = head_keys + p0 / 16 * 8 * dim;
+        for (int64_t n0 = 0; n0 < 16; n0 += 8)
+            vec_scores_8x32(queries, n0, block, block + 8 * dim, dim / 2, scores + (p0 - k0),
+                            span);
+    }
+    attend_softmax(scores, probs, k0, k1, lo, hi, scale, maxes, sums);
+    for (int64_t d0 = 0; d0 < dim; d0 += 64)
+        for (int64_t n0 = 0; n0 < 16; n0 += 4) {
+            if (dim - d0 >= 64)
+                vec_pv_4rows(probs, span, n0, head_values, k0, k1, d0, dim, 4, acc);
+            else
+                vec_pv_4rows(probs, span, n0, head_values, k0, k1, d0, dim, 2, acc);
+        }
+}
+
+// One task through the tiles or vdpbf16ps.
+static inline void attend(int tiles, const bf16_t (*queries)[ATTN_MAX_DIM],
+                          const uint32_t* head_keys, const uint32_t* head_values, int64_t k0,
+                          int64_t k1, const int64_t* lo, const int64_t* hi, int64_t dim,
+                          float scale, float* scores, bf16_t* probs, float (*acc)[16][16],
+                          float* maxes, float* sums) {
+#ifdef HAVE_AMX
+    if (tiles) {
+        tile_attend(queries, head_keys, head_values, k0, k1, lo, hi, dim, scale, scores, probs,
+                    acc, maxes, sums);
+        return;
+    }
+#endif
+    (void)tiles;
+    vec_attend(queries, head_keys, head_values, k0, k1, lo, hi, dim, scale, scores, probs, acc,
+               maxes, sums);
+}
+
+// Tile configuration around a thread's tasks (nothing without tiles).
+static inline void attend_begin(int tiles) {
+#ifdef HAVE_AMX
+    if (tiles) amx_configure();
+#endif
+    (void)tiles;
+}
+
+static inline void attend_end(int tiles) {
+#ifdef HAVE_AMX
+    if (tiles) _tile_release();
+#endif
+    (void)tiles;
+}
 
 // Query rows [row0, row0 + 16) of kv head h (row r: token r / group, head h * group + r % group)
 // of q [tokens, heads, dim]; zero past `rows`.
@@ -1136,13 +1260,14 @@ static void tile_queries(bf16_t (*queries)[ATTN_MAX_DIM], const bf16_t* q, int64
 // The cascade's first half: every query token of a batch (q [tokens, heads, dim] bf16) against
 // the `prefix_len` positions all its requests share (KV at `slots`). Writes out [tokens, heads,
 // dim] float32 (normalised) and lse [tokens, heads] (natural log-sum-exp of the scaled scores),
-// the state minisgl_decode_attention continues from. Returns 0 (nothing written) without AMX.
+// the state minisgl_decode_attention continues from. Returns 0 (nothing written) without
+// avx512_bf16. use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps.
 int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                                     const int64_t* slots, int64_t prefix_len, float* out,
                                     float* lse, int64_t tokens, int64_t num_heads,
-                                    int64_t num_kv_heads, int64_t dim, float scale,
+                                    int64_t num_kv_heads, int64_t dim, float scale, int use_tiles,
                                     int nthreads) {
-#ifdef HAVE_AMX
+#ifdef HAVE_AVX512_BF16
     if (dim % 32 != 0 || dim > ATTN_MAX_DIM || prefix_len <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, rows = tokens * group;
     const int64_t tiles = (rows + 15) / 16, padded = (prefix_len + 31) / 32 * 32;
@@ -1166,7 +1291,7 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
             tile_layout_positions(keys_t, values_p, (h * padded + p0) * dim / 2, k_cache, v_cache,
                                   at, dim);
         }
-        amx_configure();
+        attend_begin(use_tiles);
         char* mine = buffer + 8 * kv_words + (size_t)omp_get_thread_num() * thread_bytes;
         float* scores = (float*)mine;
         bf16_t* probs = (bf16_t*)(mine + 16 * padded * 4);
@@ -1180,8 +1305,8 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
             const int64_t h = task / tiles, row0 = task % tiles * 16;
             const int64_t base = h * padded * dim / 2;
             tile_queries(queries, q, row0, rows, h, group, num_heads, dim);
-            tile_attend(queries, keys_t + base, values_p + base, 0, padded, lo, hi, dim, scale,
-                        scores, probs, acc, maxes, sums);
+            attend(use_tiles, queries, keys_t + base, values_p + base, 0, padded, lo, hi, dim,
+                   scale, scores, probs, acc, maxes, sums);
             for (int64_t n = 0; n < 16 && row0 + n < rows; n++) {
                 int64_t r = row0 + n, head = (r / group) * num_heads + h * group + r % group;
                 __m512 inv = _mm512_set1_ps(1.0f / sums[n]);
@@ -1191,18 +1316,19 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
                 lse[head] = maxes[n] + logf(sums[n]);
             }
         }
-        _tile_release();
+        attend_end(use_tiles);
     }
     free(buffer);
     return 1;
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)slots, (void)prefix_len, (void)out, (void)lse;
-    (void)tokens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)scale, (void)nthreads;
+    (void)tokens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)scale, (void)use_tiles;
+    (void)nthreads;
     return 0;
 #endif
 }
 
-#ifdef HAVE_AMX
+#ifdef HAVE_AVX512_BF16
 // Where a prefill attention task's 16 query rows (row0 on, `rows` in its request) sit: each
 // row's visible positions [lo, hi) and the key blocks [k0, k1) they span, all for a request with
 // `cached` positions before its new tokens.
@@ -1230,14 +1356,15 @@ static inline void prefill_tile_bounds(prefill_tile* t, int64_t row0, int64_t ro
 // heads, dim] bf16. Each request's keys and values are laid out once for all its query tiles, a
 // tile computes only the key blocks its rows can see, and each thread takes a contiguous run of
 // tiles (so a request's keys stay in its cache) holding an equal share of the key blocks.
-// Returns 0 (nothing written) without AMX.
+// Returns 0 (nothing written) without
+// avx512_bf16. use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps.
 int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                               bf16_t* out, const int32_t* page_table, int64_t table_stride,
                               const int64_t* rows, const int64_t* cached_lens,
                               const int64_t* extend_lens, int64_t num_reqs, int64_t num_heads,
                               int64_t num_kv_heads, int64_t dim, float scale, int64_t window,
-                              int nthreads) {
-#ifdef HAVE_AMX
+                              int use_tiles, int nthreads) {
+#ifdef HAVE_AVX512_BF16
     if (dim % 32 != 0 || dim > ATTN_MAX_DIM || num_reqs <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * dim;
     // Per request (prefix sums, one extra entry for the totals): first query token, first
@@ -1298,7 +1425,7 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
                                   (kv_first[b] * num_kv_heads + h * padded + p0) * dim / 2,
                                   k_cache, v_cache, at, dim);
         }  // the implicit barrier: every layout is done before any task reads it
-        amx_configure();
+        attend_begin(use_tiles);
         const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t total = cost_first[tasks];
         int64_t first = 0, end = 0;  // tasks whose cost starts in this thread's share
@@ -1322,8 +1449,8 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
             const int64_t base = (kv_first[b] * num_kv_heads + h * padded) * dim / 2;
             tile_queries(queries, q + q_first[b] * num_heads * dim, row0, rows_b, h, group,
                          num_heads, dim);
-            tile_attend(queries, keys_t + base, values_p + base, t.k0, t.k1, t.lo, t.hi, dim,
-                        scale, scores, probs, acc, maxes, sums);
+            attend(use_tiles, queries, keys_t + base, values_p + base, t.k0, t.k1, t.lo, t.hi, dim,
+                   scale, scores, probs, acc, maxes, sums);
             for (int64_t n = 0; n <= t.last; n++) {
                 const int64_t r = row0 + n, token = q_first[b] + r / group;
                 bf16_t* dst = out + (token * num_heads + h * group + r % group) * dim;
@@ -1334,7 +1461,7 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
                                             _mm512_mul_ps(_mm512_load_ps(acc[d][n]), inv)));
             }
         }
-        _tile_release();
+        attend_end(use_tiles);
     }
     free(buffer);
     free(cost_first);
@@ -1343,7 +1470,7 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)out, (void)page_table, (void)table_stride;
     (void)rows, (void)cached_lens, (void)extend_lens, (void)num_reqs, (void)num_heads;
-    (void)num_kv_heads, (void)dim, (void)scale, (void)window, (void)nthreads;
+    (void)num_kv_heads, (void)dim, (void)scale, (void)window, (void)use_tiles, (void)nthreads;
     return 0;
 #endif
 }
