@@ -85,7 +85,7 @@ static inline __mmask32 tail_mask(int64_t K, int64_t k) {
 }
 
 // A block is 4 weight rows: four 64-byte lines of the block `ahead` per 32-element step.
-static inline void prefetch_block(const bf16_t* ahead, int64_t k) {
+static inline __attribute__((always_inline)) void prefetch_block(const bf16_t* ahead, int64_t k) {
     for (int line = 0; line < 4; line++)
         __builtin_prefetch(ahead + 4 * k + 32 * line, 0, 3);
 }
@@ -601,13 +601,17 @@ static inline __m512 exp512(__m512 x) {
 }
 
 // Slots are scattered, so the hardware prefetcher cannot see the next position coming: ask for
-// the key and value rows (all kv heads of a position share them) ATTN_PREFETCH positions ahead.
-// __builtin_prefetch, not _mm_prefetch: gcc 12 deems a helper that only calls _mm_prefetch
-// side-effect free and deletes its calls (it did, silently, until the lookahead below).
+// the task's part of the key and value rows (all its kv heads: they share a position's row)
+// ATTN_PREFETCH positions ahead.
+// __builtin_prefetch, not _mm_prefetch, and always inlined: gcc 12 deems a helper that only
+// prefetches side-effect free and deletes its calls (it did, silently: with _mm_prefetch, and
+// with __builtin_prefetch once the attention task grew past gcc's inlining limits).
 #define ATTN_PREFETCH 4
-static inline void prefetch_rows(const void* cache, int64_t bytes, int64_t slot) {
-    const char* row = (const char*)cache + slot * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(row + line, 0, 3);
+static inline __attribute__((always_inline)) void prefetch_rows(const void* cache,
+                                                               int64_t row_bytes, int64_t first,
+                                                               int64_t bytes, int64_t slot) {
+    const char* part = (const char*)cache + slot * row_bytes + first;
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + line, 0, 3);
 }
 
 // The block after the one being computed (the next request's first block after a request's
@@ -618,7 +622,7 @@ typedef struct {
     int64_t count;
 } attn_lookahead;
 
-static inline void prefetch_head(const void* cache, int64_t row_elems, int64_t head_offset,
+static inline __attribute__((always_inline)) void prefetch_head(const void* cache, int64_t row_elems, int64_t head_offset,
                                  int64_t bytes_per_elem, int64_t head_bytes, int32_t slot) {
     const char* row = (const char*)cache + (slot * row_elems + head_offset) * bytes_per_elem;
     for (int64_t line = 0; line < head_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
@@ -649,16 +653,17 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
 static inline __attribute__((always_inline)) void attn_scores_bf16(
     const attn_args* a, int64_t b, const int32_t* slots, int64_t t0, int64_t count,
     int64_t padded, int64_t kvh, int64_t group, int64_t q_head0, float (*scores)[ATTN_BLOCK],
-    int prefetch, const attn_lookahead* next, const int PAIRS) {
+    int64_t prefetch_first, int64_t prefetch_bytes, const attn_lookahead* next,
+    const int PAIRS) {
     const int64_t dim = a->head_dim, row_elems = a->num_kv_heads * dim;
     const int64_t row_bytes = row_elems * 2;
     const bf16_t* k_cache = (const bf16_t*)a->k_cache;
     bf16_t keys[ATTN_BLOCK][ATTN_MAX_DIM];
     for (int64_t j = 0; j < count; j++) {
-        if (prefetch && t0 + j + ATTN_PREFETCH < a->kv_lens[b]) {
+        if (prefetch_bytes && t0 + j + ATTN_PREFETCH < a->kv_lens[b]) {
             int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
-            prefetch_rows(a->k_cache, row_bytes, ahead);
-            prefetch_rows(a->v_cache, row_bytes, ahead);
+            prefetch_rows(a->k_cache, row_bytes, prefetch_first, prefetch_bytes, ahead);
+            prefetch_rows(a->v_cache, row_bytes, prefetch_first, prefetch_bytes, ahead);
         }
         if (j < next->count)
             prefetch_head(a->k_cache, row_elems, kvh * dim, 2, dim * 2, next->slots[j]);
@@ -689,6 +694,65 @@ static inline __attribute__((always_inline)) void attn_scores_bf16(
     }
 }
 #endif
+
+// Rows [0, count) of one kv head's values (`values` points at the head in the pool, rows
+// row_elems apart, at `slots`) into the sums of HEADS query heads: each value row is widened to
+// float32 once for all of them, and each head's sums take the positions in order (the same
+// float32 operations, in the same order, as widening the block into a buffer first).
+static inline __attribute__((always_inline)) void attn_values_pass(
+    const bf16_t* values, int64_t row_elems, const int32_t* slots, int64_t count,
+    float (*acc)[ATTN_MAX_DIM], float (*probs)[ATTN_BLOCK], const bf16_t* v_cache,
+    int64_t head_offset, const attn_lookahead* next, const int HEADS, const int CHUNKS) {
+    // Fixed sizes (HEADS x CHUNKS <= 16), not arrays sized by the parameters: gcc keeps those
+    // on the stack, every FMA a store and a reload.
+    __m512 sum[16], weight[4];
+    for (int h = 0; h < HEADS; h++)
+        for (int c = 0; c < CHUNKS; c++) sum[h * CHUNKS + c] = _mm512_loadu_ps(acc[h] + 16 * c);
+    for (int64_t j = 0; j < count; j++) {
+        if (next && j < next->count)
+            prefetch_head(v_cache, row_elems, head_offset, 2, CHUNKS * 32, next->slots[j]);
+        const bf16_t* row = values + (int64_t)slots[j] * row_elems;
+        for (int h = 0; h < HEADS; h++) weight[h] = _mm512_set1_ps(probs[h][j]);
+        for (int c = 0; c < CHUNKS; c++) {
+            const __m512 v = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(row + 16 * c)));
+            for (int h = 0; h < HEADS; h++)
+                sum[h * CHUNKS + c] = _mm512_fmadd_ps(weight[h], v, sum[h * CHUNKS + c]);
+        }
+    }
+    if (next)
+        for (int64_t j = count; j < next->count; j++)
+            prefetch_head(v_cache, row_elems, head_offset, 2, CHUNKS * 32, next->slots[j]);
+    for (int h = 0; h < HEADS; h++)
+        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc[h] + 16 * c, sum[h * CHUNKS + c]);
+}
+
+// P V of the block for the `group` heads of kv head kvh, straight from the stored bf16 values,
+// as many heads per pass as keep their sums in 16 registers (the first pass fetches the next
+// block's value rows).
+static inline __attribute__((always_inline)) void attn_values_bf16(
+    const attn_args* a, const int32_t* slots, int64_t count, int64_t kvh, int64_t group,
+    float (*acc)[ATTN_MAX_DIM], float (*probs)[ATTN_BLOCK], const attn_lookahead* next,
+    const int CHUNKS) {
+    const int64_t row_elems = a->num_kv_heads * a->head_dim, offset = kvh * a->head_dim;
+    const bf16_t* values = (const bf16_t*)a->v_cache + offset;
+    const int per_pass = CHUNKS <= 4 ? 4 : CHUNKS <= 8 ? 2 : 1;
+    for (int64_t g = 0; g < group; g += per_pass) {
+        const attn_lookahead* ahead = g == 0 ? next : NULL;
+        const int64_t heads = group - g < per_pass ? group - g : per_pass;
+#define VALUES_PASS(n)                                                                        \
+    attn_values_pass(values, row_elems, slots, count, acc + g, probs + g,                     \
+                     (const bf16_t*)a->v_cache, offset, ahead, n, CHUNKS)
+        if (heads == 4)
+            VALUES_PASS(4);
+        else if (heads == 3)
+            VALUES_PASS(3);
+        else if (heads == 2)
+            VALUES_PASS(2);
+        else
+            VALUES_PASS(1);
+#undef VALUES_PASS
+    }
+}
 
 // Heads [kvh0, kvh0 + kv_count) of request b, position by position: each position's key (then
 // value) row is read once for all of them. CHUNKS = head_dim / 16, a constant in each
@@ -731,12 +795,13 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         if (next.count <= 0) next = (attn_lookahead){next_slots, next_slots ? next_count : 0};
         if (next.count > ATTN_BLOCK) next.count = ATTN_BLOCK;
         const int64_t elem = a->dtype == 0 ? 4 : 2, head_bytes = dim * elem;
+        const int64_t task_bytes = kv_count * head_bytes;
         for (int64_t kv = 0; kv < kv_count; kv++) {
 #ifdef HAVE_AVX512_BF16
             if (a->dtype == 1) {  // bf16: dot products straight from the stored keys
                 attn_scores_bf16(a, b, slots, t0, count, padded, kvh0 + kv, group,
-                                 head0 + kv * group, scores + kv * group, kv == 0, &next,
-                                 CHUNKS / 2);
+                                 head0 + kv * group, scores + kv * group, kvh0 * head_bytes,
+                                 kv == 0 ? task_bytes : 0, &next, CHUNKS / 2);
                 continue;
             }
 #endif
@@ -744,8 +809,8 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
             for (int64_t j = 0; j < count; j++) {
                 if (kv == 0 && t0 + j + ATTN_PREFETCH < kv_len) {
                     int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
-                    prefetch_rows(a->k_cache, row_bytes, ahead);
-                    prefetch_rows(a->v_cache, row_bytes, ahead);
+                    prefetch_rows(a->k_cache, row_bytes, kvh0 * head_bytes, task_bytes, ahead);
+                    prefetch_rows(a->v_cache, row_bytes, kvh0 * head_bytes, task_bytes, ahead);
                 }
                 if (j < next.count)
                     prefetch_head(a->k_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
@@ -804,6 +869,11 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         }
         has_state = 1;
         for (int64_t kv = 0; kv < kv_count; kv++) {
+            if (a->dtype == 1) {  // bf16: widened in registers, once for every head of the group
+                attn_values_bf16(a, slots + t0, count, kvh0 + kv, group, acc + kv * group,
+                                 scores + kv * group, &next, CHUNKS);
+                continue;
+            }
             for (int64_t j = 0; j < count; j++) {
                 if (j < next.count)
                     prefetch_head(a->v_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
