@@ -72,24 +72,26 @@ def gemv_case(
     )
 
 
-def amx_case(
+def packed_case(
     kernels: CpuKernels, weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int
 ) -> Row:
-    """`rows` input rows through every weight: the C AMX matmul vs oneDNN (packed)."""
+    """`rows` input rows through every weight: the C packed matmul (AMX tiles or vdpbf16ps) vs
+    oneDNN (packed)."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
-    tiles = [kernels.amx_pack(w) for w in weights]
+    tiles = [kernels.pack_weight(w) for w in weights]
 
-    def amx() -> None:
+    def kernel() -> None:
         for w, t in zip(weights, tiles):
-            kernels.amx_linear(xs[w.shape[1]], t, w.shape[0], None)
+            kernels.packed_linear(xs[w.shape[1]], t, w.shape[0], None)
 
     def baseline() -> None:
         for w, p in zip(weights, packed):
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
     mbytes = sum(w.numel() * 2 for w in weights) / 1e6
-    label = f"AMX matmul {rows} rows, {mbytes:.0f} MB of weights"
-    return label, "oneDNN packed", seconds(baseline, 5), seconds(amx, 5)
+    products = "AMX" if kernels.has_amx else "vdpbf16ps"
+    label = f"packed matmul ({products}) {rows} rows, {mbytes:.0f} MB of weights"
+    return label, "oneDNN packed", seconds(baseline, 5), seconds(kernel, 5)
 
 
 def attention_case(kernels: CpuKernels, args: argparse.Namespace, batch: int, context: int) -> Row:
@@ -192,26 +194,26 @@ def prefill_attention_case(
 
 
 def gated_case(kernels: CpuKernels, args: argparse.Namespace, tokens: int) -> Row:
-    """gate_up projection + SiLU-and-mul over every layer: one tile matmul with SiLU in its
-    store vs the tile matmul and the separate kernel."""
+    """gate_up projection + SiLU-and-mul over every layer: one packed matmul with SiLU in its
+    store vs the packed matmul and the separate kernel."""
     weights = [
         torch.randn(2 * args.intermediate, args.hidden, dtype=BF16) * 0.02
         for _ in range(args.layers)
     ]
-    plain = [kernels.amx_pack(w) for w in weights]
-    gated = [kernels.amx_pack(interleave_gate_up(w)) for w in weights]
+    plain = [kernels.pack_weight(w) for w in weights]
+    gated = [kernels.pack_weight(interleave_gate_up(w)) for w in weights]
     x = torch.randn(tokens, args.hidden, dtype=BF16)
 
     def kernel() -> None:
         for packed in gated:
-            kernels.amx_gated_silu(x, packed, args.intermediate, None)
+            kernels.packed_gated_silu(x, packed, args.intermediate, None)
 
     def baseline() -> None:
         for packed in plain:
-            kernels.silu_and_mul(kernels.amx_linear(x, packed, 2 * args.intermediate, None))
+            kernels.silu_and_mul(kernels.packed_linear(x, packed, 2 * args.intermediate, None))
 
     label = f"gate_up + SiLU, {tokens} rows, {args.layers} layers"
-    return label, "AMX matmul + SiLU", seconds(baseline, 5), seconds(kernel, 5)
+    return label, "packed matmul + SiLU", seconds(baseline, 5), seconds(kernel, 5)
 
 
 def argmax_case(kernels: CpuKernels, rows: int, vocab: int) -> Row:
@@ -221,7 +223,7 @@ def argmax_case(kernels: CpuKernels, rows: int, vocab: int) -> Row:
         f"argmax, {rows} x {vocab} bf16 logits",
         "float() + max",
         seconds(lambda: logits.float().max(dim=-1).indices, 20),
-        seconds(lambda: kernels.argmax_bf16(logits), 20),
+        seconds(lambda: kernels.argmax(logits), 20),
     )
 
 
@@ -287,13 +289,13 @@ def main() -> None:
         packed = [p for p in packed_or_none if p is not None]
         packed = packed if len(packed) == len(weights) else None
         rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
-        if kernels.has_amx and packed is not None:
-            rows += [amx_case(kernels, weights, packed, n) for n in (16, 32, 64, 256)]
+        if packed is not None:
+            rows += [packed_case(kernels, weights, packed, n) for n in (16, 32, 64, 256, 2048)]
     rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
     if kernels.blocked_attention_fits(BF16, args.head_dim):
         rows += [shared_prefix_case(kernels, args, t, 1024) for t in (63, 2016)]
         rows += [prefill_attention_case(kernels, args, r, t) for r, t in ((16, 128), (1, 2048))]
-    if kernels.has_amx and args.intermediate % 16 == 0:
+    if kernels.has_avx512_bf16 and args.intermediate % 16 == 0:
         rows += [gated_case(kernels, args, t) for t in (64, 2048)]
     rows.append(argmax_case(kernels, 64, 49152))
     for tokens in (1, 64, 2048):

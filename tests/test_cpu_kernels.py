@@ -24,6 +24,22 @@ from minisgl.layers.rotary import _rotate
 
 kernels = cpu_mod.cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels unavailable on this machine")
+
+
+def _product_paths() -> list:
+    """The kernels whose bf16 products run on the AMX tiles where the CPU has them, else with
+    vdpbf16ps: both paths where there are tiles, the vdpbf16ps one wherever there is avx512_bf16."""
+    if kernels is None or not kernels.has_avx512_bf16:
+        return []
+    vector = copy.copy(kernels)
+    vector.has_amx = False
+    paths = [pytest.param(vector, id="vdpbf16ps")]
+    if kernels.has_amx:
+        paths.append(pytest.param(kernels, id="tiles"))
+    return paths
+
+
+PRODUCT_PATHS = _product_paths()
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -78,59 +94,69 @@ def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
+@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
+@pytest.mark.parametrize("matmul_kernels", PRODUCT_PATHS)
 @pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100, 260, 300])
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40), (70, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_mid_sized_bf16_projection_matches_float_matmul(rows, out_features, in_features, bias):
-    """Between the GEMV and prefill: the AMX tiles where the CPU has them (odd shapes padded
-    to whole tiles; from 256 rows by panels of columns, rows split by thread, k of 1,024 and
-    more in chunks), else oneDNN's packed matmul."""
+def test_mid_sized_bf16_projection_matches_float_matmul(
+    matmul_kernels, rows, out_features, in_features, bias
+):
+    """Above the GEMV: the packed matmul, on the AMX tiles where the CPU has them (odd shapes
+    padded to whole tiles; from 256 rows by panels of columns, rows split by thread, k of 1,024
+    and more in chunks), else with vdpbf16ps (k padded, rows in groups of 6)."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    projection = CpuProjection(weight, kernels)
-    assert (projection.amx is not None) == kernels.has_amx
+    projection = CpuProjection(weight, matmul_kernels)
+    assert projection.tiles is not None
     out = projection(x, weight, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     want = x.float() @ weight.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="needs AMX tiles")
-@pytest.mark.parametrize("rows", [5, 64, 260])  # above the GEMV; both tile orders
+@pytest.mark.skipif(
+    kernels is None or not kernels.has_avx512_bf16, reason="the packed matmul needs bf16 dots"
+)
+@pytest.mark.parametrize("matmul_kernels", PRODUCT_PATHS)
+@pytest.mark.parametrize("rows", [9, 64, 260])  # above the GEMV; both tile orders
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("hidden", [96, 1100])  # k whole, k in chunks (from 260 rows)
-def test_gated_projection_fuses_silu_into_the_tile_matmul(rows, bias, hidden):
+def test_gated_projection_fuses_silu_into_the_packed_matmul(matmul_kernels, rows, bias, hidden):
     gen = torch.Generator().manual_seed(4)
     inter = 80
     x = torch.randn(rows, hidden, generator=gen).bfloat16()
     weight = torch.randn(2 * inter, hidden, generator=gen).bfloat16()
     b = torch.randn(2 * inter, generator=gen).bfloat16() if bias else None
-    gated = CpuProjection(weight, kernels, gated=True, bias=b)
+    gated = CpuProjection(weight, matmul_kernels, gated=True, bias=b)
     assert gated.gated
     out = gated.silu_and_mul(x)
     assert out is not None and out.shape == (rows, inter)
-    # The same tile products, SiLU after: bit for bit what the unfused kernels give.
-    unfused = kernels.silu_and_mul(CpuProjection(weight, kernels)(x, weight, b))
+    # The same products, SiLU after: bit for bit what the unfused kernels give.
+    unfused = matmul_kernels.silu_and_mul(CpuProjection(weight, matmul_kernels)(x, weight, b))
     assert torch.equal(out, unfused)
     # Plain calls to a gated projection still return [gate | up] in order.
     plain = gated(x, weight, b)
     want = x.float() @ weight.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(plain.float(), want, atol=1e-3, rtol=2**-8)
-    assert CpuProjection(weight, kernels, gated=True).silu_and_mul(x[:4]) is None  # the GEMV's
+    assert (
+        CpuProjection(weight, matmul_kernels, gated=True).silu_and_mul(x[:4]) is None
+    )  # the GEMV's
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cols", [1, 15, 16, 49152, 1000])
-def test_argmax_bf16_matches_torch_max_with_ties_and_nans(cols):
+def test_argmax_matches_torch_max_with_ties_and_nans(dtype, cols):
     gen = torch.Generator().manual_seed(6)
     # Few distinct values: many ties, whose first column must win.
-    x = torch.randint(-3, 4, (7, cols), generator=gen).bfloat16()
+    x = torch.randint(-3, 4, (7, cols), generator=gen).to(dtype)
     if cols > 20:
         x[1, 5] = x[1, cols - 3] = float("nan")  # the first NaN wins
         x[2, cols - 1] = 100.0  # the max in the scalar tail
         x[3] = float("-inf")
-    got = kernels.argmax_bf16(x)
+    got = kernels.argmax(x)
     assert torch.equal(got, x.max(dim=-1).indices)
 
 
@@ -272,13 +298,14 @@ def test_cascade_over_a_shared_system_prompt_matches_hf(arch, monkeypatch):
 )
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3", "mistral", "llama3"])
 def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
-    """bf16 decode runs whole layers in C (GEMV batches, and AMX ones where the CPU has tiles);
-    its logits equal the module-by-module path's bit for bit (same kernels, same order), for
-    every architecture's variant."""
+    """bf16 decode runs whole layers in C (GEMV batches, and above the GEMV's rows the packed
+    matmul: AMX tiles or vdpbf16ps); its logits equal the module-by-module path's bit for bit
+    (same kernels, same order), for every architecture's variant."""
     from minisgl.models.fused_decode import FusedDecode
 
-    prompts = MIXED_PROMPTS
-    max_new = [6, 9, 4, 7, 5, 8, 3, 6]
+    # More requests than the GEMV takes, so batches also run through the packed matmul.
+    prompts = MIXED_PROMPTS + [p + " again" for p in MIXED_PROMPTS[1:4]]
+    max_new = [6, 9, 4, 7, 5, 8, 3, 6, 5, 7, 4]
     fused_batches = []
     run = FusedDecode.run
 
@@ -293,7 +320,13 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
             monkeypatch.setattr(FusedDecode, "run", lambda self, *args: None)
         else:
             monkeypatch.setattr(FusedDecode, "run", counting_run)
-        llm = build_llm(arch, dtype=torch.bfloat16, overlap_schedule=False, cache_type="naive")
+        llm = build_llm(
+            arch,
+            dtype=torch.bfloat16,
+            overlap_schedule=False,
+            cache_type="naive",
+            max_running_req=len(prompts),
+        )
         logits = spy_logits(llm, "decode")
         outputs = llm.generate(prompts, [greedy(n) for n in max_new])
         assert_all_pages_free(llm)
@@ -303,11 +336,7 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
     fused_logits, fused_ids = decode_logits(True)
     module_logits, module_ids = decode_logits(False)
     assert fused_batches, "the fused path never ran"
-    # Past the GEMV's rows only with the AMX tiles.
-    if kernels.has_amx:
-        assert max(fused_batches) > AMX_GEMV_MAX_ROWS
-    else:
-        assert max(fused_batches) <= GEMV_MAX_ROWS
+    assert max(fused_batches) > (AMX_GEMV_MAX_ROWS if kernels.has_amx else GEMV_MAX_ROWS)
     assert fused_ids == module_ids
     assert len(fused_logits) == len(module_logits)
     for got, want in zip(fused_logits, module_logits):
@@ -357,23 +386,8 @@ def test_fused_cascade_decode_equals_the_module_path(arch, monkeypatch):
         assert torch.equal(got, want)
 
 
-def _blocked_attention_paths() -> list:
-    """The blocked attention kernels' products: vdpbf16ps always, the AMX tiles where present."""
-    if kernels is None or not kernels.has_avx512_bf16:
-        return []
-    vector = copy.copy(kernels)
-    vector.has_amx = False
-    paths = [pytest.param(vector, id="vdpbf16ps")]
-    if kernels.has_amx:
-        paths.append(pytest.param(kernels, id="tiles"))
-    return paths
-
-
-BLOCKED_PATHS = _blocked_attention_paths()
-
-
-@pytest.mark.skipif(not BLOCKED_PATHS, reason="needs avx512_bf16")
-@pytest.mark.parametrize("attn_kernels", BLOCKED_PATHS)
+@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
+@pytest.mark.parametrize("attn_kernels", PRODUCT_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 96)])
 @pytest.mark.parametrize("tokens,prefix_len", [(7, 1000), (40, 33), (1, 1)])
 def test_shared_prefix_attention_matches_float_reference(
@@ -420,8 +434,8 @@ def _reference_prefill_attention(q, k_cache, v_cache, page_table, rows, cached, 
     return torch.cat(outs)
 
 
-@pytest.mark.skipif(not BLOCKED_PATHS, reason="needs avx512_bf16")
-@pytest.mark.parametrize("attn_kernels", BLOCKED_PATHS)
+@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
+@pytest.mark.parametrize("attn_kernels", PRODUCT_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 96)])
 @pytest.mark.parametrize("window", [None, 17])
 @pytest.mark.parametrize(
@@ -460,7 +474,7 @@ def test_prefill_attention_matches_float_reference(
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
-@pytest.mark.skipif(not BLOCKED_PATHS, reason="needs avx512_bf16")
+@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
 def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
     """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention in the
     C kernel against the torch backend's SDPA on the same q/k/v and pool."""

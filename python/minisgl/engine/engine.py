@@ -40,7 +40,7 @@ class ForwardInput:
 class ForwardOutput:
     next_tokens: torch.Tensor  # on device
     next_tokens_cpu: torch.Tensor
-    logits: torch.Tensor  # [sampled requests, vocab] in the model's dtype, before sampling
+    logits: torch.Tensor  # [sampled requests, vocab] (see CausalLM), before sampling
     copy_done: torch.cuda.Event | None = None
 
     def wait(self) -> ForwardOutput:

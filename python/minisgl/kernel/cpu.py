@@ -43,15 +43,15 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_has_avx512_bf16": [],
     "minisgl_has_amx": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
-    "minisgl_amx_packed_elems": [_i64, _i64],
-    "minisgl_amx_pack": [_ptr, _ptr, _i64, _i64, _int],
-    "minisgl_amx_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
-    "minisgl_amx_gated_silu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_packed_elems": [_i64, _i64],
+    "minisgl_pack_weight": [_ptr, _ptr, _i64, _i64, _int],
+    "minisgl_packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int, _int],
+    "minisgl_packed_gated_silu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
     "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_i64, _i64, _i64, _i64, _float, _i64, _int, _int],
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
-    "minisgl_argmax_bf16": [_ptr, _ptr, _i64, _i64, _int],
+    "minisgl_argmax": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
     + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _float, _i64, _int, _int],
@@ -72,7 +72,7 @@ _RESTYPES = {
     "minisgl_prefill_attention": _int,
     "minisgl_decode_layer_scratch": _i64,
     "minisgl_decode_layer_q_offset": _i64,
-    "minisgl_amx_packed_elems": _i64,
+    "minisgl_packed_elems": _i64,
 }
 
 
@@ -121,6 +121,7 @@ class DecodeModelParams(ctypes.Structure):
         ("page_table", _ptr),
         ("table_stride", _i64),
         ("gemv_max_rows", _i64),
+        ("use_tiles", _i64),
     ]
 
 
@@ -191,50 +192,58 @@ class CpuKernels:
         )
         return out
 
-    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bf16 weight [N, K] in the AMX tile layout `amx_linear` takes (zero-padded)."""
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [N, K] in the tile layout `packed_linear` takes (zero-padded)."""
         out_features, in_features = weight.shape
-        packed = weight.new_empty(self.lib.minisgl_amx_packed_elems(out_features, in_features))
-        self.lib.minisgl_amx_pack(
+        packed = weight.new_empty(self.lib.minisgl_packed_elems(out_features, in_features))
+        self.lib.minisgl_pack_weight(
             weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads()
         )
         return packed
 
-    def amx_linear(
+    def packed_linear(
         self,
         x: torch.Tensor,
         packed: torch.Tensor,
         out_features: int,
         bias: torch.Tensor | None,
+        float_out: bool = False,
     ) -> torch.Tensor:
-        """x [M, K] @ W^T (+ bias) with the AMX tiles, W packed by `amx_pack`; all bfloat16."""
-        return self._amx_call(self.lib.minisgl_amx_linear, x, packed, out_features, bias)
-
-    def amx_gated_silu(
-        self, x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """silu(x @ gate^T) * (x @ up^T) [M, inter] on the AMX tiles, from a gate_up weight packed
-        by `amx_pack` with its gate and up rows interleaved in 16s (`interleave_gate_up`)."""
-        return self._amx_call(self.lib.minisgl_amx_gated_silu, x, packed, inter, bias)
-
-    @staticmethod
-    def _amx_call(
-        fn: ctypes._CFuncPtr,
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        out_columns: int,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
+        """x [M, K] @ W^T (+ bias), W packed by `pack_weight`; bfloat16 in, bfloat16 out (float32
+        with float_out: the sums unrounded). On the AMX tiles where the CPU has them, else with
+        vdpbf16ps."""
         rows, in_features = x.shape
-        out = x.new_empty(rows, out_columns)
-        fn(
+        out = x.new_empty(rows, out_features, dtype=torch.float32 if float_out else x.dtype)
+        self.lib.minisgl_packed_linear(
             x.data_ptr(),
             packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             rows,
-            out_columns,
+            out_features,
             in_features,
+            int(float_out),
+            int(self.has_amx),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def packed_gated_silu(
+        self, x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) [M, inter] from a gate_up weight packed by
+        `pack_weight` with its gate and up rows interleaved in 16s (`interleave_gate_up`)."""
+        rows, in_features = x.shape
+        out = x.new_empty(rows, inter)
+        self.lib.minisgl_packed_gated_silu(
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            inter,
+            in_features,
+            int(self.has_amx),
             torch.get_num_threads(),
         )
         return out
@@ -414,12 +423,18 @@ class CpuKernels:
         )
         return out
 
-    def argmax_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """Row-wise argmax of x [rows, cols] bf16 (first index on ties, a NaN wins), int64."""
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of x [rows, cols] float32 or bf16 (first index on ties, a NaN wins),
+        int64."""
         x = x.contiguous()
         indices = torch.empty(x.shape[0], dtype=torch.int64)
-        self.lib.minisgl_argmax_bf16(
-            x.data_ptr(), indices.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads()
+        self.lib.minisgl_argmax(
+            x.data_ptr(),
+            indices.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            _DTYPE_CODES[x.dtype],
+            torch.get_num_threads(),
         )
         return indices
 

@@ -34,10 +34,11 @@ class LMHead(nn.Module):
         return self.tied.weight if self.tied is not None else self.weight
 
     def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
-        """Pick the CPU matmul path (see layers.linear); a tied weight is kept for the lookup."""
+        """Pick the CPU matmul path (see layers.linear); a tied weight is kept for the lookup.
+        Where the C packed matmul computes the head, logits come out float32."""
         weight = self._weight()
         if weight.device.type == "cpu" and weight.dtype in HALF_DTYPES:
-            self.cpu_projection = CpuProjection(weight.data, kernels)
+            self.cpu_projection = CpuProjection(weight.data, kernels, float_out=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.cpu_projection is not None:

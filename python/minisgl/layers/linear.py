@@ -12,10 +12,11 @@ from .activation import silu_and_mul
 
 # Rows per call decide the CPU matmul (benchmark/kernels.py, offline.py --decode-batch-sizes):
 # the C GEMV for a few rows (bandwidth-bound at 1-4 rows, ~1.2-3x oneDNN's bf16 there; at 5-8
-# level with oneDNN, so it keeps up to GEMV_MAX_ROWS where the AMX matmul is absent), then the C
-# AMX matmul where the CPU has tiles (1.3-1.6x oneDNN at 5-64 rows, 1.5x the GEMV at 5-8,
-# 1.3x at 1,024; level to 5% ahead in whole prefills), else oneDNN's packed layout (1.3-2x
-# F.linear at decode sizes; a 64 x 128 prefill 11% faster than F.linear on Zen 5).
+# level with the packed matmul without tiles, so it keeps up to GEMV_MAX_ROWS there), then the C
+# packed matmul: on the AMX tiles 1.3-1.6x oneDNN at 5-64 rows, 1.5x the GEMV at 5-8, 1.3x at
+# 1,024; with vdpbf16ps (Zen 5) level with oneDNN on Qwen3's shapes and 1.1-1.3x on SmolLM2's at
+# 16-128 rows, within 5% at 2,048. It also fuses SiLU into gate_up and lets the C decode layer
+# take any batch. Other dtypes and CPUs: oneDNN's packed layout.
 GEMV_MAX_ROWS = 8
 AMX_GEMV_MAX_ROWS = 4
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -47,13 +48,17 @@ def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
 
 
 class CpuProjection:
-    """How a half-precision weight is multiplied on the CPU, by rows per call: the C GEMV
-    (bf16), then a packed copy (the C AMX tile layout, or oneDNN's); F.linear where neither
-    applies. Without the GEMV only the packed copy is kept.
+    """How a half-precision weight is multiplied on the CPU, by rows per call: with avx512_bf16
+    and a bf16 weight, the C GEMV for a few rows and above them the C packed matmul over a copy
+    in the tile layout (on the AMX tiles where the CPU has them, else vdpbf16ps); otherwise
+    oneDNN's packed copy, or F.linear where neither applies. Without the GEMV only the packed
+    copy is kept.
 
-    gated (a gate_up projection): on AMX the tile copy holds gate and up interleaved, for
-    `silu_and_mul`, which then runs every call above the GEMV's rows on the tiles, SiLU in the
-    matmul's epilogue; plain calls take the GEMV or F.linear."""
+    gated (a gate_up projection): the tile copy holds gate and up interleaved, for
+    `silu_and_mul`, which then runs every call above the GEMV's rows with SiLU in the matmul's
+    epilogue; plain calls take the GEMV or F.linear. float_out (an output head): every call
+    takes the packed matmul and returns its float32 sums unrounded, so logits a bf16 rounding
+    would tie keep their order."""
 
     def __init__(
         self,
@@ -61,53 +66,67 @@ class CpuProjection:
         kernels: CpuKernels | None,
         gated: bool = False,
         bias: torch.Tensor | None = None,
+        float_out: bool = False,
     ) -> None:
         bf16 = weight.dtype == torch.bfloat16
-        # Only with the bf16 dot-product instructions does the GEMV beat oneDNN.
-        usable = kernels is not None and kernels.has_avx512_bf16
-        self.gemv = kernels if usable and bf16 else None
-        self.amx = kernels if kernels is not None and kernels.has_amx and bf16 else None
+        # Only with the bf16 dot-product instructions do the C matmuls beat oneDNN.
+        usable = kernels is not None and kernels.has_avx512_bf16 and bf16
+        self.kernels = kernels if usable else None
         self.out_features = weight.shape[0]
-        self.gemv_max_rows = AMX_GEMV_MAX_ROWS if self.amx is not None else GEMV_MAX_ROWS
+        on_tiles = self.kernels is not None and self.kernels.has_amx
+        self.float_out = float_out and self.kernels is not None
+        self.gemv_max_rows = AMX_GEMV_MAX_ROWS if on_tiles else GEMV_MAX_ROWS
+        if self.float_out:
+            self.gemv_max_rows = 0
         self.packed: torch.Tensor | None = None
-        self.gated = gated and self.amx is not None and weight.shape[0] % 32 == 0
+        self.gated = gated and self.kernels is not None and weight.shape[0] % 32 == 0
         self.gated_bias: torch.Tensor | None = None
-        if self.gated:
-            assert self.amx is not None
-            self.packed = self.amx.amx_pack(interleave_gate_up(weight))
-            self.gated_bias = None if bias is None else interleave_gate_up(bias).contiguous()
-        elif self.amx is not None:
-            self.packed = self.amx.amx_pack(weight)
-        else:
+        if self.kernels is None:
             self.packed = onednn_pack(weight)
+        elif self.gated:
+            self.packed = self.kernels.pack_weight(interleave_gate_up(weight))
+            self.gated_bias = None if bias is None else interleave_gate_up(bias).contiguous()
+        else:
+            self.packed = self.kernels.pack_weight(weight)
+
+    @property
+    def tiles(self) -> torch.Tensor | None:
+        """The copy in the tile layout the C matmuls read (None: oneDNN's or no copy)."""
+        return self.packed if self.kernels is not None else None
 
     @property
     def needs_weight(self) -> bool:
-        return self.gemv is not None or self.amx is not None or self.packed is None
+        return self.kernels is not None or self.packed is None
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else -1
-        if self.gemv is not None and 0 <= rows <= self.gemv_max_rows:
-            return self.gemv.gemv_bf16(x.contiguous(), weight, bias)
+        if self.kernels is not None and 0 <= rows <= self.gemv_max_rows:
+            return self.kernels.gemv_bf16(x.contiguous(), weight, bias)
         if self.gated:  # the tile copy is interleaved: only silu_and_mul reads it
             return F.linear(x, weight, bias)
-        if self.amx is not None and self.packed is not None and rows >= 0:
-            return self.amx.amx_linear(x.contiguous(), self.packed, self.out_features, bias)
-        if self.packed is not None and (rows >= 0 or not self.needs_weight):
+        if self.kernels is not None and self.packed is not None and rows >= 0:
+            return self.kernels.packed_linear(
+                x.contiguous(), self.packed, self.out_features, bias, self.float_out
+            )
+        if (
+            self.packed is not None
+            and self.kernels is None
+            and (rows >= 0 or not self.needs_weight)
+        ):
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )
         return F.linear(x, weight, bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The gated activation straight from the tiles, where this projection has them for
-        this many rows; else None."""
+        """The gated activation straight from the packed matmul, where this projection has it
+        for this many rows; else None."""
         if not self.gated or x.dim() != 2 or x.shape[0] <= self.gemv_max_rows:
             return None
-        assert self.amx is not None and self.packed is not None
-        return self.amx.amx_gated_silu(
+        assert self.kernels is not None and self.packed is not None
+        return self.kernels.packed_gated_silu(
             x.contiguous(), self.packed, self.out_features // 2, self.gated_bias
         )
 

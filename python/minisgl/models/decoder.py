@@ -111,8 +111,9 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder plus LM head; `forward` returns logits (in the model's dtype) only for the rows
-    asked for."""
+    """Decoder plus LM head; `forward` returns logits only for the rows asked for: float32 where
+    the CPU's packed matmul computes the head (bf16 weights, avx512_bf16), else in the model's
+    dtype."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()

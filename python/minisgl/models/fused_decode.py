@@ -3,7 +3,7 @@
 At batch 1 a layer is ~10 short kernels and the Python between them cost as much as reading
 the weights; `minisgl_decode_layer` runs the same kernels in the same order from C, so its
 output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py). Batches up to
-the GEMV's row limit take it everywhere; larger ones where the AMX matmul serves them.
+the GEMV's row limit take the GEMV; larger ones the packed matmul (AMX tiles or vdpbf16ps).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .decoder import DecoderModel
 
 
-# Decode batches the C layer takes on the AMX tiles; larger ones go module by module.
+# Decode batches the C layer takes through the packed matmul; larger ones go module by module.
 TILES_MAX_TOKENS = 1023
 
 
@@ -46,8 +46,8 @@ def _projection(linear: Linear) -> CpuProjection:
 def _tiles(linear: Linear) -> torch.Tensor | None:
     projection = _projection(linear)
     if linear.gated:  # the C layer reads a gate_up's tiles only in the interleaved layout
-        return projection.packed if projection.gated else None
-    return projection.packed if projection.amx is not None else None
+        return projection.tiles if projection.gated else None
+    return projection.tiles
 
 
 def _gated_bias(linear: Linear) -> torch.Tensor | None:
@@ -80,6 +80,7 @@ class FusedDecode:
             page_table=_ptr(ctx.page_table),
             table_stride=ctx.page_table.stride(0),
             gemv_max_rows=gemv_max_rows,
+            use_tiles=int(kernels.has_amx),
         )
         self.layer_params = []
         for i, layer in enumerate(model.layers):
@@ -118,7 +119,7 @@ class FusedDecode:
         if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
             return None
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        if not all(m.cpu_projection and m.cpu_projection.gemv for m in linears):
+        if not all(m.cpu_projection and m.cpu_projection.kernels for m in linears):
             return None
         fits = (
             config.head_dim <= MAX_HEAD_DIM

@@ -28,6 +28,13 @@
 
 typedef uint16_t bf16_t;
 
+#ifdef __AVX512F__
+// 16 bf16 values as float32 (exact).
+static inline __m512 bf16x16_to_f32(__m256i packed) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
+}
+#endif
+
 static inline float bf16_to_f32(bf16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -82,6 +89,13 @@ int minisgl_has_avx512_bf16(void) {
 #ifdef HAVE_AVX512_BF16
 static inline __mmask32 tail_mask(int64_t K, int64_t k) {
     return K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+}
+
+// Two adjacent bf16 values as one 32-bit lane, broadcast to all 16.
+static inline __m512bh broadcast_pair(const bf16_t* pair) {
+    uint32_t bits;
+    memcpy(&bits, pair, 4);
+    return (__m512bh)_mm512_set1_epi32((int)bits);
 }
 
 // A block is 4 weight rows: four 64-byte lines of the block `ahead` per 32-element step.
@@ -211,6 +225,10 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
 #define AMX_NBLOCK 32
 #define AMX_MGROUP 64        // rows per task: a task's weight block is reused from cache
 #define AMX_PREFETCH_STEPS 4  // k-steps ahead the weight tiles are prefetched
+#define VEC_MAX_ROWS 6
+#ifndef VEC_KCHUNK
+#define VEC_KCHUNK 1000
+#endif
 
 int minisgl_has_amx(void) {
 #ifdef HAVE_AMX
@@ -222,12 +240,12 @@ int minisgl_has_amx(void) {
 #endif
 }
 
-int64_t minisgl_amx_packed_elems(int64_t N, int64_t K) {
+int64_t minisgl_packed_elems(int64_t N, int64_t K) {
     return (N + AMX_NBLOCK - 1) / AMX_NBLOCK * AMX_NBLOCK * ((K + AMX_KSTEP - 1) / AMX_KSTEP) *
            AMX_KSTEP;
 }
 
-void minisgl_amx_pack(const bf16_t* w, bf16_t* packed, int64_t N, int64_t K, int nthreads) {
+void minisgl_pack_weight(const bf16_t* w, bf16_t* packed, int64_t N, int64_t K, int nthreads) {
     const int64_t nblocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
     const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -245,26 +263,7 @@ void minisgl_amx_pack(const bf16_t* w, bf16_t* packed, int64_t N, int64_t K, int
     }
 }
 
-#ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette_id, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
-
-// This thread's eight tiles as 16 rows of 64 bytes (16 float32 or 32 bf16 a row).
-static inline void amx_configure(void) {
-    amx_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
+#ifdef HAVE_AVX512_BF16
 // Two accumulator tiles side by side (float32 rows of 16 columns: columns n0.. and n0 + 16..)
 // + bias -> bf16 rows of y, a 64-byte line per row, for valid rows and columns only.
 static inline void amx_store(const float (*left)[16], const float (*right)[16],
@@ -313,6 +312,153 @@ static inline void amx_store_gated(const float (*gate)[16], const float (*up)[16
     }
 }
 
+// What the packed matmul writes: bf16 rows of y, silu(gate) * up (bf16) from a gate_up weight
+// packed with its gate and up rows interleaved in 16s, or float32 rows (logits, unrounded).
+#define EPILOGUE_BF16 0
+#define EPILOGUE_GATED 1
+#define EPILOGUE_F32 2
+
+// Float32 rows: left/right tiles + bias straight to 32 columns of y [M, N] from n0.
+static inline void store_f32(const float (*left)[16], const float (*right)[16],
+                             const bf16_t* bias, float* y, int64_t N, int64_t m0, int64_t rows,
+                             int64_t n0) {
+    const int64_t valid = N - n0 >= 32 ? 32 : N - n0;
+    const __mmask16 cols_left = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1u);
+    const __mmask16 cols_right = valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1u);
+    __m512 bias_left = _mm512_setzero_ps(), bias_right = _mm512_setzero_ps();
+    if (bias) {
+        bias_left = bf16x16_to_f32(_mm256_maskz_loadu_epi16(cols_left, bias + n0));
+        bias_right = bf16x16_to_f32(_mm256_maskz_loadu_epi16(cols_right, bias + n0 + 16));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float* row = y + (m0 + r) * N + n0;
+        _mm512_mask_storeu_ps(row, cols_left, _mm512_add_ps(_mm512_load_ps(left[r]), bias_left));
+        _mm512_mask_storeu_ps(row + 16, cols_right,
+                              _mm512_add_ps(_mm512_load_ps(right[r]), bias_right));
+    }
+}
+
+// Rows [m0, m0 + rows) of a 32-column block at n0 (left: columns 0-15, right: 16-31) into y
+// through the epilogue.
+static inline void packed_store(const float (*left)[16], const float (*right)[16],
+                                const bf16_t* bias, void* y, int64_t N, int64_t m0, int64_t rows,
+                                int64_t n0, int epilogue) {
+    if (epilogue == EPILOGUE_GATED)
+        amx_store_gated(left, right, bias ? bias + n0 : NULL, (bf16_t*)y, N / 2, m0, rows,
+                        n0 / 2);
+    else if (epilogue == EPILOGUE_F32)
+        store_f32(left, right, bias, (float*)y, N, m0, rows, n0);
+    else
+        amx_store(left, right, bias, (bf16_t*)y, N, m0, rows, n0);
+}
+
+// A 32 x 32 block's four accumulator tiles (rows m.. of y, up to m1) through the epilogue.
+static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bias, void* y,
+                                   int64_t M, int64_t N, int64_t m, int64_t m1, int64_t n0,
+                                   int epilogue) {
+    for (int mt = 0; mt < 2 && m + 16 * mt < m1; mt++) {
+        const int64_t first_row = m + 16 * mt;
+        const int64_t rows = M - first_row < 16 ? M - first_row : 16;
+        if (rows <= 0) break;
+        packed_store(acc[2 * mt], acc[2 * mt + 1], bias, y, N, first_row, rows, n0, epilogue);
+    }
+}
+
+// The tile layout read with vdpbf16ps, where there are no tiles: row p of a k-step's tile (16
+// columns' k-pairs 2p, 2p + 1) is one vector, each x row's pair broadcast against it. ROWS rows
+// of x (from a, stride ldx) times BLOCKS adjacent 32-column blocks, accumulated over every
+// k-step in registers; block j's sums go to left[j] (columns 0-15) and right[j] (16-31).
+static inline __attribute__((always_inline)) void vec_rows(
+    const bf16_t* a, int64_t ldx, const bf16_t* wblock, int64_t block_elems, int64_t kb0,
+    int64_t kb1, float (*part)[2][AMX_MGROUP][16], int64_t r0, const char* ahead, const int ROWS,
+    const int BLOCKS) {
+    __m512 acc[VEC_MAX_ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < 2 * BLOCKS; c++)
+            acc[r][c] = kb0 ? _mm512_load_ps(part[c / 2][c % 2][r0 + r]) : _mm512_setzero_ps();
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
+        const bf16_t* xk = a + kb * AMX_KSTEP;
+        for (int p = 0; p < 16; p++) {
+            if (ahead)
+                for (int line = 0; line < 4; line++)
+                    __builtin_prefetch(ahead + ((kb * 16 + p) * 4 + line) * 64, 0, 3);
+            __m512bh w[4];
+            for (int j = 0; j < BLOCKS; j++) {
+                w[2 * j] = (__m512bh)_mm512_load_si512(b + j * block_elems + 32 * p);
+                w[2 * j + 1] = (__m512bh)_mm512_load_si512(b + j * block_elems + 512 + 32 * p);
+            }
+            for (int r = 0; r < ROWS; r++) {
+                const __m512bh xv = broadcast_pair(xk + r * ldx + 2 * p);
+                for (int c = 0; c < 2 * BLOCKS; c++)
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < 2 * BLOCKS; c++) _mm512_store_ps(part[c / 2][c % 2][r0 + r], acc[r][c]);
+}
+
+static void vec_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
+                     void* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
+                     int64_t n0, int epilogue, int blocks, const char* ahead) {
+    float part[2][2][AMX_MGROUP][16] __attribute__((aligned(64)));
+    const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
+    if (m1 > M) m1 = M;
+    for (int64_t kb0 = 0; kb0 < ksteps; kb0 += VEC_KCHUNK) {
+        const int64_t kb1 = kb0 + VEC_KCHUNK < ksteps ? kb0 + VEC_KCHUNK : ksteps;
+        for (int64_t m = m0; m < m1; m += VEC_MAX_ROWS) {
+            const int64_t rows = m1 - m < VEC_MAX_ROWS ? m1 - m : VEC_MAX_ROWS;
+            const bf16_t* a = x + m * ldx;
+            const char* ahead_m = m == m0 ? ahead : NULL;
+#define VEC_CASE(n)                                                                        \
+    case n:                                                                                \
+        if (blocks == 2)                                                                   \
+            vec_rows(a, ldx, wblock, block_elems, kb0, kb1, part, m - m0, ahead_m, n, 2);  \
+        else                                                                               \
+            vec_rows(a, ldx, wblock, block_elems, kb0, kb1, part, m - m0, ahead_m, n, 1);  \
+        break;
+            switch (rows) {
+                VEC_CASE(6)
+                VEC_CASE(5)
+                VEC_CASE(4)
+                VEC_CASE(3)
+                VEC_CASE(2)
+                default:
+                VEC_CASE(1)
+            }
+#undef VEC_CASE
+        }
+    }
+    for (int j = 0; j < blocks; j++) {
+        const int64_t col = n0 + 32 * j;
+        if (col >= N) break;
+        packed_store(part[j][0], part[j][1], bias, y, N, m0, m1 - m0, col, epilogue);
+    }
+}
+
+#endif
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette_id, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+// This thread's eight tiles as 16 rows of 64 bytes (16 float32 or 32 bf16 a row).
+static inline void amx_configure(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 // k-step kb's two weight tiles into tmm6 and tmm7; the pass that streams the weights from
 // memory also prefetches AMX_PREFETCH_STEPS steps ahead.
 static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf16_t* wblock,
@@ -348,28 +494,12 @@ static inline __attribute__((always_inline)) void amx_ksteps(const bf16_t* a0, c
     }
 }
 
-// A 32 x 32 block's four accumulator tiles (rows m.. of y, up to m1) through the plain or the
-// gated store.
-static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bias, bf16_t* y,
-                                   int64_t M, int64_t N, int64_t m, int64_t m1, int64_t n0,
-                                   int gated) {
-    for (int mt = 0; mt < 2 && m + 16 * mt < m1; mt++) {
-        const int64_t first_row = m + 16 * mt;
-        const int64_t rows = M - first_row < 16 ? M - first_row : 16;
-        if (rows <= 0) break;
-        if (gated)
-            amx_store_gated(acc[2 * mt], acc[2 * mt + 1], bias ? bias + n0 : NULL, y, N / 2,
-                            first_row, rows, n0 / 2);
-        else
-            amx_store(acc[2 * mt], acc[2 * mt + 1], bias, y, N, first_row, rows, n0);
-    }
-}
-
 // Rows [m0, m1) of x (whole 16-row tiles, row stride ldx elements) times the column block at
-// n0; gated: the block is 16 gate and 16 up columns, and y holds N / 2 activations a row.
+// n0, through the epilogue (gated: the block is 16 gate and 16 up columns, and y holds N / 2
+// activations a row).
 static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
-                     bf16_t* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
-                     int64_t n0, int gated) {
+                     void* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
+                     int64_t n0, int epilogue) {
     float acc[4][16][16] __attribute__((aligned(64)));
     for (int64_t m = m0; m < m1; m += 32) {
         const bf16_t* a0 = x + m * ldx;
@@ -392,7 +522,7 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
             _tile_stored(0, acc[0], 64);
             _tile_stored(1, acc[1], 64);
         }
-        amx_store_block((const float(*)[16][16])acc, bias, y, M, N, m, m1, n0, gated);
+        amx_store_block((const float(*)[16][16])acc, bias, y, M, N, m, m1, n0, epilogue);
     }
 }
 
@@ -401,9 +531,9 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
 // passes, each block's partial sums waiting in acc [blocks][4][16][16] float32 between chunks.
 #define AMX_KCHUNK 8
 static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
-                            int64_t block_elems, const bf16_t* bias, bf16_t* y, int64_t M,
+                            int64_t block_elems, const bf16_t* bias, void* y, int64_t M,
                             int64_t N, int64_t ksteps, int64_t m0, int64_t m1, int64_t nb0,
-                            int64_t nb1, int gated, int fetch, float (*acc)[4][16][16]) {
+                            int64_t nb1, int epilogue, int fetch, float (*acc)[4][16][16]) {
     const bf16_t *a0 = x + m0 * ldx, *a1 = a0 + 16 * ldx;
     const int pair = m1 - m0 >= 32;
     for (int64_t kc = 0; kc < ksteps; kc += AMX_KCHUNK) {
@@ -431,11 +561,12 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
     }
     for (int64_t nb = nb0; nb < nb1; nb++)
         amx_store_block((const float(*)[16][16])acc[nb - nb0], bias, y, M, N, m0, m1,
-                        nb * AMX_NBLOCK, gated);
+                        nb * AMX_NBLOCK, epilogue);
 }
 #endif
 
-// x [M, K] (contiguous) times the packed weight; M rows of y [M, N] (gated: [M, N / 2]). Rows
+// x [M, K] (contiguous) times the packed weight; M rows of y [M, N] (gated: [M, N / 2]; float32
+// with EPILOGUE_F32). Rows
 // and k are padded to whole tiles in a copy of x only when they are not already.
 //
 // Up to AMX_PANEL_MIN_ROWS rows the weights stream from memory once: a task is a column block
@@ -446,11 +577,30 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
 #define AMX_PANEL_MIN_ROWS 256
 #define AMX_PANEL_BYTES (1 << 20)
 #define AMX_PANEL_ROWS 64
-static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
-                       int64_t M, int64_t N, int64_t K, int gated, int nthreads) {
+#ifdef HAVE_AVX512_BF16
+// One task of the small-row path on the tiles or with vdpbf16ps.
+static inline void packed_task(int use_tiles, const bf16_t* x, int64_t ldx, const bf16_t* wblock,
+                               const bf16_t* bias, void* y, int64_t M, int64_t N,
+                               int64_t ksteps, int64_t m0, int64_t m1, int64_t n0, int epilogue) {
 #ifdef HAVE_AMX
+    if (use_tiles) {
+        amx_task(x, ldx, wblock, bias, y, M, N, ksteps, m0, m1, n0, epilogue);
+        return;
+    }
+#endif
+    vec_task(x, ldx, wblock, bias, y, M, N, ksteps, m0, m1, n0, epilogue, 1, NULL);
+}
+#endif
+
+static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                       int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles, int nthreads) {
+#ifdef HAVE_AVX512_BF16
+#ifndef HAVE_AMX
+    use_tiles = 0;
+#endif
     const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP, kpad = ksteps * AMX_KSTEP;
-    const int64_t mpad = (M + 15) / 16 * 16;
+    // Tiles take whole 16-row tiles of x; vdpbf16ps any number of rows.
+    const int64_t mpad = use_tiles ? (M + 15) / 16 * 16 : M;
     const int64_t nblocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
     const int64_t mgroups = (mpad + AMX_MGROUP - 1) / AMX_MGROUP;
     const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
@@ -468,7 +618,8 @@ static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
         a = xpad;
         ldx = kpad;
     }
-    if (mpad >= AMX_PANEL_MIN_ROWS) {
+#ifdef HAVE_AMX
+    if (use_tiles && mpad >= AMX_PANEL_MIN_ROWS) {
         int64_t panel = AMX_PANEL_BYTES / (block_elems * 2);
         panel = panel > 0 ? panel : 1;
 #pragma omp parallel num_threads(nthreads)
@@ -487,7 +638,7 @@ static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
                     for (int64_t m = r0; m < r1; m += 32)
                         amx_panel_slice(a, ldx, packed, block_elems, bias, y, M, N, ksteps, m,
                                         m + 32 < r1 ? m + 32 : r1, p0,
-                                        p0 + panel < nblocks ? p0 + panel : nblocks, gated,
+                                        p0 + panel < nblocks ? p0 + panel : nblocks, epilogue,
                                         m == r0, acc);
             } else {
                 for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
@@ -495,7 +646,7 @@ static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
                         for (int64_t nb = p0; nb < p0 + panel && nb < nblocks; nb++)
                             amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m,
                                      m + AMX_PANEL_ROWS < r1 ? m + AMX_PANEL_ROWS : r1,
-                                     nb * AMX_NBLOCK, gated);
+                                     nb * AMX_NBLOCK, epilogue);
             }
             free(acc);
             _tile_release();
@@ -503,37 +654,62 @@ static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
         free(xpad);
         return;
     }
+#endif
+    if (!use_tiles) {
+        const int64_t pairs = (nblocks + 1) / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t task = 0; task < pairs * mgroups; task++) {
+            int64_t nb = task / mgroups * 2, g = task % mgroups;
+            int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
+            const char* ahead = nb + 2 < nblocks && g == mgroups - 1
+                                    ? (const char*)(packed + (nb + 2) * block_elems)
+                                    : NULL;
+            vec_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
+                     nb * AMX_NBLOCK, epilogue, nb + 1 < nblocks ? 2 : 1, ahead);
+        }
+        free(xpad);
+        return;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
-        amx_configure();
+#ifdef HAVE_AMX
+        if (use_tiles) amx_configure();
+#endif
         // Consecutive tasks share a column block, so a thread's later row groups find its
         // weights in cache.
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < nblocks * mgroups; task++) {
             int64_t nb = task / mgroups, g = task % mgroups;
             int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
-            amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
-                     nb * AMX_NBLOCK, gated);
+            packed_task(use_tiles, a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0,
+                        m1, nb * AMX_NBLOCK, epilogue);
         }
-        _tile_release();
+#ifdef HAVE_AMX
+        if (use_tiles) _tile_release();
+#endif
     }
     free(xpad);
 #else
-    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)gated;
-    (void)nthreads;
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)epilogue;
+    (void)use_tiles, (void)nthreads;
 #endif
 }
 
-void minisgl_amx_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
-                        int64_t M, int64_t N, int64_t K, int nthreads) {
-    amx_matmul(x, packed, bias, y, M, N, K, 0, nthreads);
+// use_tiles: the AMX tiles (where compiled in), else vdpbf16ps on the same packed layout.
+// out_f32: y is float32 (the sums unrounded, e.g. logits), else bf16.
+void minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                           int64_t M, int64_t N, int64_t K, int out_f32, int use_tiles,
+                           int nthreads) {
+    amx_matmul(x, packed, bias, y, M, N, K, out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16, use_tiles,
+               nthreads);
 }
 
 // silu(gate) * up straight from a gate_up weight packed with its gate and up rows interleaved
 // in 16s (and its bias likewise): y [M, inter]; inter a multiple of 16.
-void minisgl_amx_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, bf16_t* y,
-                            int64_t M, int64_t inter, int64_t K, int nthreads) {
-    amx_matmul(x, packed, bias, y, M, 2 * inter, K, 1, nthreads);
+void minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
+                               bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
+                               int nthreads) {
+    amx_matmul(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, use_tiles, nthreads);
 }
 
 // --------------------------------------------------------------------- paged decode attention
@@ -575,11 +751,6 @@ static inline __m512 load16(const void* base, int64_t offset, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float*)base + offset);
     __m256i half = _mm256_loadu_si256((const __m256i*)((const bf16_t*)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// 16 bf16 values as float32 (exact).
-static inline __m512 bf16x16_to_f32(__m256i packed) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
 }
 
 // exp(x) for x <= 88, ~1 ulp: 2^n * poly(r), x = n ln2 + r; below -87 it returns ~0.
@@ -1203,13 +1374,6 @@ static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* h
 }
 #endif
 
-// Two adjacent bf16 values as one 32-bit lane, broadcast to all 16.
-static inline __m512bh broadcast_pair(const bf16_t* pair) {
-    uint32_t bits;
-    memcpy(&bits, pair, 4);
-    return (__m512bh)_mm512_set1_epi32((int)bits);
-}
-
 // Scores of query rows [n0, n0 + 8) against the 32 keys of two laid-out key blocks: per dim
 // pair, each row's pair broadcast against 16 keys' pairs (16 accumulators in registers).
 static inline __attribute__((always_inline)) void vec_scores_8x32(
@@ -1690,20 +1854,21 @@ void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t 
     }
 }
 
-// indices[r] = the first column of row r of x [rows, cols] (bf16) holding its largest value,
-// or its first NaN (as torch.max(dim=-1) picks): greedy sampling straight from bf16 logits,
-// which a float32 copy would only widen (bf16 -> float32 is exact).
-void minisgl_argmax_bf16(const bf16_t* x, int64_t* indices, int64_t rows, int64_t cols,
-                         int nthreads) {
+// indices[r] = the first column of row r of x [rows, cols] (dtype code: float32 or bf16)
+// holding its largest value, or its first NaN (as torch.max(dim=-1) picks): greedy sampling
+// straight from the logits, bf16 ones widened exactly to float32 as they are read.
+void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols, int dtype,
+                    int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const bf16_t* row = x + r * cols;
+        const int64_t base = r * cols;
         int64_t c = 0, best = 0;
-        float best_value = bf16_to_f32(row[0]);
+        float best_value;
+        load_row(x, base, dtype, &best_value, 1);
 #ifdef __AVX512F__
         if (cols >= 16) {
             // Per lane: the largest value so far and its first column; a NaN stops the scan.
-            __m512 lane_max = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)row));
+            __m512 lane_max = load16(x, base, dtype);
             __m512i lane_at =
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
             __m512i at = lane_at;
@@ -1711,7 +1876,7 @@ void minisgl_argmax_bf16(const bf16_t* x, int64_t* indices, int64_t rows, int64_
             int nan = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q) != 0;
             for (c = 16; c + 16 <= cols && !nan; c += 16) {
                 at = _mm512_add_epi32(at, step);
-                const __m512 v = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(row + c)));
+                const __m512 v = load16(x, base + c, dtype);
                 const __mmask16 higher = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
                 lane_max = _mm512_mask_mov_ps(lane_max, higher, v);
                 lane_at = _mm512_mask_mov_epi32(lane_at, higher, at);
@@ -1733,7 +1898,8 @@ void minisgl_argmax_bf16(const bf16_t* x, int64_t* indices, int64_t rows, int64_
         }
 #endif
         for (; c < cols; c++) {
-            const float v = bf16_to_f32(row[c]);
+            float v;
+            load_row(x, base + c, dtype, &v, 1);
             if (v != v) {
                 best = c;
                 break;
@@ -1847,13 +2013,13 @@ void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const voi
 // A whole decoder layer for a decode batch (one token per request) in one call, built from the
 // kernels above in the order the PyTorch modules run them, so the result is the same bit for
 // bit: at batch 1 the layer is ~10 short kernels, and Python's cost between them was as large
-// as the weights' read time. Projections take the GEMV up to gemv_max_rows tokens, the AMX
-// tiles above (as layers/linear.py's CpuProjection picks).
+// as the weights' read time. Projections take the GEMV up to gemv_max_rows tokens, the packed
+// matmul above (tiles or vdpbf16ps, as layers/linear.py's CpuProjection picks).
 
 typedef struct {
     const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
     const bf16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
-    const bf16_t *qkv_t, *o_t, *gate_up_t, *down_t;  // AMX tile layouts, or NULL
+    const bf16_t *qkv_t, *o_t, *gate_up_t, *down_t;  // packed (tile layout) copies, or NULL
     const bf16_t* gate_up_tb;  // gate_up's bias interleaved as gate_up_t is (gated), or NULL
     bf16_t *k_cache, *v_cache;  // this layer's pool: [slots, kv_heads, head_dim]
     int64_t window;             // 0: none
@@ -1866,13 +2032,14 @@ typedef struct {
     const int32_t* page_table;
     int64_t table_stride;
     int64_t gemv_max_rows;
+    int64_t use_tiles;  // the packed matmuls on the AMX tiles, else vdpbf16ps
 } decode_model;
 
 static void layer_matmul(const decode_model* m, const bf16_t* x, const bf16_t* w,
                          const bf16_t* tiles, const bf16_t* bias, bf16_t* y, int64_t tokens,
                          int64_t N, int64_t K, int nthreads) {
     if (tiles && tokens > m->gemv_max_rows)
-        minisgl_amx_linear(x, tiles, bias, y, tokens, N, K, nthreads);
+        minisgl_packed_linear(x, tiles, bias, y, tokens, N, K, 0, (int)m->use_tiles, nthreads);
     else
         minisgl_gemv_bf16(x, w, bias, y, tokens, N, K, nthreads);
 }
@@ -1947,8 +2114,8 @@ void minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
     if (L->gate_up_t && tokens > m->gemv_max_rows) {
-        minisgl_amx_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens, m->inter,
-                               hidden, nthreads);
+        minisgl_packed_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens, m->inter,
+                                  hidden, (int)m->use_tiles, nthreads);
     } else {
         layer_matmul(m, s.normed, L->gate_up_w, NULL, L->gate_up_b, s.gate_up, tokens,
                      2 * m->inter, hidden, nthreads);
