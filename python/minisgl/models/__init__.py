@@ -48,9 +48,9 @@ def create_model(
 
 
 def _gather_weights_on_huge_pages(model: CausalLM) -> None:
-    """Every parameter and every AMX tile copy into one buffer on huge pages, one at a time (each
-    original freed as its copy lands); before the first forward, which is when the fused decode
-    layer takes raw pointers."""
+    """Every parameter and every tile-layout packed copy into one buffer on huge pages, one at a
+    time (each original freed as its copy lands); before the first forward, which is when the
+    fused decode layer takes raw pointers."""
     params = [p for p in model.parameters() if p.numel() > 0]
     projections = [
         m.cpu_projection

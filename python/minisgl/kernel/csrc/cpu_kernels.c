@@ -212,10 +212,11 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
     for (int64_t n = full_blocks * 4; n < N; n++) gemv_row_generic(x, w, bias, y, M, N, K, n);
 }
 
-// --------------------------------------------------------------------------- AMX matmul
-// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with the AMX tile unit, for the row counts
-// between the GEMV and prefill (5 to ~1,000): oneDNN's bf16 matmul there does not overlap
-// streaming the weights with the tile math. The weight is packed once into the tile layout
+// ------------------------------------------------------------------------ packed matmul
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for every row count above the GEMV's, with the
+// AMX tile unit where the CPU has it (oneDNN's bf16 matmul does not overlap streaming the
+// weights with the tile math), else with vdpbf16ps on the same layout (vec_rows). The weight
+// is packed once into the tile layout
 // (zero-padded to whole 32 x 32 blocks): for each block of 32 output columns, for each 32-wide
 // step of k, two 16-column tiles of 16 k-pairs ("VNNI": w[n][k], w[n][k+1] adjacent), 2 KB
 // read in order. Each 32 x 32 block of the result lives in four accumulator tiles
@@ -225,10 +226,7 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
 #define AMX_NBLOCK 32
 #define AMX_MGROUP 64        // rows per task: a task's weight block is reused from cache
 #define AMX_PREFETCH_STEPS 4  // k-steps ahead the weight tiles are prefetched
-#define VEC_MAX_ROWS 6
-#ifndef VEC_KCHUNK
-#define VEC_KCHUNK 1000
-#endif
+#define VEC_ROWS 6            // x rows per register block without tiles (vec_rows)
 
 int minisgl_has_amx(void) {
 #ifdef HAVE_AMX
@@ -366,17 +364,19 @@ static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bia
 
 // The tile layout read with vdpbf16ps, where there are no tiles: row p of a k-step's tile (16
 // columns' k-pairs 2p, 2p + 1) is one vector, each x row's pair broadcast against it. ROWS rows
-// of x (from a, stride ldx) times BLOCKS adjacent 32-column blocks, accumulated over every
-// k-step in registers; block j's sums go to left[j] (columns 0-15) and right[j] (16-31).
+// of x (from a, stride ldx) times BLOCKS adjacent 32-column blocks, summed over every k-step
+// in registers (6 x 4 vectors: 4 weight loads and 6 broadcasts feed 24 dot products); block
+// j's sums go to part[j][0] (columns 0-15) and part[j][1] (16-31) at row r0. ahead: the next
+// two blocks, fetched 4 lines a step (their whole size over the pass), or NULL.
 static inline __attribute__((always_inline)) void vec_rows(
-    const bf16_t* a, int64_t ldx, const bf16_t* wblock, int64_t block_elems, int64_t kb0,
-    int64_t kb1, float (*part)[2][AMX_MGROUP][16], int64_t r0, const char* ahead, const int ROWS,
+    const bf16_t* a, int64_t ldx, const bf16_t* wblock, int64_t ksteps,
+    float (*part)[2][AMX_MGROUP][16], int64_t r0, const char* ahead, const int ROWS,
     const int BLOCKS) {
-    __m512 acc[VEC_MAX_ROWS][4];
+    const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
+    __m512 acc[VEC_ROWS][4];
     for (int r = 0; r < ROWS; r++)
-        for (int c = 0; c < 2 * BLOCKS; c++)
-            acc[r][c] = kb0 ? _mm512_load_ps(part[c / 2][c % 2][r0 + r]) : _mm512_setzero_ps();
-    for (int64_t kb = kb0; kb < kb1; kb++) {
+        for (int c = 0; c < 2 * BLOCKS; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < ksteps; kb++) {
         const bf16_t* b = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
         const bf16_t* xk = a + kb * AMX_KSTEP;
         for (int p = 0; p < 16; p++) {
@@ -399,36 +399,34 @@ static inline __attribute__((always_inline)) void vec_rows(
         for (int c = 0; c < 2 * BLOCKS; c++) _mm512_store_ps(part[c / 2][c % 2][r0 + r], acc[r][c]);
 }
 
+// amx_task without tiles: rows [m0, m1) (at most AMX_MGROUP) of x times `blocks` (1 or 2)
+// adjacent column blocks from n0, VEC_ROWS rows at a time; the first pass fetches `ahead`.
 static void vec_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
                      void* y, int64_t M, int64_t N, int64_t ksteps, int64_t m0, int64_t m1,
                      int64_t n0, int epilogue, int blocks, const char* ahead) {
     float part[2][2][AMX_MGROUP][16] __attribute__((aligned(64)));
-    const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
     if (m1 > M) m1 = M;
-    for (int64_t kb0 = 0; kb0 < ksteps; kb0 += VEC_KCHUNK) {
-        const int64_t kb1 = kb0 + VEC_KCHUNK < ksteps ? kb0 + VEC_KCHUNK : ksteps;
-        for (int64_t m = m0; m < m1; m += VEC_MAX_ROWS) {
-            const int64_t rows = m1 - m < VEC_MAX_ROWS ? m1 - m : VEC_MAX_ROWS;
-            const bf16_t* a = x + m * ldx;
-            const char* ahead_m = m == m0 ? ahead : NULL;
-#define VEC_CASE(n)                                                                        \
-    case n:                                                                                \
-        if (blocks == 2)                                                                   \
-            vec_rows(a, ldx, wblock, block_elems, kb0, kb1, part, m - m0, ahead_m, n, 2);  \
-        else                                                                               \
-            vec_rows(a, ldx, wblock, block_elems, kb0, kb1, part, m - m0, ahead_m, n, 1);  \
+    for (int64_t m = m0; m < m1; m += VEC_ROWS) {
+        const int64_t rows = m1 - m < VEC_ROWS ? m1 - m : VEC_ROWS;
+        const bf16_t* a = x + m * ldx;
+        const char* fetch = m == m0 ? ahead : NULL;
+#define VEC_CASE(n)                                                              \
+    case n:                                                                      \
+        if (blocks == 2)                                                         \
+            vec_rows(a, ldx, wblock, ksteps, part, m - m0, fetch, n, 2);         \
+        else                                                                     \
+            vec_rows(a, ldx, wblock, ksteps, part, m - m0, fetch, n, 1);         \
         break;
-            switch (rows) {
-                VEC_CASE(6)
-                VEC_CASE(5)
-                VEC_CASE(4)
-                VEC_CASE(3)
-                VEC_CASE(2)
-                default:
-                VEC_CASE(1)
-            }
-#undef VEC_CASE
+        switch (rows) {
+            VEC_CASE(6)
+            VEC_CASE(5)
+            VEC_CASE(4)
+            VEC_CASE(3)
+            VEC_CASE(2)
+            default:
+            VEC_CASE(1)
         }
+#undef VEC_CASE
     }
     for (int j = 0; j < blocks; j++) {
         const int64_t col = n0 + 32 * j;
@@ -793,8 +791,11 @@ typedef struct {
     int64_t count;
 } attn_lookahead;
 
-static inline __attribute__((always_inline)) void prefetch_head(const void* cache, int64_t row_elems, int64_t head_offset,
-                                 int64_t bytes_per_elem, int64_t head_bytes, int32_t slot) {
+static inline __attribute__((always_inline)) void prefetch_head(const void* cache,
+                                                               int64_t row_elems,
+                                                               int64_t head_offset,
+                                                               int64_t bytes_per_elem,
+                                                               int64_t head_bytes, int32_t slot) {
     const char* row = (const char*)cache + (slot * row_elems + head_offset) * bytes_per_elem;
     for (int64_t line = 0; line < head_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
 }
