@@ -590,8 +590,9 @@ static inline void packed_task(int use_tiles, const bf16_t* x, int64_t ldx, cons
 }
 #endif
 
-static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
-                       int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles, int nthreads) {
+static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                          int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles,
+                          int nthreads) {
 #ifdef HAVE_AVX512_BF16
 #ifndef HAVE_AMX
     use_tiles = 0;
@@ -698,8 +699,8 @@ static void amx_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
 void minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
                            int64_t M, int64_t N, int64_t K, int out_f32, int use_tiles,
                            int nthreads) {
-    amx_matmul(x, packed, bias, y, M, N, K, out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16, use_tiles,
-               nthreads);
+    packed_matmul(x, packed, bias, y, M, N, K, out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16,
+                  use_tiles, nthreads);
 }
 
 // silu(gate) * up straight from a gate_up weight packed with its gate and up rows interleaved
@@ -707,7 +708,7 @@ void minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* 
 void minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
                                bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
                                int nthreads) {
-    amx_matmul(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, use_tiles, nthreads);
+    packed_matmul(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, use_tiles, nthreads);
 }
 
 // --------------------------------------------------------------------- paged decode attention
