@@ -227,6 +227,11 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
 #define AMX_MGROUP 64        // rows per task: a task's weight block is reused from cache
 #define AMX_PREFETCH_STEPS 4  // k-steps ahead the weight tiles are prefetched
 #define VEC_ROWS 6            // x rows per register block without tiles (vec_rows)
+// What the packed matmul writes: bf16 rows of y, silu(gate) * up (bf16) from a gate_up weight
+// packed with its gate and up rows interleaved in 16s, or float32 rows (logits, unrounded).
+#define EPILOGUE_BF16 0
+#define EPILOGUE_GATED 1
+#define EPILOGUE_F32 2
 
 int minisgl_has_amx(void) {
 #ifdef HAVE_AMX
@@ -309,12 +314,6 @@ static inline void amx_store_gated(const float (*gate)[16], const float (*up)[16
                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
     }
 }
-
-// What the packed matmul writes: bf16 rows of y, silu(gate) * up (bf16) from a gate_up weight
-// packed with its gate and up rows interleaved in 16s, or float32 rows (logits, unrounded).
-#define EPILOGUE_BF16 0
-#define EPILOGUE_GATED 1
-#define EPILOGUE_F32 2
 
 // Float32 rows: left/right tiles + bias straight to 32 columns of y [M, N] from n0.
 static inline void store_f32(const float (*left)[16], const float (*right)[16],
