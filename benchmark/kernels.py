@@ -285,9 +285,8 @@ def main() -> None:
         weights = [
             torch.randn(n, k, dtype=BF16) * 0.02 for _ in range(args.layers) for n, k in shapes
         ]
-        packed_or_none = [onednn_pack(w) for w in weights]
-        packed = [p for p in packed_or_none if p is not None]
-        packed = packed if len(packed) == len(weights) else None
+        onednn = [onednn_pack(w) for w in weights]
+        packed = None if any(p is None for p in onednn) else [p for p in onednn if p is not None]
         rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
         if packed is not None:
             rows += [packed_case(kernels, weights, packed, n) for n in (16, 32, 64, 256, 2048)]

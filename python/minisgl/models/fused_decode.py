@@ -65,7 +65,7 @@ class FusedDecode:
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         gemv_max_rows = min(_projection(m).gemv_max_rows for m in linears)
         with_tiles = all(_tiles(m) is not None for m in linears)
-        # Rows past the GEMV's need every projection's AMX tiles.
+        # Rows past the GEMV's need every projection's packed (tile-layout) copy.
         self.max_tokens = TILES_MAX_TOKENS if with_tiles else gemv_max_rows
         self.model_params = DecodeModelParams(
             hidden=config.hidden_size,

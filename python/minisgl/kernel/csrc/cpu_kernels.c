@@ -574,21 +574,6 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
 #define AMX_PANEL_MIN_ROWS 256
 #define AMX_PANEL_BYTES (1 << 20)
 #define AMX_PANEL_ROWS 64
-#ifdef HAVE_AVX512_BF16
-// One task of the small-row path on the tiles or with vdpbf16ps.
-static inline void packed_task(int use_tiles, const bf16_t* x, int64_t ldx, const bf16_t* wblock,
-                               const bf16_t* bias, void* y, int64_t M, int64_t N,
-                               int64_t ksteps, int64_t m0, int64_t m1, int64_t n0, int epilogue) {
-#ifdef HAVE_AMX
-    if (use_tiles) {
-        amx_task(x, ldx, wblock, bias, y, M, N, ksteps, m0, m1, n0, epilogue);
-        return;
-    }
-#endif
-    vec_task(x, ldx, wblock, bias, y, M, N, ksteps, m0, m1, n0, epilogue, 1, NULL);
-}
-#endif
-
 static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
                           int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles,
                           int nthreads) {
@@ -654,6 +639,8 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
     }
 #endif
     if (!use_tiles) {
+        // A task is a pair of column blocks (and up to AMX_MGROUP rows); a thread's tasks are
+        // consecutive, so each fetches the next pair's weights while it computes.
         const int64_t pairs = (nblocks + 1) / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t task = 0; task < pairs * mgroups; task++) {
@@ -665,27 +652,25 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
             vec_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
                      nb * AMX_NBLOCK, epilogue, nb + 1 < nblocks ? 2 : 1, ahead);
         }
-        free(xpad);
-        return;
     }
+#ifdef HAVE_AMX
+    else {
 #pragma omp parallel num_threads(nthreads)
-    {
-#ifdef HAVE_AMX
-        if (use_tiles) amx_configure();
-#endif
-        // Consecutive tasks share a column block, so a thread's later row groups find its
-        // weights in cache.
+        {
+            amx_configure();
+            // Consecutive tasks share a column block, so a thread's later row groups find its
+            // weights in cache.
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < nblocks * mgroups; task++) {
-            int64_t nb = task / mgroups, g = task % mgroups;
-            int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
-            packed_task(use_tiles, a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0,
-                        m1, nb * AMX_NBLOCK, epilogue);
+            for (int64_t task = 0; task < nblocks * mgroups; task++) {
+                int64_t nb = task / mgroups, g = task % mgroups;
+                int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
+                amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
+                         nb * AMX_NBLOCK, epilogue);
+            }
+            _tile_release();
         }
-#ifdef HAVE_AMX
-        if (use_tiles) _tile_release();
-#endif
     }
+#endif
     free(xpad);
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)epilogue;
