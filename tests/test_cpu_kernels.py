@@ -18,6 +18,7 @@ from helpers import (
 
 from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_mod
+from minisgl.layers.embedding import LMHead
 from minisgl.layers.linear import AMX_GEMV_MAX_ROWS, GEMV_MAX_ROWS, CpuProjection
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import _rotate
@@ -115,6 +116,30 @@ def test_mid_sized_bf16_projection_matches_float_matmul(
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     want = x.float() @ weight.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
+
+
+@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
+@pytest.mark.parametrize("matmul_kernels", PRODUCT_PATHS)
+def test_output_head_writes_float_logits_into_its_reused_buffer(matmul_kernels):
+    """reuse_output: the float32 logits land in one buffer (the engine samples them before the
+    next step), equal to a fresh call's; plain calls return tensors of their own."""
+    gen = torch.Generator().manual_seed(5)
+    head = LMHead(300, 96, tied=None)
+    head.weight.data = torch.randn(300, 96, generator=gen).bfloat16()
+    head.prepare_for_cpu(matmul_kernels)
+    x = torch.randn(7, 96, generator=gen).bfloat16()
+    fresh = head(x)
+    first = head(x, reuse_output=True)
+    assert first.dtype == torch.float32 and torch.equal(first, fresh)
+    want = x.float() @ head.weight.float().T
+    torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-5)
+    second = head(x[:3], reuse_output=True)  # fewer rows: the same buffer
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, fresh[:3])
+    assert head(x).data_ptr() != first.data_ptr()
+    with pytest.raises(ValueError, match="out must be"):
+        matmul_kernels.packed_linear(
+            x, head.cpu_projection.tiles, 300, None, True, torch.empty(7, 299)
+        )
 
 
 @pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")

@@ -40,7 +40,8 @@ class ForwardInput:
 class ForwardOutput:
     next_tokens: torch.Tensor  # on device
     next_tokens_cpu: torch.Tensor
-    logits: torch.Tensor  # [sampled requests, vocab] (see CausalLM), before sampling
+    # [sampled requests, vocab] (see CausalLM), before sampling; valid until the next forward.
+    logits: torch.Tensor
     copy_done: torch.cuda.Event | None = None
 
     def wait(self) -> ForwardOutput:
@@ -139,7 +140,10 @@ class Engine:
         try:
             assert batch.positions is not None
             batch.input_ids = self.token_pool[forward_input.input_rows, batch.positions]
-            logits = self.model(batch.input_ids, batch.positions, batch.logits_indices)
+            # Sampled below, before the next step can run: its buffer may be reused.
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.logits_indices, reuse_logits=True
+            )
         finally:
             self.ctx.set_batch(None)
         next_tokens = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)

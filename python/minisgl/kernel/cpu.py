@@ -208,12 +208,20 @@ class CpuKernels:
         out_features: int,
         bias: torch.Tensor | None,
         float_out: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [M, K] @ W^T (+ bias), W packed by `pack_weight`; bfloat16 in, bfloat16 out (float32
-        with float_out: the sums unrounded). On the AMX tiles where the CPU has them, else with
-        vdpbf16ps."""
+        with float_out: the sums unrounded), into `out` when given. On the AMX tiles where the
+        CPU has them, else with vdpbf16ps."""
         rows, in_features = x.shape
-        out = x.new_empty(rows, out_features, dtype=torch.float32 if float_out else x.dtype)
+        dtype = torch.float32 if float_out else x.dtype
+        if out is None:
+            out = x.new_empty(rows, out_features, dtype=dtype)
+        elif out.shape != (rows, out_features) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous {dtype} tensor of shape {(rows, out_features)}, got "
+                f"{out.dtype} {tuple(out.shape)}"
+            )
         self.lib.minisgl_packed_linear(
             x.data_ptr(),
             packed.data_ptr(),

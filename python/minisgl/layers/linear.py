@@ -99,8 +99,14 @@ class CpuProjection:
         return self.kernels is not None or self.packed is None
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x @ weight^T (+ bias); `out` [rows, out_features] takes the result where the C packed
+        matmul computes it (else a new tensor is returned)."""
         rows = x.shape[0] if x.dim() == 2 else -1
         if self.kernels is not None and 0 <= rows <= self.gemv_max_rows:
             return self.kernels.gemv_bf16(x.contiguous(), weight, bias)
@@ -108,7 +114,7 @@ class CpuProjection:
             return F.linear(x, weight, bias)
         if self.kernels is not None and self.packed is not None and rows >= 0:
             return self.kernels.packed_linear(
-                x.contiguous(), self.packed, self.out_features, bias, self.float_out
+                x.contiguous(), self.packed, self.out_features, bias, self.float_out, out
             )
         if (
             self.packed is not None

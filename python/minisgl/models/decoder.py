@@ -127,8 +127,11 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_indices: torch.Tensor | None = None,
+        reuse_logits: bool = False,
     ) -> torch.Tensor:
+        """reuse_logits: the logits may live in a buffer the next such call overwrites (see
+        LMHead.forward)."""
         hidden = self.model(input_ids, positions)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, reuse_logits)
