@@ -498,27 +498,75 @@ def test_prefill_attention_matches_float_reference(
 
 
 @pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
-def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
-    """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention in the
-    C kernel against the torch backend's SDPA on the same q/k/v and pool."""
-    from minisgl.attention.cpu_backend import CpuAttnBackend, CpuPrefillMetadata
-    from minisgl.attention.torch_backend import TorchAttnBackend
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3"])  # without and with q/k norms
+def test_prefill_attention_block_equals_the_module_path(arch, monkeypatch):
+    """The prefill attention block (one C call) runs the module path's kernels per row: the
+    prefill logits are the same bit for bit, chunked and batched."""
+    from minisgl.layers.attention import AttentionLayer
 
-    cached_seen: list[int] = []
-    in_kernel = CpuAttnBackend.forward
+    calls = []
+    block = AttentionLayer._prefill_block
 
-    def forward(self, q, k, v, layer_id, batch):
-        out = in_kernel(self, q, k, v, layer_id, batch)
-        meta = batch.attn_metadata
-        if isinstance(meta, CpuPrefillMetadata):
-            TorchAttnBackend.prepare_metadata(self, batch)
-            want = TorchAttnBackend.forward(self, q, k, v, layer_id, batch)
-            batch.attn_metadata = meta
-            torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
-            cached_seen.append(int(meta.cached_lens.max()))
+    def counting_block(self, ctx, qkv, rope):
+        out = block(self, ctx, qkv, rope)
+        calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(CpuAttnBackend, "forward", forward)
+    def prefill_logits(in_block: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(
+            AttentionLayer,
+            "_prefill_block",
+            counting_block if in_block else (lambda self, ctx, qkv, rope: None),
+        )
+        llm = build_llm(arch, dtype=torch.bfloat16, cache_type="naive", max_prefill_length=32)
+        logits = spy_logits(llm, "prefill")
+        llm.generate(MIXED_PROMPTS, greedy(1))
+        assert_all_pages_free(llm)
+        llm.shutdown()
+        return logits
+
+    with_block, without = prefill_logits(True), prefill_logits(False)
+    assert calls and all(calls)
+    assert len(with_block) == len(without)
+    for got, want in zip(with_block, without):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
+def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
+    """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention block
+    (norms, rotary, KV store and the C kernel in one call) against the torch backend's SDPA on
+    the q/k/v it prepared and the same pool."""
+    from minisgl.attention.cpu_backend import CpuPrefillMetadata
+    from minisgl.attention.torch_backend import TorchAttnBackend
+    from minisgl.core import get_global_ctx
+    from minisgl.layers.attention import AttentionLayer
+
+    cached_seen: list[int] = []
+    in_kernel = AttentionLayer._prefill_block
+
+    def prefill_block(self, ctx, qkv, rope):
+        out = in_kernel(self, ctx, qkv, rope)
+        if out is None:  # e.g. a cascade over a shared prefix
+            return out
+        batch, backend = ctx.batch, get_global_ctx().attn_backend
+        meta = batch.attn_metadata
+        assert isinstance(meta, CpuPrefillMetadata)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)  # the projection, left as it was
+        q = q.reshape(-1, self.num_qo_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q, k = self.rotary(rope, q, k)
+        TorchAttnBackend.prepare_metadata(backend, batch)
+        want = TorchAttnBackend.forward(backend, q, k, v, self.layer_id, batch)
+        batch.attn_metadata = meta
+        torch.testing.assert_close(out.float(), want.float().flatten(1), atol=2e-2, rtol=2e-2)
+        cached_seen.append(int(meta.cached_lens.max()))
+        return out
+
+    monkeypatch.setattr(AttentionLayer, "_prefill_block", prefill_block)
     llm = build_llm(
         "smollm2", dtype=torch.bfloat16, cache_type="radix", page_size=4, max_prefill_length=16
     )

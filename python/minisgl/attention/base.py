@@ -27,6 +27,11 @@ class BaseAttnBackend(ABC):
         layer (its attention reads the pool in place through the page table), else None."""
         return None
 
+    def prefill_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(page-table rows, cached lens, extend lens) when this prefill batch's attention may
+        run inside the C prefill attention block (bf16 pool read in place), else None."""
+        return None
+
     def cascade_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """As paged_decode_args, for a decode batch whose requests share a cached prefix: the
         kernel reads each request's own positions and continues from shared_prefix_state."""

@@ -119,6 +119,12 @@ class CpuAttnBackend(TorchAttnBackend):
             return meta.rows, meta.kv_lens
         return None
 
+    def prefill_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        meta = batch.attn_metadata
+        if isinstance(meta, CpuPrefillMetadata):
+            return meta.rows, meta.cached_lens, meta.extend_lens
+        return None
+
     def cascade_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = batch.attn_metadata
         if batch.is_decode and isinstance(meta, CpuPagedMetadata) and meta.shared_slots is not None:

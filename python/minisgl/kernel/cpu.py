@@ -55,6 +55,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
     + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _float, _i64, _int, _int],
+    "minisgl_prefill_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
+    + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float]
+    + [_i64, _int, _int],
     "minisgl_decode_layer_scratch": [_ptr, _i64],
     "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
@@ -70,6 +73,7 @@ _SIGNATURES: dict[str, list[type]] = {
 _RESTYPES = {
     "minisgl_shared_prefix_attention": _int,
     "minisgl_prefill_attention": _int,
+    "minisgl_prefill_attention_block": _int,
     "minisgl_decode_layer_scratch": _i64,
     "minisgl_decode_layer_q_offset": _i64,
     "minisgl_packed_elems": _i64,
@@ -481,8 +485,8 @@ class CpuKernels:
         num_heads: int,
         window: int | None,
     ) -> torch.Tensor:
-        """Decode attention from the fused qkv projection [tokens, q | k | v] (rotated in
-        place): q/k norms (weights, eps), rotary, KV store at out_loc, paged attention.
+        """Decode attention from the fused qkv projection [tokens, q | k | v] (left as it is):
+        q/k norms (weights, eps), rotary, KV store at out_loc, paged attention.
         Returns [tokens, num_heads * head_dim]."""
         tokens = qkv.shape[0]
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
@@ -516,6 +520,64 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def prefill_attention_block(
+        self,
+        qkv: torch.Tensor,
+        qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_loc: torch.Tensor,
+        positions: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        page_table: torch.Tensor,
+        prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        num_heads: int,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Prefill attention from the fused bf16 qkv projection [tokens, q | k | v], as
+        decode_attention_block; prefill: (page-table rows, cached lens, extend lens) per request
+        as `prefill_attention` takes them. Returns [tokens, num_heads * head_dim], or None when
+        the attention could not run (out of memory)."""
+        tokens = qkv.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        assert qkv.dtype == k_cache.dtype == torch.bfloat16 and qkv.is_contiguous()
+        assert page_table.dtype == torch.int32 and page_table.is_contiguous()
+        rows, cached_lens, extend_lens = (t.to(torch.int64).contiguous() for t in prefill)
+        out_loc, positions = out_loc.to(torch.int64).contiguous(), positions.contiguous()
+        assert positions.dtype == torch.int64
+        q_buf = qkv.new_empty(tokens, num_heads * head_dim)
+        out = torch.empty_like(q_buf)
+        q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
+        done = self.lib.minisgl_prefill_attention_block(
+            qkv.data_ptr(),
+            q_buf.data_ptr(),
+            out.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            eps,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out_loc.data_ptr(),
+            positions.data_ptr(),
+            rope_tables[0].data_ptr(),
+            rope_tables[1].data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            rows.data_ptr(),
+            cached_lens.data_ptr(),
+            extend_lens.data_ptr(),
+            len(rows),
+            tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            1.0 / math.sqrt(head_dim),
+            window or 0,
+            int(self.has_amx),
+            torch.get_num_threads(),
+        )
+        return out if done else None
 
     def decode_layer_scratch(self, model: DecodeModelParams, tokens: int) -> int:
         return self.lib.minisgl_decode_layer_scratch(ctypes.byref(model), tokens)

@@ -39,8 +39,9 @@ class AttentionLayer(nn.Module):
         ctx = get_global_ctx()
         batch = ctx.batch
         assert ctx.attn_backend is not None
-        if rope.kernels is not None and batch.is_decode:
-            fused = self._decode_block(ctx, qkv, rope)
+        if rope.kernels is not None:
+            block = self._decode_block if batch.is_decode else self._prefill_block
+            fused = block(ctx, qkv, rope)
             if fused is not None:
                 return fused
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -53,6 +54,35 @@ class AttentionLayer(nn.Module):
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
         return out.reshape(-1, self.num_qo_heads * self.head_dim)
 
+    def _qk_norms(self) -> tuple[Tensor, Tensor, float] | None:
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
+    def _prefill_block(self, ctx: Context, qkv: Tensor, rope: RotaryInputs) -> Tensor | None:
+        """Norms, rotary, KV store and the blocked prefill attention in one C call, where the
+        backend runs this batch in the kernel (bf16); None: take the module path."""
+        assert ctx.attn_backend is not None and ctx.kv_cache is not None
+        prefill = ctx.attn_backend.prefill_args(ctx.batch)
+        if prefill is None or ctx.batch.out_loc is None or ctx.page_table is None:
+            return None
+        if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous():
+            return None
+        assert rope.kernels is not None
+        return rope.kernels.prefill_attention_block(
+            qkv,
+            self._qk_norms(),
+            ctx.kv_cache.k_cache(self.layer_id),
+            ctx.kv_cache.v_cache(self.layer_id),
+            ctx.batch.out_loc,
+            rope.positions,
+            (self.rotary.cos, self.rotary.sin),
+            ctx.page_table,
+            prefill,
+            self.num_qo_heads,
+            self.sliding_window,
+        )
+
     def _decode_block(self, ctx: Context, qkv: torch.Tensor, rope: RotaryInputs) -> Tensor | None:
         """Norms, rotary, KV store and paged attention in one C call, when the backend reads
         the pool in place for this batch; same kernels, same results as the steps above."""
@@ -63,12 +93,9 @@ class AttentionLayer(nn.Module):
         if self.num_qo_heads // self.num_kv_heads > MAX_GROUP or not qkv.is_contiguous():
             return None
         assert rope.kernels is not None
-        qk_norms = None
-        if self.q_norm is not None and self.k_norm is not None:
-            qk_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return rope.kernels.decode_attention_block(
             qkv,
-            qk_norms,
+            self._qk_norms(),
             ctx.kv_cache.k_cache(self.layer_id),
             ctx.kv_cache.v_cache(self.layer_id),
             ctx.batch.out_loc,

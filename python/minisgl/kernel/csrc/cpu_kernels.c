@@ -1779,38 +1779,42 @@ static void add_rms_norm_bf16_row(const bf16_t* x, const bf16_t* residual, const
 // then weight * round(h * rsqrt(mean(h^2) + eps)) with the statistics in float32. Writes the
 // normalised rows to `out` and h to `residual_out` (either may alias its input).
 
-void minisgl_add_rms_norm(const void* x, const void* residual, const void* weight, void* out,
-                          void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
-                          int nthreads) {
+// Row r of minisgl_add_rms_norm.
+static void add_rms_norm_row(const void* x, const void* residual, const void* weight, void* out,
+                             void* residual_out, int64_t r, int64_t hidden, float eps,
+                             int dtype) {
 #ifdef __AVX512F__
     if (dtype == 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            add_rms_norm_bf16_row((const bf16_t*)x + r * hidden,
-                                  residual ? (const bf16_t*)residual + r * hidden : NULL,
-                                  (const bf16_t*)weight, (bf16_t*)out + r * hidden,
-                                  residual_out ? (bf16_t*)residual_out + r * hidden : NULL, hidden,
-                                  eps);
+        add_rms_norm_bf16_row((const bf16_t*)x + r * hidden,
+                              residual ? (const bf16_t*)residual + r * hidden : NULL,
+                              (const bf16_t*)weight, (bf16_t*)out + r * hidden,
+                              residual_out ? (bf16_t*)residual_out + r * hidden : NULL, hidden,
+                              eps);
         return;
     }
 #endif
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float h[8192], wf[8192];
-        load_row(x, r * hidden, dtype, h, hidden);
-        if (residual) {
-            float res[8192];
-            load_row(residual, r * hidden, dtype, res, hidden);
-            for (int64_t i = 0; i < hidden; i++) h[i] = round_to(dtype, h[i] + res[i]);
-            if (residual_out) store_row(residual_out, r * hidden, dtype, h, hidden);
-        }
-        float sum_sq = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) sum_sq += h[i] * h[i];
-        float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
-        load_row(weight, 0, dtype, wf, hidden);
-        for (int64_t i = 0; i < hidden; i++) h[i] = wf[i] * round_to(dtype, h[i] * inv_rms);
-        store_row(out, r * hidden, dtype, h, hidden);
+    float h[8192], wf[8192];
+    load_row(x, r * hidden, dtype, h, hidden);
+    if (residual) {
+        float res[8192];
+        load_row(residual, r * hidden, dtype, res, hidden);
+        for (int64_t i = 0; i < hidden; i++) h[i] = round_to(dtype, h[i] + res[i]);
+        if (residual_out) store_row(residual_out, r * hidden, dtype, h, hidden);
     }
+    float sum_sq = 0.0f;
+    for (int64_t i = 0; i < hidden; i++) sum_sq += h[i] * h[i];
+    float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+    load_row(weight, 0, dtype, wf, hidden);
+    for (int64_t i = 0; i < hidden; i++) h[i] = wf[i] * round_to(dtype, h[i] * inv_rms);
+    store_row(out, r * hidden, dtype, h, hidden);
+}
+
+void minisgl_add_rms_norm(const void* x, const void* residual, const void* weight, void* out,
+                          void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
+                          int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(x, residual, weight, out, residual_out, r, hidden, eps, dtype);
 }
 
 #ifdef __AVX512F__
@@ -1910,57 +1914,66 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
 // with `token_stride` elements between tokens (q or k inside the fused qkv rows). cos/sin are
 // float32 [max_positions, dim] tables; as transformers does, they are rounded to the dtype and
 // every product and the sum are rounded too.
+// One token's heads of minisgl_rotary: x + base holds them dim apart; cos/sin its rows.
+static void rotary_token(void* x, int64_t base, int64_t heads, int64_t dim, const float* cos,
+                         const float* sin, int dtype) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++, base += dim) {
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= half; i += 16) {
+            __m512 x1 = load16(x, base + i, dtype), x2 = load16(x, base + half + i, dtype);
+            __m512 c1 = round_to_512(dtype, _mm512_loadu_ps(cos + i));
+            __m512 c2 = round_to_512(dtype, _mm512_loadu_ps(cos + half + i));
+            __m512 s1 = round_to_512(dtype, _mm512_loadu_ps(sin + i));
+            __m512 s2 = round_to_512(dtype, _mm512_loadu_ps(sin + half + i));
+            __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+            __m512 o1 = _mm512_add_ps(round_to_512(dtype, _mm512_mul_ps(x1, c1)),
+                                      round_to_512(dtype, _mm512_mul_ps(neg_x2, s1)));
+            __m512 o2 = _mm512_add_ps(round_to_512(dtype, _mm512_mul_ps(x2, c2)),
+                                      round_to_512(dtype, _mm512_mul_ps(x1, s2)));
+            store16(x, base + i, dtype, round_to_512(dtype, o1));
+            store16(x, base + half + i, dtype, round_to_512(dtype, o2));
+        }
+#endif
+        for (; i < half; i++) {
+            float pair[2];
+            load_row(x, base + i, dtype, &pair[0], 1);
+            load_row(x, base + half + i, dtype, &pair[1], 1);
+            float o1 = round_to(dtype, pair[0] * round_to(dtype, cos[i])) +
+                       round_to(dtype, -pair[1] * round_to(dtype, sin[i]));
+            float o2 = round_to(dtype, pair[1] * round_to(dtype, cos[half + i])) +
+                       round_to(dtype, pair[0] * round_to(dtype, sin[half + i]));
+            o1 = round_to(dtype, o1);
+            o2 = round_to(dtype, o2);
+            store_row(x, base + i, dtype, &o1, 1);
+            store_row(x, base + half + i, dtype, &o2, 1);
+        }
+    }
+}
+
+// Rotary embedding (neox layout: rotate halves), in place on x viewed as [tokens, heads, dim]
+// with `token_stride` elements between tokens (q or k inside the fused qkv rows). cos/sin are
+// float32 [max_positions, dim] tables; as transformers does, they are rounded to the dtype and
+// every product and the sum are rounded too.
 void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim,
                     const int64_t* positions, const float* cos_table, const float* sin_table,
                     int dtype, int nthreads) {
-    const int64_t half = dim / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens * heads > 64)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float* cos = cos_table + positions[t] * dim;
-        const float* sin = sin_table + positions[t] * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t base = t * token_stride + h * dim;
-            int64_t i = 0;
-#ifdef __AVX512F__
-            for (; i + 16 <= half; i += 16) {
-                __m512 x1 = load16(x, base + i, dtype), x2 = load16(x, base + half + i, dtype);
-                __m512 c1 = round_to_512(dtype, _mm512_loadu_ps(cos + i));
-                __m512 c2 = round_to_512(dtype, _mm512_loadu_ps(cos + half + i));
-                __m512 s1 = round_to_512(dtype, _mm512_loadu_ps(sin + i));
-                __m512 s2 = round_to_512(dtype, _mm512_loadu_ps(sin + half + i));
-                __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-                __m512 o1 = _mm512_add_ps(round_to_512(dtype, _mm512_mul_ps(x1, c1)),
-                                          round_to_512(dtype, _mm512_mul_ps(neg_x2, s1)));
-                __m512 o2 = _mm512_add_ps(round_to_512(dtype, _mm512_mul_ps(x2, c2)),
-                                          round_to_512(dtype, _mm512_mul_ps(x1, s2)));
-                store16(x, base + i, dtype, round_to_512(dtype, o1));
-                store16(x, base + half + i, dtype, round_to_512(dtype, o2));
-            }
-#endif
-            for (; i < half; i++) {
-                float pair[2];
-                load_row(x, base + i, dtype, &pair[0], 1);
-                load_row(x, base + half + i, dtype, &pair[1], 1);
-                float o1 = round_to(dtype, pair[0] * round_to(dtype, cos[i])) +
-                           round_to(dtype, -pair[1] * round_to(dtype, sin[i]));
-                float o2 = round_to(dtype, pair[1] * round_to(dtype, cos[half + i])) +
-                           round_to(dtype, pair[0] * round_to(dtype, sin[half + i]));
-                o1 = round_to(dtype, o1);
-                o2 = round_to(dtype, o2);
-                store_row(x, base + i, dtype, &o1, 1);
-                store_row(x, base + half + i, dtype, &o2, 1);
-            }
-        }
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        rotary_token(x, t * token_stride, heads, dim, cos_table + positions[t] * dim,
+                     sin_table + positions[t] * dim, dtype);
 }
 
 // ------------------------------------------------------------------ decode attention block
 // The attention half of a decode layer after the qkv projection, in one call: q/k RMSNorm (when
 // q_norm is set), rotary, the new keys/values into the pool at out_loc, paged attention.
-// qkv: [tokens, q | k | v] (modified in place); q_buf: [tokens, q_width] scratch;
-// out: [tokens, q_width].
-// Everything before the attention itself: norms, rotary, q into q_buf, new keys/values stored.
-static void attention_inputs(void* qkv, void* q_buf, const void* q_norm, const void* k_norm,
+// qkv: [tokens, q | k | v] (read only); q_buf: [tokens, q_width] scratch; out: [tokens, q_width].
+// Everything before the attention itself: q into q_buf and the new keys/values into the pool,
+// then the norms and rotary in place there, a token at a time (its rows are in L1): the same
+// per-row kernels as the module path's norm and rotary calls, so the same results bit for bit,
+// without writing the projection back (that traffic was a third of these inputs' time).
+static void attention_inputs(const void* qkv, void* q_buf, const void* q_norm, const void* k_norm,
                              float eps, void* k_cache, void* v_cache, const int64_t* out_loc,
                              const int64_t* positions, const float* cos, const float* sin,
                              int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
@@ -1968,29 +1981,28 @@ static void attention_inputs(void* qkv, void* q_buf, const void* q_norm, const v
     const int64_t q_width = num_heads * dim, kv_width = num_kv_heads * dim;
     const int64_t qkv_width = q_width + 2 * kv_width;
     const size_t elem = dtype == 0 ? 4 : 2;
-    char* base = (char*)qkv;
-    if (q_norm) {
-        for (int64_t t = 0; t < tokens; t++) {
-            char* row = base + t * qkv_width * elem;
-            minisgl_add_rms_norm(row, NULL, q_norm, row, NULL, num_heads, dim, eps, dtype, 1);
-            minisgl_add_rms_norm(row + q_width * elem, NULL, k_norm, row + q_width * elem, NULL,
-                                 num_kv_heads, dim, eps, dtype, 1);
-        }
-    }
-    minisgl_rotary(qkv, tokens, qkv_width, num_heads, dim, positions, cos, sin, dtype, nthreads);
-    minisgl_rotary(base + q_width * elem, tokens, qkv_width, num_kv_heads, dim, positions, cos,
-                   sin, dtype, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
-        const char* row = base + t * qkv_width * elem;
-        memcpy((char*)q_buf + t * q_width * elem, row, (size_t)q_width * elem);
-        memcpy((char*)k_cache + out_loc[t] * kv_width * elem, row + q_width * elem,
-               (size_t)kv_width * elem);
+        const char* row = (const char*)qkv + t * qkv_width * elem;
+        char* q = (char*)q_buf + t * q_width * elem;
+        char* k = (char*)k_cache + out_loc[t] * kv_width * elem;
+        memcpy(q, row, (size_t)q_width * elem);
+        memcpy(k, row + q_width * elem, (size_t)kv_width * elem);
         memcpy((char*)v_cache + out_loc[t] * kv_width * elem, row + (q_width + kv_width) * elem,
                (size_t)kv_width * elem);
+        if (q_norm) {
+            for (int64_t h = 0; h < num_heads; h++)
+                add_rms_norm_row(q, NULL, q_norm, q, NULL, h, dim, eps, dtype);
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                add_rms_norm_row(k, NULL, k_norm, k, NULL, h, dim, eps, dtype);
+        }
+        const float *cos_row = cos + positions[t] * dim, *sin_row = sin + positions[t] * dim;
+        rotary_token(q, 0, num_heads, dim, cos_row, sin_row, dtype);
+        rotary_token(k, 0, num_kv_heads, dim, cos_row, sin_row, dtype);
     }
 }
 
-void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const void* q_norm,
+void minisgl_decode_attention_block(const void* qkv, void* q_buf, void* out, const void* q_norm,
                                     const void* k_norm, float eps, void* k_cache, void* v_cache,
                                     const int64_t* out_loc, const int64_t* positions,
                                     const float* cos, const float* sin, const int32_t* page_table,
@@ -2003,6 +2015,26 @@ void minisgl_decode_attention_block(void* qkv, void* q_buf, void* out, const voi
     minisgl_decode_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
                              kv_lens, NULL, NULL, NULL, tokens, num_heads, num_kv_heads, dim,
                              scale, window, dtype, nthreads);
+}
+
+// The same for a prefill batch (bf16): inputs as above, then minisgl_prefill_attention over
+// the new tokens of each request (rows/cached_lens/extend_lens as it takes them). Returns its
+// result: 0 when the attention could not run (q_buf then holds the queries, the pool the new
+// keys and values, normed and rotated).
+int minisgl_prefill_attention_block(const void* qkv, bf16_t* q_buf, bf16_t* out, const void* q_norm,
+                                    const void* k_norm, float eps, bf16_t* k_cache,
+                                    bf16_t* v_cache, const int64_t* out_loc,
+                                    const int64_t* positions, const float* cos, const float* sin,
+                                    const int32_t* page_table, int64_t table_stride,
+                                    const int64_t* rows, const int64_t* cached_lens,
+                                    const int64_t* extend_lens, int64_t num_reqs, int64_t tokens,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                                    float scale, int64_t window, int use_tiles, int nthreads) {
+    attention_inputs(qkv, q_buf, q_norm, k_norm, eps, k_cache, v_cache, out_loc, positions, cos,
+                     sin, tokens, num_heads, num_kv_heads, dim, 1, nthreads);
+    return minisgl_prefill_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
+                                     cached_lens, extend_lens, num_reqs, num_heads, num_kv_heads,
+                                     dim, scale, window, use_tiles, nthreads);
 }
 
 // ------------------------------------------------------------------- fused decode layer (bf16)
