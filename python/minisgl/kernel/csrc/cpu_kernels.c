@@ -779,11 +779,14 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void* cach
 }
 
 // The block after the one being computed (the next request's first block after a request's
-// last): its rows are fetched into L2 a position at a time while this block's keys, then values,
-// are read, so memory keeps streaming through the whole computation and not only at block starts.
+// last): its rows are fetched into L2 while this block's keys, then values, are read, so memory
+// keeps streaming through the whole computation and not only at block starts.
 typedef struct {
     const int32_t* slots;  // the next block's slots, NULL when there is none
     int64_t count;
+    int64_t pass;   // which of the block's passes (one per kv head of the task) is running
+    int64_t parts;  // the task's kv heads: a row's part fetched per step
+    int64_t part0;  // the task's first kv head
 } attn_lookahead;
 
 static inline __attribute__((always_inline)) void prefetch_head(const void* cache,
@@ -793,6 +796,19 @@ static inline __attribute__((always_inline)) void prefetch_head(const void* cach
                                                                int64_t head_bytes, int32_t slot) {
     const char* row = (const char*)cache + (slot * row_elems + head_offset) * bytes_per_elem;
     for (int64_t line = 0; line < head_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
+}
+
+// Step j (< next->count) of a pass: one head-sized part of the next block's rows. The passes
+// take the rows in address order, each its share of whole rows (all the task's heads), not
+// each row's part of its own head: the same lines, but a prompt's rows are consecutive slots,
+// so memory reads runs of them (batch 64 x 160 positions, 28 layers: 36 -> 33.5 ms).
+static inline __attribute__((always_inline)) void prefetch_share(const void* cache,
+                                                                int64_t row_elems, int64_t dim,
+                                                                const attn_lookahead* next,
+                                                                int64_t j) {
+    const int64_t chunk = next->pass * next->count + j;
+    prefetch_head(cache, row_elems, (next->part0 + chunk % next->parts) * dim, 2, dim * 2,
+                  next->slots[chunk / next->parts]);
 }
 
 // Lane t of the result is the sum of v[t]'s 16 lanes: a transpose-and-add tree, ~3 ops per
@@ -832,14 +848,13 @@ static inline __attribute__((always_inline)) void attn_scores_bf16(
             prefetch_rows(a->k_cache, row_bytes, prefetch_first, prefetch_bytes, ahead);
             prefetch_rows(a->v_cache, row_bytes, prefetch_first, prefetch_bytes, ahead);
         }
-        if (j < next->count)
-            prefetch_head(a->k_cache, row_elems, kvh * dim, 2, dim * 2, next->slots[j]);
+        if (j < next->count) prefetch_share(a->k_cache, row_elems, dim, next, j);
         const bf16_t* row = k_cache + (int64_t)slots[t0 + j] * row_elems + kvh * dim;
         for (int c = 0; c < PAIRS; c++)
             _mm512_storeu_si512(keys[j] + 32 * c, _mm512_loadu_si512(row + 32 * c));
     }
     for (int64_t j = count; j < next->count; j++)
-        prefetch_head(a->k_cache, row_elems, kvh * dim, 2, dim * 2, next->slots[j]);
+        prefetch_share(a->k_cache, row_elems, dim, next, j);
     for (int64_t j = count; j < padded; j++)
         for (int c = 0; c < PAIRS; c++)
             _mm512_storeu_si512(keys[j] + 32 * c, _mm512_setzero_si512());
@@ -869,15 +884,14 @@ static inline __attribute__((always_inline)) void attn_scores_bf16(
 static inline __attribute__((always_inline)) void attn_values_pass(
     const bf16_t* values, int64_t row_elems, const int32_t* slots, int64_t count,
     float (*acc)[ATTN_MAX_DIM], float (*probs)[ATTN_BLOCK], const bf16_t* v_cache,
-    int64_t head_offset, const attn_lookahead* next, const int HEADS, const int CHUNKS) {
+    const attn_lookahead* next, const int HEADS, const int CHUNKS) {
     // Fixed sizes (HEADS x CHUNKS <= 16), not arrays sized by the parameters: gcc keeps those
     // on the stack, every FMA a store and a reload.
     __m512 sum[16], weight[4];
     for (int h = 0; h < HEADS; h++)
         for (int c = 0; c < CHUNKS; c++) sum[h * CHUNKS + c] = _mm512_loadu_ps(acc[h] + 16 * c);
     for (int64_t j = 0; j < count; j++) {
-        if (next && j < next->count)
-            prefetch_head(v_cache, row_elems, head_offset, 2, CHUNKS * 32, next->slots[j]);
+        if (next && j < next->count) prefetch_share(v_cache, row_elems, CHUNKS * 16, next, j);
         const bf16_t* row = values + (int64_t)slots[j] * row_elems;
         for (int h = 0; h < HEADS; h++) weight[h] = _mm512_set1_ps(probs[h][j]);
         for (int c = 0; c < CHUNKS; c++) {
@@ -888,7 +902,7 @@ static inline __attribute__((always_inline)) void attn_values_pass(
     }
     if (next)
         for (int64_t j = count; j < next->count; j++)
-            prefetch_head(v_cache, row_elems, head_offset, 2, CHUNKS * 32, next->slots[j]);
+            prefetch_share(v_cache, row_elems, CHUNKS * 16, next, j);
     for (int h = 0; h < HEADS; h++)
         for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc[h] + 16 * c, sum[h * CHUNKS + c]);
 }
@@ -908,7 +922,7 @@ static inline __attribute__((always_inline)) void attn_values_bf16(
         const int64_t heads = group - g < per_pass ? group - g : per_pass;
 #define VALUES_PASS(n)                                                                        \
     attn_values_pass(values, row_elems, slots, count, acc + g, probs + g,                     \
-                     (const bf16_t*)a->v_cache, offset, ahead, n, CHUNKS)
+                     (const bf16_t*)a->v_cache, ahead, n, CHUNKS)
         if (heads == 4)
             VALUES_PASS(4);
         else if (heads == 3)
@@ -961,10 +975,12 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         attn_lookahead next = {slots + t0 + ATTN_BLOCK, kv_len - t0 - ATTN_BLOCK};
         if (next.count <= 0) next = (attn_lookahead){next_slots, next_slots ? next_count : 0};
         if (next.count > ATTN_BLOCK) next.count = ATTN_BLOCK;
+        next.parts = kv_count, next.part0 = kvh0;
         const int64_t elem = a->dtype == 0 ? 4 : 2, head_bytes = dim * elem;
         const int64_t task_bytes = kv_count * head_bytes;
         for (int64_t kv = 0; kv < kv_count; kv++) {
 #ifdef HAVE_AVX512_BF16
+            next.pass = kv;
             if (a->dtype == 1) {  // bf16: dot products straight from the stored keys
                 attn_scores_bf16(a, b, slots, t0, count, padded, kvh0 + kv, group,
                                  head0 + kv * group, scores + kv * group, kvh0 * head_bytes,
@@ -1036,6 +1052,7 @@ static inline __attribute__((always_inline)) void attn_task_avx512(const attn_ar
         }
         has_state = 1;
         for (int64_t kv = 0; kv < kv_count; kv++) {
+            next.pass = kv;
             if (a->dtype == 1) {  // bf16: widened in registers, once for every head of the group
                 attn_values_bf16(a, slots + t0, count, kvh0 + kv, group, acc + kv * group,
                                  scores + kv * group, &next, CHUNKS);
