@@ -24,6 +24,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from minisgl.engine.sample import SampleArgs, Sampler
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers.linear import interleave_gate_up, onednn_pack
 
@@ -227,6 +228,37 @@ def argmax_case(kernels: CpuKernels, rows: int, vocab: int) -> Row:
     )
 
 
+def sampling_cases(rows: int, vocab: int) -> list[Row]:
+    """Sampling with temperature (and top-p) from float32 logits: `Sampler.sample` vs the
+    plain PyTorch formulation it replaced (softmax, exponential_, full sort for top-p)."""
+    logits = torch.randn(rows, vocab) * 6  # peaked, as a trained model's
+    sampler = Sampler(vocab, torch.device("cpu"))
+    pool = torch.zeros(rows, 1, dtype=torch.int32)
+    temps, top_p = torch.full((rows, 1), 0.7), torch.full((rows, 1), 0.9)
+    no_greedy = torch.zeros(rows, dtype=torch.bool)
+
+    def plain(nucleus: bool) -> None:
+        probs = torch.softmax(logits / temps, dim=-1)
+        if nucleus:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0))
+        (probs / torch.empty_like(probs).exponential_()).max(dim=-1)
+
+    cases = []
+    for nucleus in (False, True):
+        args = SampleArgs(False, no_greedy, temps, top_p=top_p if nucleus else None)
+        cases.append(
+            (
+                f"sampling, temperature{' + top-p' if nucleus else ''}, {rows} x {vocab}",
+                "PyTorch ops",
+                seconds(lambda nucleus=nucleus: plain(nucleus), 5),
+                seconds(lambda args=args: sampler.sample(logits, args, pool), 5),
+            )
+        )
+    return cases
+
+
 def elementwise_cases(kernels: CpuKernels, tokens: int, hidden: int, inter: int) -> list[Row]:
     """Residual + RMSNorm and SiLU-and-mul on `tokens` rows: kernel vs the PyTorch ops."""
     x = torch.randn(tokens, hidden, dtype=BF16)
@@ -297,6 +329,7 @@ def main() -> None:
     if kernels.has_avx512_bf16 and args.intermediate % 16 == 0:
         rows += [gated_case(kernels, args, t) for t in (64, 2048)]
     rows.append(argmax_case(kernels, 64, 49152))
+    rows += sampling_cases(64, 151936)
     for tokens in (1, 64, 2048):
         rows += elementwise_cases(kernels, tokens, args.hidden, args.intermediate)
     print("| operation | baseline | baseline ms | kernel ms | speedup |")

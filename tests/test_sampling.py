@@ -96,3 +96,37 @@ def test_repetition_penalty_matches_hf(llm) -> None:
     assert [o["token_ids"] for o in outputs] == hf_greedy(
         "qwen3", prompts, 10, repetition_penalty=1.5
     )
+
+
+def _reference_top_k_top_p(probs, top_k, top_p) -> torch.Tensor:
+    """The filters by a full sort of every row."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1])[None, :]
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if top_k is not None:
+        drop |= ranks >= top_k
+    if top_p is not None:
+        drop |= sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.5])  # peaked (candidates suffice) / flat (full sort)
+@pytest.mark.parametrize(
+    "top_k,top_p", [(None, 0.9), (5, None), (3000, 0.99), (40, 0.5), (None, 0.999)]
+)
+def test_top_k_top_p_filters_equal_a_full_sort(spread, top_k, top_p) -> None:
+    """The filters first look among each row's top candidates and fall back to sorting the
+    whole vocabulary when those cannot decide; either way the kept probabilities are exactly
+    a full sort's."""
+    from minisgl.engine.sample import TOP_CANDIDATES
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 4 * TOP_CANDIDATES
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen) * spread, dim=-1)
+    k = None if top_k is None else torch.full((4, 1), top_k)
+    p = None if top_p is None else torch.full((4, 1), top_p)
+    want = _reference_top_k_top_p(probs, k, p)
+    got = probs.clone()
+    Sampler._top_k_top_p_(got, k, p)
+    assert torch.equal(got, want)
+    assert (got > 0).sum(dim=-1).min() >= 1

@@ -9,6 +9,9 @@ import torch
 from minisgl.core import Req
 from minisgl.kernel.cpu import kernels_for
 
+# Probabilities top-k / top-p first look among (see Sampler._top_k_top_p_).
+TOP_CANDIDATES = 1024
+
 
 @dataclass
 class PenaltyArgs:
@@ -43,6 +46,18 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _scratch_like(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A float32 buffer shaped like `like` [rows, vocab], kept across steps: at batch 64 x
+        151,936 a logits-sized temporary is over glibc's 32 MB heap limit, so each fresh one
+        was an mmap and ~9,500 page faults (~10 ms)."""
+        rows, cols = like.shape
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols or buf.device != like.device:
+            buf = torch.empty(rows, cols, dtype=torch.float32, device=like.device)
+            self._scratch[name] = buf
+        return buf[:rows]
 
     def prepare(self, reqs: list[Req]) -> SampleArgs:
         params = [r.sampling_params for r in reqs]
@@ -129,26 +144,41 @@ class Sampler:
             return _argmax(logits).to(torch.int32)
         logits = logits.float()
         assert args.temperatures is not None and args.greedy_rows is not None
-        probs = torch.softmax(logits / args.temperatures, dim=-1)
+        # Softmax in place in a kept buffer (the logits are left as they are).
+        probs = torch.div(logits, args.temperatures, out=self._scratch_like("probs", logits))
+        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+        probs.div_(probs.sum(dim=-1, keepdim=True))
         if args.top_k is not None or args.top_p is not None:
-            probs = self._top_k_top_p(probs, args.top_k, args.top_p)
+            self._top_k_top_p_(probs, args.top_k, args.top_p)
         if args.min_p is not None:
-            max_prob = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < args.min_p * max_prob, 0.0)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs).exponential_()
+            max_prob = probs.amax(dim=-1, keepdim=True)
+            probs.masked_fill_(probs < args.min_p * max_prob, 0.0)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p. E = -log(U):
+        # torch's exponential_ is ~4x slower than uniform_ and log_ (142 vs 34 ms at 64 x 151,936).
+        noise = self._scratch_like("noise", probs).uniform_()
         for row, generator in args.seeded or ():
-            noise[row].exponential_(generator=generator)
-        sampled = _argmax(probs / noise)
+            noise[row].uniform_(generator=generator)
+        sampled = _argmax(probs.div_(noise.log_().neg_()))
         greedy = _argmax(logits)
         return torch.where(args.greedy_rows, greedy, sampled).to(torch.int32)
 
     @staticmethod
-    def _top_k_top_p(
+    def _top_k_top_p_(
         probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-    ) -> torch.Tensor:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    ) -> None:
+        """Zero, in place, what top-k and top-p drop. Every row's survivors are usually among its
+        TOP_CANDIDATES largest, which `topk` finds ~30x faster than sorting the whole vocabulary:
+        where each row's top_k is within them and their mass reaches its top_p, everything past
+        them is dropped anyway (the same result as a full sort), else the rows are sorted."""
+        candidates = min(TOP_CANDIDATES, probs.shape[-1])
+        within = top_k is None or bool((top_k <= candidates).all())
+        sorted_probs, order = probs.topk(candidates, dim=-1) if within else (None, None)
+        if sorted_probs is not None and top_p is not None:
+            within = bool((sorted_probs.sum(dim=-1, keepdim=True) >= top_p).all())
+        if not within:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+        assert sorted_probs is not None and order is not None
+        ranks = torch.arange(sorted_probs.shape[-1], device=probs.device)[None, :]
         drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
         if top_k is not None:
             drop |= ranks >= top_k
@@ -156,8 +186,7 @@ class Sampler:
             # Drop a token once the mass before it already reaches top_p (the first always stays).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs.zero_().scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
