@@ -505,17 +505,18 @@ def test_prefill_attention_block_equals_the_module_path(arch, monkeypatch):
     from minisgl.layers.attention import AttentionLayer
 
     calls = []
-    block = AttentionLayer._prefill_block
+    block = AttentionLayer._attention_block
 
     def counting_block(self, ctx, qkv, rope):
         out = block(self, ctx, qkv, rope)
-        calls.append(out is not None)
+        if ctx.batch.is_prefill:
+            calls.append(out is not None)
         return out
 
     def prefill_logits(in_block: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(
             AttentionLayer,
-            "_prefill_block",
+            "_attention_block",
             counting_block if in_block else (lambda self, ctx, qkv, rope: None),
         )
         llm = build_llm(arch, dtype=torch.bfloat16, cache_type="naive", max_prefill_length=32)
@@ -543,22 +544,16 @@ def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
     from minisgl.layers.attention import AttentionLayer
 
     cached_seen: list[int] = []
-    in_kernel = AttentionLayer._prefill_block
+    in_kernel = AttentionLayer._attention_block
 
     def prefill_block(self, ctx, qkv, rope):
         out = in_kernel(self, ctx, qkv, rope)
-        if out is None:  # e.g. a cascade over a shared prefix
+        if out is None or ctx.batch.is_decode:  # e.g. a cascade over a shared prefix
             return out
         batch, backend = ctx.batch, get_global_ctx().attn_backend
         meta = batch.attn_metadata
         assert isinstance(meta, CpuPrefillMetadata)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)  # the projection, left as it was
-        q = q.reshape(-1, self.num_qo_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary(rope, q, k)
+        q, k, v = self.qkv_inputs(qkv, rope)  # from the projection, left as it was
         TorchAttnBackend.prepare_metadata(backend, batch)
         want = TorchAttnBackend.forward(backend, q, k, v, self.layer_id, batch)
         batch.attn_metadata = meta
@@ -566,7 +561,7 @@ def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
         cached_seen.append(int(meta.cached_lens.max()))
         return out
 
-    monkeypatch.setattr(AttentionLayer, "_prefill_block", prefill_block)
+    monkeypatch.setattr(AttentionLayer, "_attention_block", prefill_block)
     llm = build_llm(
         "smollm2", dtype=torch.bfloat16, cache_type="radix", page_size=4, max_prefill_length=16
     )

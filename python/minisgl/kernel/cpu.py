@@ -470,6 +470,32 @@ class CpuKernels:
             torch.get_num_threads(),
         )
 
+    @staticmethod
+    def _block_args(
+        qkv: torch.Tensor,
+        qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_loc: torch.Tensor,
+        positions: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        page_table: torch.Tensor,
+        num_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """The output [tokens, num_heads * head_dim] of an attention block call, its query
+        scratch (keep it alive until the call returns) and the C functions' common leading
+        arguments."""
+        assert page_table.dtype == torch.int32 and page_table.is_contiguous()
+        assert out_loc.dtype == positions.dtype == torch.int64
+        assert qkv.is_contiguous() and out_loc.is_contiguous() and positions.is_contiguous()
+        q_buf = qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[2])
+        out = torch.empty_like(q_buf)
+        q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
+        tensors = [qkv, q_buf, out, q_norm, k_norm, k_cache, v_cache, out_loc, positions]
+        tensors += [rope_tables[0], rope_tables[1], page_table]
+        ptr = [None if t is None else t.data_ptr() for t in tensors]
+        return out, q_buf, [*ptr[:5], eps, *ptr[5:], page_table.stride(0)]
+
     def decode_attention_block(
         self,
         qkv: torch.Tensor,
@@ -480,41 +506,26 @@ class CpuKernels:
         positions: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         page_table: torch.Tensor,
-        rows: torch.Tensor,
-        kv_lens: torch.Tensor,
+        paged: tuple[torch.Tensor, torch.Tensor],
         num_heads: int,
         window: int | None,
     ) -> torch.Tensor:
         """Decode attention from the fused qkv projection [tokens, q | k | v] (left as it is):
-        q/k norms (weights, eps), rotary, KV store at out_loc, paged attention.
-        Returns [tokens, num_heads * head_dim]."""
-        tokens = qkv.shape[0]
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-        q_buf = qkv.new_empty(tokens, num_heads * head_dim)
-        out = torch.empty_like(q_buf)
-        q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
+        q/k norms (weights, eps), rotary, KV store at out_loc (int64), paged attention over
+        paged = (page-table rows, KV lengths). Returns [tokens, num_heads * head_dim]."""
+        out, _q_buf, args = self._block_args(
+            qkv, qk_norms, k_cache, v_cache, out_loc, positions, rope_tables, page_table, num_heads
+        )
+        rows, kv_lens = paged
         self.lib.minisgl_decode_attention_block(
-            qkv.data_ptr(),
-            q_buf.data_ptr(),
-            out.data_ptr(),
-            None if q_norm is None else q_norm.data_ptr(),
-            None if k_norm is None else k_norm.data_ptr(),
-            eps,
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            out_loc.data_ptr(),
-            positions.data_ptr(),
-            rope_tables[0].data_ptr(),
-            rope_tables[1].data_ptr(),
-            page_table.data_ptr(),
-            page_table.stride(0),
+            *args,
             rows.data_ptr(),
             kv_lens.data_ptr(),
-            tokens,
+            qkv.shape[0],
             num_heads,
-            num_kv_heads,
-            head_dim,
-            1.0 / math.sqrt(head_dim),
+            k_cache.shape[1],
+            k_cache.shape[2],
+            1.0 / math.sqrt(k_cache.shape[2]),
             window or 0,
             _DTYPE_CODES[qkv.dtype],
             torch.get_num_threads(),
@@ -535,44 +546,26 @@ class CpuKernels:
         num_heads: int,
         window: int | None,
     ) -> torch.Tensor | None:
-        """Prefill attention from the fused bf16 qkv projection [tokens, q | k | v], as
-        decode_attention_block; prefill: (page-table rows, cached lens, extend lens) per request
-        as `prefill_attention` takes them. Returns [tokens, num_heads * head_dim], or None when
-        the attention could not run (out of memory)."""
-        tokens = qkv.shape[0]
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        """Prefill attention from the fused bf16 qkv projection, as decode_attention_block;
+        prefill: (page-table rows, cached lens, extend lens) per request as `prefill_attention`
+        takes them. Returns [tokens, num_heads * head_dim], or None when the attention could
+        not run (out of memory)."""
         assert qkv.dtype == k_cache.dtype == torch.bfloat16 and qkv.is_contiguous()
-        assert page_table.dtype == torch.int32 and page_table.is_contiguous()
+        out, _q_buf, args = self._block_args(
+            qkv, qk_norms, k_cache, v_cache, out_loc, positions, rope_tables, page_table, num_heads
+        )
         rows, cached_lens, extend_lens = (t.to(torch.int64).contiguous() for t in prefill)
-        out_loc, positions = out_loc.to(torch.int64).contiguous(), positions.contiguous()
-        assert positions.dtype == torch.int64
-        q_buf = qkv.new_empty(tokens, num_heads * head_dim)
-        out = torch.empty_like(q_buf)
-        q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
         done = self.lib.minisgl_prefill_attention_block(
-            qkv.data_ptr(),
-            q_buf.data_ptr(),
-            out.data_ptr(),
-            None if q_norm is None else q_norm.data_ptr(),
-            None if k_norm is None else k_norm.data_ptr(),
-            eps,
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            out_loc.data_ptr(),
-            positions.data_ptr(),
-            rope_tables[0].data_ptr(),
-            rope_tables[1].data_ptr(),
-            page_table.data_ptr(),
-            page_table.stride(0),
+            *args,
             rows.data_ptr(),
             cached_lens.data_ptr(),
             extend_lens.data_ptr(),
             len(rows),
-            tokens,
+            qkv.shape[0],
             num_heads,
-            num_kv_heads,
-            head_dim,
-            1.0 / math.sqrt(head_dim),
+            k_cache.shape[1],
+            k_cache.shape[2],
+            1.0 / math.sqrt(k_cache.shape[2]),
             window or 0,
             int(self.has_amx),
             torch.get_num_threads(),

@@ -40,10 +40,16 @@ class AttentionLayer(nn.Module):
         batch = ctx.batch
         assert ctx.attn_backend is not None
         if rope.kernels is not None:
-            block = self._decode_block if batch.is_decode else self._prefill_block
-            fused = block(ctx, qkv, rope)
+            fused = self._attention_block(ctx, qkv, rope)
             if fused is not None:
                 return fused
+        q, k, v = self.qkv_inputs(qkv, rope)
+        out = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return out.reshape(-1, self.num_qo_heads * self.head_dim)
+
+    def qkv_inputs(self, qkv: Tensor, rope: RotaryInputs) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [tokens, heads, head_dim] from the fused projection, q and k normed (where
+        the model has q/k norms) and rotated: what the backend attends with."""
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.reshape(-1, self.num_qo_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -51,58 +57,39 @@ class AttentionLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q, k = self.rotary(rope, q, k)
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
-        return out.reshape(-1, self.num_qo_heads * self.head_dim)
+        return q, k, v
 
-    def _qk_norms(self) -> tuple[Tensor, Tensor, float] | None:
-        if self.q_norm is None or self.k_norm is None:
+    def _attention_block(self, ctx: Context, qkv: Tensor, rope: RotaryInputs) -> Tensor | None:
+        """Norms, rotary, KV store and attention in one C call, where the backend reads the pool
+        in place for this batch (decode: paged attention; a bf16 prefill: the blocked kernel):
+        the module path's kernels, the same results. None: take the module path."""
+        backend, batch = ctx.attn_backend, ctx.batch
+        assert backend is not None and ctx.kv_cache is not None and rope.kernels is not None
+        if batch.out_loc is None or ctx.page_table is None or not qkv.is_contiguous():
             return None
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-
-    def _prefill_block(self, ctx: Context, qkv: Tensor, rope: RotaryInputs) -> Tensor | None:
-        """Norms, rotary, KV store and the blocked prefill attention in one C call, where the
-        backend runs this batch in the kernel (bf16); None: take the module path."""
-        assert ctx.attn_backend is not None and ctx.kv_cache is not None
-        prefill = ctx.attn_backend.prefill_args(ctx.batch)
-        if prefill is None or ctx.batch.out_loc is None or ctx.page_table is None:
-            return None
-        if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous():
-            return None
-        assert rope.kernels is not None
-        return rope.kernels.prefill_attention_block(
+        if batch.is_decode:
+            attn_args = backend.paged_decode_args(batch)
+            if attn_args is None or self.num_qo_heads // self.num_kv_heads > MAX_GROUP:
+                return None
+            run = rope.kernels.decode_attention_block
+        else:
+            attn_args = backend.prefill_args(batch)
+            if attn_args is None or qkv.dtype != torch.bfloat16:
+                return None
+            run = rope.kernels.prefill_attention_block
+        qk_norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return run(
             qkv,
-            self._qk_norms(),
+            qk_norms,
             ctx.kv_cache.k_cache(self.layer_id),
             ctx.kv_cache.v_cache(self.layer_id),
-            ctx.batch.out_loc,
+            batch.out_loc,
             rope.positions,
             (self.rotary.cos, self.rotary.sin),
             ctx.page_table,
-            prefill,
-            self.num_qo_heads,
-            self.sliding_window,
-        )
-
-    def _decode_block(self, ctx: Context, qkv: torch.Tensor, rope: RotaryInputs) -> Tensor | None:
-        """Norms, rotary, KV store and paged attention in one C call, when the backend reads
-        the pool in place for this batch; same kernels, same results as the steps above."""
-        assert ctx.attn_backend is not None and ctx.kv_cache is not None
-        args = ctx.attn_backend.paged_decode_args(ctx.batch)
-        if args is None or ctx.batch.out_loc is None or ctx.page_table is None:
-            return None
-        if self.num_qo_heads // self.num_kv_heads > MAX_GROUP or not qkv.is_contiguous():
-            return None
-        assert rope.kernels is not None
-        return rope.kernels.decode_attention_block(
-            qkv,
-            self._qk_norms(),
-            ctx.kv_cache.k_cache(self.layer_id),
-            ctx.kv_cache.v_cache(self.layer_id),
-            ctx.batch.out_loc,
-            rope.positions,
-            (self.rotary.cos, self.rotary.sin),
-            ctx.page_table,
-            *args,
+            attn_args,  # type: ignore[arg-type]
             self.num_qo_heads,
             self.sliding_window,
         )
