@@ -116,11 +116,7 @@ class CpuProjection:
             return self.kernels.packed_linear(
                 x.contiguous(), self.packed, self.out_features, bias, self.float_out, out
             )
-        if (
-            self.packed is not None
-            and self.kernels is None
-            and (rows >= 0 or not self.needs_weight)
-        ):
+        if self.kernels is None and self.packed is not None:  # oneDNN's copy takes any shape
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )
