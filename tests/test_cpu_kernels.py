@@ -59,8 +59,12 @@ def _reference_decode_attention(q, k_cache, v_cache, page_table, rows, kv_lens, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 16)])
-@pytest.mark.parametrize("num_reqs", [1, 7])  # one kv head per task / whole requests
+# More heads than a task holds (96: one kv head per task), head_dim 256, and 16 (portable path).
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (16, 8, 128), (96, 8, 64), (8, 2, 256), (4, 4, 16)],
+)
+@pytest.mark.parametrize("num_reqs", [1, 7])  # positions split across threads / whole requests
 @pytest.mark.parametrize("window", [None, 17])
 def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, num_reqs, window):
     gen = torch.Generator().manual_seed(0)

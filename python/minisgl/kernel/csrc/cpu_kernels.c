@@ -764,51 +764,38 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// Slots are scattered, so the hardware prefetcher cannot see the next position coming: ask for
-// the task's part of the key and value rows (all its kv heads: they share a position's row)
-// ATTN_PREFETCH positions ahead.
-// __builtin_prefetch, not _mm_prefetch, and always inlined: gcc 12 deems a helper that only
-// prefetches side-effect free and deletes its calls (it did, silently: with _mm_prefetch, and
-// with __builtin_prefetch once the attention task grew past gcc's inlining limits).
+// A task reads its rows position by position, every kv head of a position before the next
+// one (scores: the keys; then P V: the values). A task holding every kv head sweeps whole rows
+// in slot order, and a prompt's slots (and consecutive requests' prompts) are consecutive.
+// Head by head instead (256 B of each 2 KB row per pass) a pure read loop streams ~25% slower.
+// The L2 streamer does not run ahead of a loop that also computes (a read loop with FMAs took
+// the sum of both times), so the rows ATTN_LOOKAHEAD positions ahead are asked for too (8 to
+// 32 measured alike). Batch 64 x 160 positions x 28 layers (Qwen3-0.6B's decode attention):
+// 34.1 -> 31.4 ms against head-by-head passes with the next block prefetched.
+// A one-kv-head task reads a part of each row, which no prefetcher follows: it asks for its
+// part ATTN_PREFETCH positions ahead. __builtin_prefetch, not _mm_prefetch, and always inlined:
+// gcc 12 deems a helper that only prefetches side-effect free and deletes its calls.
 #define ATTN_PREFETCH 4
+#define ATTN_LOOKAHEAD 16
+
+// The positions a thread reads after a range (the next request's), for the lookahead.
+typedef struct {
+    const int32_t* slots;
+    int64_t count;
+} attn_next;
+
+// The slot of position i of a range ending at `end`, continuing into `next`; -1 past both.
+static inline int64_t slot_ahead(const int32_t* slots, int64_t end, const attn_next* next,
+                                 int64_t i) {
+    if (i < end) return slots[i];
+    return next && i - end < next->count ? next->slots[i - end] : -1;
+}
+
 static inline __attribute__((always_inline)) void prefetch_rows(const void* cache,
                                                                int64_t row_bytes, int64_t first,
                                                                int64_t bytes, int64_t slot) {
     const char* part = (const char*)cache + slot * row_bytes + first;
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + line, 0, 3);
-}
-
-// The block after the one being computed (the next request's first block after a request's
-// last): its rows are fetched into L2 while this block's keys, then values, are read, so memory
-// keeps streaming through the whole computation and not only at block starts.
-typedef struct {
-    const int32_t* slots;  // the next block's slots, NULL when there is none
-    int64_t count;
-    int64_t pass;   // which of the block's passes (one per kv head of the task) is running
-    int64_t parts;  // the task's kv heads: a row's part fetched per step
-    int64_t part0;  // the task's first kv head
-} attn_lookahead;
-
-static inline __attribute__((always_inline)) void prefetch_head(const void* cache,
-                                                               int64_t row_elems,
-                                                               int64_t head_offset,
-                                                               int64_t bytes_per_elem,
-                                                               int64_t head_bytes, int32_t slot) {
-    const char* row = (const char*)cache + (slot * row_elems + head_offset) * bytes_per_elem;
-    for (int64_t line = 0; line < head_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
-}
-
-// Step j (< next->count) of a pass: one head-sized part of the next block's rows. The passes
-// take the rows in address order, each its share of whole rows (all the task's heads), not
-// each row's part of its own head: the same lines, but a prompt's rows are consecutive slots,
-// so memory reads runs of them (batch 64 x 160 positions, 28 layers: 36 -> 33.5 ms).
-static inline __attribute__((always_inline)) void prefetch_share(const void* cache,
-                                                                int64_t row_elems, int64_t dim,
-                                                                const attn_lookahead* next,
-                                                                int64_t j) {
-    const int64_t chunk = next->pass * next->count + j;
-    prefetch_head(cache, row_elems, (next->part0 + chunk % next->parts) * dim, 2, dim * 2,
-                  next->slots[chunk / next->parts]);
 }
 
 // Lane t of the result is the sum of v[t]'s 16 lanes: a transpose-and-add tree, ~3 ops per
@@ -828,267 +815,255 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+// Value sums are kept per 32 dims as two float32 vectors, the even dims then the odd ones: a
+// bf16 row widens that way in one op per 16 dims (shift, or mask the high halves), not two.
+static const int32_t pair_even_odd[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
+                                          22, 24, 26, 28, 30, 1,  3,  5,  7,  9,  11,
+                                          13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+static const int32_t pair_natural[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                         21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                         11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// 32 dims of a value row as (even, odd) float32 vectors.
+static inline __attribute__((always_inline)) void load_pair(const void* base, int64_t offset,
+                                                            int dtype, __m512* even,
+                                                            __m512* odd) {
+    if (dtype == 1) {
+        __m512i v = _mm512_loadu_si512((const bf16_t*)base + offset);
+        *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000)));
+        return;
+    }
+    __m512 lo = _mm512_loadu_ps((const float*)base + offset);
+    __m512 hi = _mm512_loadu_ps((const float*)base + offset + 16);
+    *even = _mm512_permutex2var_ps(lo, _mm512_loadu_si512(pair_even_odd), hi);
+    *odd = _mm512_permutex2var_ps(lo, _mm512_loadu_si512(pair_even_odd + 16), hi);
+}
+
+// float32 row <-> (even, odd) layout, 32 dims at a time; dim a multiple of 32.
+static inline void row_to_pairs(const float* src, float* dst, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += 32) {
+        __m512 even, odd;
+        load_pair(src, d, 0, &even, &odd);
+        _mm512_storeu_ps(dst + d, even);
+        _mm512_storeu_ps(dst + d + 16, odd);
+    }
+}
+static inline void pairs_to_row(const float* src, float* dst, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += 32) {
+        __m512 even = _mm512_loadu_ps(src + d), odd = _mm512_loadu_ps(src + d + 16);
+        const __m512i first = _mm512_loadu_si512(pair_natural);
+        const __m512i second = _mm512_loadu_si512(pair_natural + 16);
+        _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(even, first, odd));
+        _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(even, second, odd));
+    }
+}
+
+// Scores of one position against the task's `heads` query heads, 16 at a time, into
+// scores[0, heads): one partial dot product per head (its kv head's key at key + key_offset[h]),
+// summed across lanes together. BF16_DOT: vdpbf16ps on the stored bf16 key against the bf16
+// query (products of two bf16 values are exact in float32: the float32 path but for summation
+// order), scaled after; otherwise float32 FMAs against the scaled float32 query `qf`.
+static inline __attribute__((always_inline)) void attn_position_scores(
+    const attn_args* a, int64_t key, const bf16_t* q, float (*qf)[ATTN_MAX_DIM],
+    const int64_t* key_offset, int64_t heads, float* scores, const int CHUNKS,
+    const int BF16_DOT) {
+    for (int64_t h0 = 0; h0 < heads; h0 += 16) {
+        __m512 partial[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            partial[i] = _mm512_setzero_ps();
+            if (h0 + i >= heads) continue;
+            const int64_t k = key + key_offset[h0 + i];
 #ifdef HAVE_AVX512_BF16
-// Scores of `group` query heads (from head q_head0 of request b, bf16, unscaled) against the
-// block's keys of kv head `kvh`, with vdpbf16ps on the stored bf16 keys: no conversion pass.
-// Products of two bf16 values are exact in float32, so this equals the float32 path but for
-// summation order. PAIRS = head_dim / 32.
-static inline __attribute__((always_inline)) void attn_scores_bf16(
-    const attn_args* a, int64_t b, const int32_t* slots, int64_t t0, int64_t count,
-    int64_t padded, int64_t kvh, int64_t group, int64_t q_head0, float (*scores)[ATTN_BLOCK],
-    int64_t prefetch_first, int64_t prefetch_bytes, const attn_lookahead* next,
-    const int PAIRS) {
-    const int64_t dim = a->head_dim, row_elems = a->num_kv_heads * dim;
-    const int64_t row_bytes = row_elems * 2;
-    const bf16_t* k_cache = (const bf16_t*)a->k_cache;
-    bf16_t keys[ATTN_BLOCK][ATTN_MAX_DIM];
-    for (int64_t j = 0; j < count; j++) {
-        if (prefetch_bytes && t0 + j + ATTN_PREFETCH < a->kv_lens[b]) {
-            int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
-            prefetch_rows(a->k_cache, row_bytes, prefetch_first, prefetch_bytes, ahead);
-            prefetch_rows(a->v_cache, row_bytes, prefetch_first, prefetch_bytes, ahead);
-        }
-        if (j < next->count) prefetch_share(a->k_cache, row_elems, dim, next, j);
-        const bf16_t* row = k_cache + (int64_t)slots[t0 + j] * row_elems + kvh * dim;
-        for (int c = 0; c < PAIRS; c++)
-            _mm512_storeu_si512(keys[j] + 32 * c, _mm512_loadu_si512(row + 32 * c));
-    }
-    for (int64_t j = count; j < next->count; j++)
-        prefetch_share(a->k_cache, row_elems, dim, next, j);
-    for (int64_t j = count; j < padded; j++)
-        for (int c = 0; c < PAIRS; c++)
-            _mm512_storeu_si512(keys[j] + 32 * c, _mm512_setzero_si512());
-    const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int64_t g = 0; g < group; g++) {
-        const bf16_t* q = (const bf16_t*)a->q + (b * a->num_heads + q_head0 + g) * dim;
-        __m512bh qv[PAIRS];
-        for (int c = 0; c < PAIRS; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-        for (int64_t j16 = 0; j16 < padded; j16 += 16) {
-            __m512 partial[16];
-            for (int t = 0; t < 16; t++) {
-                partial[t] = _mm512_setzero_ps();
-                for (int c = 0; c < PAIRS; c++)
-                    partial[t] = _mm512_dpbf16_ps(
-                        partial[t], qv[c], (__m512bh)_mm512_loadu_si512(keys[j16 + t] + 32 * c));
-            }
-            _mm512_storeu_ps(scores[g] + j16, _mm512_mul_ps(sum_lanes16(partial), scale));
-        }
-    }
-}
+            if (BF16_DOT)
+                for (int c = 0; c < CHUNKS / 2; c++)
+                    partial[i] = _mm512_dpbf16_ps(
+                        partial[i],
+                        (__m512bh)_mm512_loadu_si512(q + (h0 + i) * a->head_dim + 32 * c),
+                        (__m512bh)_mm512_loadu_si512((const bf16_t*)a->k_cache + k + 32 * c));
 #endif
-
-// Rows [0, count) of one kv head's values (`values` points at the head in the pool, rows
-// row_elems apart, at `slots`) into the sums of HEADS query heads: each value row is widened to
-// float32 once for all of them, and each head's sums take the positions in order (the same
-// float32 operations, in the same order, as widening the block into a buffer first).
-static inline __attribute__((always_inline)) void attn_values_pass(
-    const bf16_t* values, int64_t row_elems, const int32_t* slots, int64_t count,
-    float (*acc)[ATTN_MAX_DIM], float (*probs)[ATTN_BLOCK], const bf16_t* v_cache,
-    const attn_lookahead* next, const int HEADS, const int CHUNKS) {
-    // Fixed sizes (HEADS x CHUNKS <= 16), not arrays sized by the parameters: gcc keeps those
-    // on the stack, every FMA a store and a reload.
-    __m512 sum[16], weight[4];
-    for (int h = 0; h < HEADS; h++)
-        for (int c = 0; c < CHUNKS; c++) sum[h * CHUNKS + c] = _mm512_loadu_ps(acc[h] + 16 * c);
-    for (int64_t j = 0; j < count; j++) {
-        if (next && j < next->count) prefetch_share(v_cache, row_elems, CHUNKS * 16, next, j);
-        const bf16_t* row = values + (int64_t)slots[j] * row_elems;
-        for (int h = 0; h < HEADS; h++) weight[h] = _mm512_set1_ps(probs[h][j]);
-        for (int c = 0; c < CHUNKS; c++) {
-            const __m512 v = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(row + 16 * c)));
-            for (int h = 0; h < HEADS; h++)
-                sum[h * CHUNKS + c] = _mm512_fmadd_ps(weight[h], v, sum[h * CHUNKS + c]);
+            if (!BF16_DOT)
+                for (int c = 0; c < CHUNKS; c++)
+                    partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf[h0 + i] + 16 * c),
+                                                 load16(a->k_cache, k + 16 * c, a->dtype),
+                                                 partial[i]);
         }
+        __m512 sums = sum_lanes16(partial);
+        if (BF16_DOT) sums = _mm512_mul_ps(sums, _mm512_set1_ps(a->scale));
+        _mm512_mask_storeu_ps(scores + h0, first_lanes(heads - h0), sums);
     }
-    if (next)
-        for (int64_t j = count; j < next->count; j++)
-            prefetch_share(v_cache, row_elems, CHUNKS * 16, next, j);
-    for (int h = 0; h < HEADS; h++)
-        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc[h] + 16 * c, sum[h * CHUNKS + c]);
 }
 
-// P V of the block for the `group` heads of kv head kvh, straight from the stored bf16 values,
-// as many heads per pass as keep their sums in 16 registers (the first pass fetches the next
-// block's value rows).
-static inline __attribute__((always_inline)) void attn_values_bf16(
-    const attn_args* a, const int32_t* slots, int64_t count, int64_t kvh, int64_t group,
-    float (*acc)[ATTN_MAX_DIM], float (*probs)[ATTN_BLOCK], const attn_lookahead* next,
-    const int CHUNKS) {
-    const int64_t row_elems = a->num_kv_heads * a->head_dim, offset = kvh * a->head_dim;
-    const bf16_t* values = (const bf16_t*)a->v_cache + offset;
-    const int per_pass = CHUNKS <= 4 ? 4 : CHUNKS <= 8 ? 2 : 1;
-    for (int64_t g = 0; g < group; g += per_pass) {
-        const attn_lookahead* ahead = g == 0 ? next : NULL;
-        const int64_t heads = group - g < per_pass ? group - g : per_pass;
-#define VALUES_PASS(n)                                                                        \
-    attn_values_pass(values, row_elems, slots, count, acc + g, probs + g,                     \
-                     (const bf16_t*)a->v_cache, ahead, n, CHUNKS)
-        if (heads == 4)
-            VALUES_PASS(4);
-        else if (heads == 3)
-            VALUES_PASS(3);
-        else if (heads == 2)
-            VALUES_PASS(2);
+// The online softmax of a task's heads over the positions seen so far: float32 value sums in
+// the (even, odd) pair layout, running max and sum.
+typedef struct {
+    float acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
+    float max[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
+} attn_state;
+
+// Empty, or (seeded) the cascade prefix's state for heads [head0, head0 + heads) of request b.
+static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
+                             int seeded, attn_state* st) {
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t offset = (b * a->num_heads + head0 + h) * a->head_dim;
+        if (seeded && a->prefix_out)
+            row_to_pairs(a->prefix_out + offset, st->acc[h], a->head_dim);
         else
-            VALUES_PASS(1);
-#undef VALUES_PASS
+            memset(st->acc[h], 0, a->head_dim * sizeof(float));
+        const int prefix = seeded && a->prefix_lse;
+        st->max[h] = prefix ? a->prefix_lse[b * a->num_heads + head0 + h] : -3.0e38f;
+        st->sum[h] = prefix ? 1.0f : 0.0f;
     }
 }
 
-// Heads [kvh0, kvh0 + kv_count) of request b, position by position: each position's key (then
-// value) row is read once for all of them. CHUNKS = head_dim / 16, a constant in each
-// instantiation so the row loops unroll.
-static inline __attribute__((always_inline)) void attn_task_avx512(const attn_args* a,
-                                                                   int64_t b, int64_t kvh0,
-                                                                   int64_t kv_count,
-                                                                   const int32_t* next_slots,
-                                                                   int64_t next_count,
-                                                                   const int CHUNKS) {
+// `from` folded into `into` (the same heads over other positions).
+static void attn_state_merge(attn_state* into, const attn_state* from, int64_t heads,
+                             int64_t dim) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float top = into->max[h] > from->max[h] ? into->max[h] : from->max[h];
+        const float keep = expf(into->max[h] - top), add = expf(from->max[h] - top);
+        for (int64_t d = 0; d < dim; d++)
+            into->acc[h][d] = into->acc[h][d] * keep + from->acc[h][d] * add;
+        into->sum[h] = into->sum[h] * keep + from->sum[h] * add;
+        into->max[h] = top;
+    }
+}
+
+static void attn_state_store(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
+                             const attn_state* st) {
+    for (int64_t h = 0; h < heads; h++) {
+        float row[ATTN_MAX_DIM];
+        pairs_to_row(st->acc[h], row, a->head_dim);
+        for (int64_t d = 0; d < a->head_dim; d++) row[d] /= st->sum[h];
+        store_row(a->out, (b * a->num_heads + head0 + h) * a->head_dim, a->dtype, row,
+                  a->head_dim);
+    }
+}
+
+// Positions [begin, end) of request b for kv heads [kvh0, kvh0 + kv_count), into `st`: per
+// block of ATTN_BLOCK positions the scores, the online softmax, then P V position by position
+// into the sums (a position's value row is widened once for all its heads). CHUNKS = head_dim
+// / 16, a constant in each instantiation so the row loops unroll.
+static inline __attribute__((always_inline)) void attn_range_avx512(
+    const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count, int64_t begin, int64_t end,
+    const attn_next* next, attn_state* st, const int CHUNKS) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
     const int64_t heads = kv_count * group, head0 = kvh0 * group;
-    float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
-    float scores[ATTN_MAX_HEADS][ATTN_BLOCK];
-    float rows[ATTN_BLOCK][16 * CHUNKS];  // one kv head's keys, then values, as float32
-    float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
-    const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int64_t h = 0; h < heads; h++) {
-        int64_t offset = (b * a->num_heads + head0 + h) * dim;
-        for (int c = 0; c < CHUNKS; c++) {
-            __m512 qv = _mm512_mul_ps(load16(a->q, offset + 16 * c, a->dtype), scale);
-            _mm512_storeu_ps(qf[h] + 16 * c, qv);
-            __m512 init = a->prefix_out ? _mm512_loadu_ps(a->prefix_out + offset + 16 * c)
-                                        : _mm512_setzero_ps();
-            _mm512_storeu_ps(acc[h] + 16 * c, init);
-        }
-        run_max[h] = a->prefix_lse ? a->prefix_lse[b * a->num_heads + head0 + h] : 0.0f;
-        run_sum[h] = a->prefix_lse ? 1.0f : 0.0f;
-    }
-    int has_state = a->prefix_lse != NULL;
-    const int64_t row_elems = a->num_kv_heads * dim;
-    const int64_t row_bytes = row_elems * (a->dtype == 0 ? 4 : 2);
-    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
-    const int64_t kv_len = a->kv_lens[b], start = attn_start(a, b);
-    for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
-        int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
-        // Rounded up to whole groups of 16 positions; the padding rows are zero.
-        int64_t padded = (count + 15) & ~(int64_t)15;
-        attn_lookahead next = {slots + t0 + ATTN_BLOCK, kv_len - t0 - ATTN_BLOCK};
-        if (next.count <= 0) next = (attn_lookahead){next_slots, next_slots ? next_count : 0};
-        if (next.count > ATTN_BLOCK) next.count = ATTN_BLOCK;
-        next.parts = kv_count, next.part0 = kvh0;
-        const int64_t elem = a->dtype == 0 ? 4 : 2, head_bytes = dim * elem;
-        const int64_t task_bytes = kv_count * head_bytes;
-        for (int64_t kv = 0; kv < kv_count; kv++) {
+    float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], scores[ATTN_BLOCK][ATTN_MAX_HEADS];
+    float correction[ATTN_MAX_HEADS];
+    int64_t key_offset[ATTN_MAX_HEADS];
 #ifdef HAVE_AVX512_BF16
-            next.pass = kv;
-            if (a->dtype == 1) {  // bf16: dot products straight from the stored keys
-                attn_scores_bf16(a, b, slots, t0, count, padded, kvh0 + kv, group,
-                                 head0 + kv * group, scores + kv * group, kvh0 * head_bytes,
-                                 kv == 0 ? task_bytes : 0, &next, CHUNKS / 2);
-                continue;
-            }
+    const int bf16_dot = a->dtype == 1;
+#else
+    const int bf16_dot = 0;
 #endif
-            // This kv head's keys for the block, as float32 rows (read once, used by the group).
-            for (int64_t j = 0; j < count; j++) {
-                if (kv == 0 && t0 + j + ATTN_PREFETCH < kv_len) {
-                    int64_t ahead = slots[t0 + j + ATTN_PREFETCH];
-                    prefetch_rows(a->k_cache, row_bytes, kvh0 * head_bytes, task_bytes, ahead);
-                    prefetch_rows(a->v_cache, row_bytes, kvh0 * head_bytes, task_bytes, ahead);
-                }
-                if (j < next.count)
-                    prefetch_head(a->k_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
-                                  next.slots[j]);
-                int64_t row = (int64_t)slots[t0 + j] * row_elems + (kvh0 + kv) * dim;
-                for (int c = 0; c < CHUNKS; c++)
-                    _mm512_storeu_ps(rows[j] + 16 * c, load16(a->k_cache, row + 16 * c, a->dtype));
+    const bf16_t* q = (const bf16_t*)a->q + (b * a->num_heads + head0) * dim;
+    for (int64_t h = 0; h < heads; h++) {
+        key_offset[h] = (h / group) * dim;
+        if (bf16_dot) continue;
+        load_row(a->q, (b * a->num_heads + head0 + h) * dim, a->dtype, qf[h], dim);
+        for (int64_t d = 0; d < dim; d++) qf[h][d] *= a->scale;
+    }
+    const int64_t elem = a->dtype == 0 ? 4 : 2, row_elems = a->num_kv_heads * dim;
+    const int64_t row_bytes = row_elems * elem, part_bytes = kv_count * dim * elem;
+    const int whole_rows = kv_count == a->num_kv_heads;
+    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
+    for (int64_t t0 = begin; t0 < end; t0 += ATTN_BLOCK) {
+        const int64_t count = end - t0 < ATTN_BLOCK ? end - t0 : ATTN_BLOCK;
+        for (int64_t t = 0; t < count; t++) {
+            if (whole_rows) {
+                const int64_t ahead = slot_ahead(slots, end, next, t0 + t + ATTN_LOOKAHEAD);
+                if (ahead >= 0) prefetch_rows(a->k_cache, row_bytes, 0, row_bytes, ahead);
+            } else if (t0 + t + ATTN_PREFETCH < end) {
+                const int64_t ahead = slots[t0 + t + ATTN_PREFETCH], first = kvh0 * dim * elem;
+                prefetch_rows(a->k_cache, row_bytes, first, part_bytes, ahead);
+                prefetch_rows(a->v_cache, row_bytes, first, part_bytes, ahead);
             }
-            for (int64_t j = count; j < next.count; j++)
-                prefetch_head(a->k_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
-                              next.slots[j]);
-            for (int64_t j = count; j < padded; j++)
-                for (int c = 0; c < CHUNKS; c++)
-                    _mm512_storeu_ps(rows[j] + 16 * c, _mm512_setzero_ps());
-            for (int64_t g = 0; g < group; g++) {
-                int64_t h = kv * group + g;
-                __m512 qv[CHUNKS];
-                for (int c = 0; c < CHUNKS; c++) qv[c] = _mm512_loadu_ps(qf[h] + 16 * c);
-                for (int64_t j16 = 0; j16 < padded; j16 += 16) {
-                    __m512 partial[16];
-                    for (int t = 0; t < 16; t++) {
-                        partial[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j16 + t]));
-                        for (int c = 1; c < CHUNKS; c++)
-                            partial[t] = _mm512_fmadd_ps(
-                                qv[c], _mm512_loadu_ps(rows[j16 + t] + 16 * c), partial[t]);
-                    }
-                    _mm512_storeu_ps(scores[h] + j16, sum_lanes16(partial));
-                }
+            const int64_t key = (int64_t)slots[t0 + t] * row_elems + kvh0 * dim;
+            if (bf16_dot)
+                attn_position_scores(a, key, q, qf, key_offset, heads, scores[t], CHUNKS, 1);
+            else
+                attn_position_scores(a, key, q, qf, key_offset, heads, scores[t], CHUNKS, 0);
+        }
+        // Softmax along the block, 16 heads at a time.
+        for (int64_t h0 = 0; h0 < heads; h0 += 16) {
+            const __mmask16 m = first_lanes(heads - h0);
+            const __m512 old_max = _mm512_maskz_loadu_ps(m, st->max + h0);
+            __m512 top = old_max, total = _mm512_setzero_ps();
+            for (int64_t t = 0; t < count; t++)
+                top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(m, scores[t] + h0));
+            for (int64_t t = 0; t < count; t++) {
+                __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores[t] + h0), top));
+                _mm512_mask_storeu_ps(scores[t] + h0, m, p);
+                total = _mm512_add_ps(total, p);
             }
+            const __m512 shrink = exp512(_mm512_sub_ps(old_max, top));
+            _mm512_mask_storeu_ps(correction + h0, m, shrink);
+            _mm512_mask_storeu_ps(
+                st->sum + h0, m,
+                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, st->sum + h0), shrink, total));
+            _mm512_mask_storeu_ps(st->max + h0, m, top);
         }
         for (int64_t h = 0; h < heads; h++) {
-            __m512 block_max = _mm512_set1_ps(-3.0e38f);
-            for (int64_t j = 0; j < count; j += 16) {
-                __mmask16 m = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1u);
-                block_max = _mm512_mask_max_ps(block_max, m, block_max,
-                                               _mm512_maskz_loadu_ps(m, scores[h] + j));
-            }
-            float new_max = _mm512_reduce_max_ps(block_max);
-            if (has_state && run_max[h] > new_max) new_max = run_max[h];
-            __m512 sub = _mm512_set1_ps(new_max), block_sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < count; j += 16) {
-                __mmask16 m = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1u);
-                __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores[h] + j), sub));
-                _mm512_mask_storeu_ps(scores[h] + j, m, p);
-                block_sum = _mm512_mask_add_ps(block_sum, m, block_sum, p);
-            }
-            float correction = has_state ? expf(run_max[h] - new_max) : 0.0f;
-            run_sum[h] = run_sum[h] * correction + _mm512_reduce_add_ps(block_sum);
-            run_max[h] = new_max;
-            if (has_state) {
-                __m512 corr = _mm512_set1_ps(correction);
-                for (int c = 0; c < CHUNKS; c++)
-                    _mm512_storeu_ps(acc[h] + 16 * c,
-                                     _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * c), corr));
-            }
+            const __m512 shrink = _mm512_set1_ps(correction[h]);
+            for (int c = 0; c < CHUNKS; c++)
+                _mm512_storeu_ps(st->acc[h] + 16 * c,
+                                 _mm512_mul_ps(_mm512_loadu_ps(st->acc[h] + 16 * c), shrink));
         }
-        has_state = 1;
-        for (int64_t kv = 0; kv < kv_count; kv++) {
-            next.pass = kv;
-            if (a->dtype == 1) {  // bf16: widened in registers, once for every head of the group
-                attn_values_bf16(a, slots + t0, count, kvh0 + kv, group, acc + kv * group,
-                                 scores + kv * group, &next, CHUNKS);
-                continue;
+        for (int64_t t = 0; t < count; t++) {
+            if (whole_rows) {
+                const int64_t ahead = slot_ahead(slots, end, next, t0 + t + ATTN_LOOKAHEAD);
+                if (ahead >= 0) prefetch_rows(a->v_cache, row_bytes, 0, row_bytes, ahead);
             }
-            for (int64_t j = 0; j < count; j++) {
-                if (j < next.count)
-                    prefetch_head(a->v_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
-                                  next.slots[j]);
-                int64_t row = (int64_t)slots[t0 + j] * row_elems + (kvh0 + kv) * dim;
-                for (int c = 0; c < CHUNKS; c++)
-                    _mm512_storeu_ps(rows[j] + 16 * c, load16(a->v_cache, row + 16 * c, a->dtype));
-            }
-            for (int64_t j = count; j < next.count; j++)
-                prefetch_head(a->v_cache, row_elems, (kvh0 + kv) * dim, elem, head_bytes,
-                              next.slots[j]);
-            for (int64_t g = 0; g < group; g++) {
-                float* acc_h = acc[kv * group + g];
-                const float* p = scores[kv * group + g];
-                __m512 sum[CHUNKS];
-                for (int c = 0; c < CHUNKS; c++) sum[c] = _mm512_loadu_ps(acc_h + 16 * c);
-                for (int64_t j = 0; j < count; j++) {
-                    __m512 weight = _mm512_set1_ps(p[j]);
+            int64_t row = (int64_t)slots[t0 + t] * row_elems + kvh0 * dim;
+            for (int64_t kv = 0; kv < kv_count; kv++, row += dim) {
+                __m512 v[CHUNKS];
+                for (int c = 0; c < CHUNKS; c += 2)
+                    load_pair(a->v_cache, row + 16 * c, a->dtype, v + c, v + c + 1);
+                for (int64_t g = 0; g < group; g++) {
+                    float* sums = st->acc[kv * group + g];
+                    const __m512 weight = _mm512_set1_ps(scores[t][kv * group + g]);
                     for (int c = 0; c < CHUNKS; c++)
-                        sum[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows[j] + 16 * c), sum[c]);
+                        _mm512_storeu_ps(
+                            sums + 16 * c,
+                            _mm512_fmadd_ps(weight, v[c], _mm512_loadu_ps(sums + 16 * c)));
                 }
-                for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc_h + 16 * c, sum[c]);
             }
         }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        float inv = 1.0f / run_sum[h];
-        for (int64_t d = 0; d < dim; d++) acc[h][d] *= inv;
-        store_row(a->out, (b * a->num_heads + head0 + h) * dim, a->dtype, acc[h], dim);
     }
 }
+
+// CHUNKS of the vector path for this head_dim (0: the portable path).
+static inline int attn_chunks(int64_t head_dim) {
+    return head_dim == 64 ? 4 : head_dim == 128 ? 8 : head_dim == 256 ? 16 : 0;
+}
+
+static void attn_range(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
+                       int64_t begin, int64_t end, const attn_next* next, attn_state* st) {
+    switch (attn_chunks(a->head_dim)) {
+        case 4: attn_range_avx512(a, b, kvh0, kv_count, begin, end, next, st, 4); return;
+        case 8: attn_range_avx512(a, b, kvh0, kv_count, begin, end, next, st, 8); return;
+        default: attn_range_avx512(a, b, kvh0, kv_count, begin, end, next, st, 16); return;
+    }
+}
+
+// Kv heads [kvh0, kvh0 + kv_count) of request b over all its positions; `next`: the positions
+// read after them, or NULL.
+static void attn_task_avx512(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
+                             const attn_next* next) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    attn_state st;
+    attn_state_begin(a, b, kvh0 * group, kv_count * group, 1, &st);
+    attn_range(a, b, kvh0, kv_count, attn_start(a, b), a->kv_lens[b], next, &st);
+    attn_state_store(a, b, kvh0 * group, kv_count * group, &st);
+}
+#else
+static inline int attn_chunks(int64_t head_dim) { return 0; }
 #endif
 
 // Portable version of the same computation (any head_dim up to ATTN_MAX_DIM).
@@ -1151,23 +1126,6 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
     }
 }
 
-// One task: kv heads [first, first + count) of request b; next_slots/next_count: the positions
-// of the request this thread takes next (NULL: unknown), whose first block is fetched ahead.
-static void attn_run_task(const attn_args* a, int64_t b, int64_t first, int64_t count,
-                          const int32_t* next_slots, int64_t next_count) {
-#ifdef __AVX512F__
-    if (a->num_heads / a->num_kv_heads <= ATTN_MAX_HEADS) {
-        switch (a->head_dim) {
-            case 64: attn_task_avx512(a, b, first, count, next_slots, next_count, 4); return;
-            case 128: attn_task_avx512(a, b, first, count, next_slots, next_count, 8); return;
-            case 256: attn_task_avx512(a, b, first, count, next_slots, next_count, 16); return;
-            default: break;
-        }
-    }
-#endif
-    for (int64_t kvh = first; kvh < first + count; kvh++) attn_task_generic(a, b, kvh);
-}
-
 void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
                               const int32_t* page_table, int64_t table_stride,
                               const int64_t* rows, const int64_t* kv_lens,
@@ -1178,16 +1136,45 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
     attn_args a = {q,          k_cache,    v_cache,   out,          page_table, table_stride,
                    rows,       kv_lens,    kv_starts, prefix_out,   prefix_lse, num_heads,
                    num_kv_heads, head_dim, window,    scale,        dtype};
-    // With few requests, one kv head per task keeps every core busy.
-    if (num_reqs < 2 * nthreads || num_heads > ATTN_MAX_HEADS) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (!attn_chunks(head_dim) || group > ATTN_MAX_HEADS) {  // the portable path
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
-            attn_run_task(&a, task / num_kv_heads, task % num_kv_heads, 1, NULL, 0);
+            attn_task_generic(&a, task / num_kv_heads, task % num_kv_heads);
+        return;
+    }
+#ifdef __AVX512F__
+    if (num_heads > ATTN_MAX_HEADS) {  // more heads than a task holds: one kv head per task
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
+            attn_task_avx512(&a, task / num_kv_heads, task % num_kv_heads, 1, NULL);
+        return;
+    }
+    if (num_reqs < 2 * nthreads) {
+        // Few requests: each split into one range of positions per thread (whole rows, read in
+        // order), their states merged after.
+        const int64_t parts = nthreads, tasks = num_reqs * parts;
+        attn_state* states = malloc(tasks * sizeof(attn_state));
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / parts, part = task % parts;
+            const int64_t first = attn_start(&a, b), len = kv_lens[b] - first;
+            attn_state_begin(&a, b, 0, num_heads, part == 0, states + task);
+            attn_range(&a, b, 0, num_kv_heads, first + len * part / parts,
+                       first + len * (part + 1) / parts, NULL, states + task);
+        }
+        for (int64_t b = 0; b < num_reqs; b++) {
+            for (int64_t part = 1; part < parts; part++)
+                attn_state_merge(states + b * parts, states + b * parts + part, num_heads,
+                                 head_dim);
+            attn_state_store(&a, b, 0, num_heads, states + b * parts);
+        }
+        free(states);
         return;
     }
     // Otherwise a task is a whole request (each position's rows are read once for all its
     // heads), and each thread takes a contiguous run of requests holding an equal share of the
-    // positions, so it knows which request comes next and can fetch its first block early.
+    // positions: one sweep along the slots when requests' slots follow each other.
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
@@ -1203,16 +1190,16 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
             done += kv_lens[b] - attn_start(&a, b);
         }
         for (int64_t b = lo; b < hi; b++) {
-            const int32_t* next_slots = NULL;
-            int64_t next_count = 0;
+            attn_next next = {NULL, 0};
             if (b + 1 < hi) {
-                int64_t next_start = attn_start(&a, b + 1);
-                next_slots = page_table + rows[b + 1] * table_stride + next_start;
-                next_count = kv_lens[b + 1] - next_start;
+                const int64_t next_start = attn_start(&a, b + 1);
+                next.slots = page_table + rows[b + 1] * table_stride + next_start;
+                next.count = kv_lens[b + 1] - next_start;
             }
-            attn_run_task(&a, b, 0, num_kv_heads, next_slots, next_count);
+            attn_task_avx512(&a, b, 0, num_kv_heads, &next);
         }
     }
+#endif
 }
 
 
