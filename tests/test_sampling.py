@@ -8,6 +8,8 @@ from helpers import MIXED_PROMPTS, build_llm, greedy, hf_greedy
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine import Sampler
+from minisgl.engine.sample import _sample_rows_torch
+from minisgl.kernel.cpu import cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +132,26 @@ def test_top_k_top_p_filters_equal_a_full_sort(spread, top_k, top_p) -> None:
     Sampler._top_k_top_p_(got, k, p)
     assert torch.equal(got, want)
     assert (got > 0).sum(dim=-1).min() >= 1
+
+
+def test_row_draws_invert_the_distribution_function() -> None:
+    """The C draw and the PyTorch one pick the first column whose running sum exceeds u times
+    the row's total: the same columns, zero-weight ones never, the ends included."""
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.rand(64, 1000, generator=gen) ** 4
+    weights[:, 700:] = 0.0  # a zero tail
+    weights[:, ::3] = 0.0
+    weights[1], weights[1, 0] = 0.0, 0.5  # one possible column
+    uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+    uniforms[0], uniforms[2], uniforms[3] = 0.0, 1.0 - 2**-53, 0.5
+    cdf = weights.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    last = 699 if 699 % 3 else 698
+    want[2] = last  # u * total rounds to the total: the last nonzero column
+    kernels = cpu_kernels()
+    paths = [_sample_rows_torch] + ([kernels.sample_rows] if kernels is not None else [])
+    for draw in paths:
+        tokens = draw(weights, uniforms)
+        assert tokens[0] == 1 and tokens[1] == 0 and tokens[2] == last
+        assert bool((weights.gather(1, tokens[:, None]) > 0).all())
+        assert torch.equal(tokens, want)
