@@ -128,8 +128,8 @@ def test_top_k_top_p_filters_equal_a_full_sort(spread, top_k, top_p) -> None:
     k = None if top_k is None else torch.full((4, 1), top_k)
     p = None if top_p is None else torch.full((4, 1), top_p)
     want = _reference_top_k_top_p(probs, k, p)
-    got = probs.clone()
-    Sampler._top_k_top_p_(got, k, p)
+    kept, tokens = Sampler._top_k_top_p(probs, k, p)
+    got = torch.zeros_like(probs).scatter_(-1, tokens, kept)
     assert torch.equal(got, want)
     assert (got > 0).sum(dim=-1).min() >= 1
 
@@ -155,3 +155,17 @@ def test_row_draws_invert_the_distribution_function() -> None:
         assert tokens[0] == 1 and tokens[1] == 0 and tokens[2] == last
         assert bool((weights.gather(1, tokens[:, None]) > 0).all())
         assert torch.equal(tokens, want)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels unavailable on this machine")
+@pytest.mark.parametrize("k", [1, 17, 1024, 3000])
+def test_top_candidates_equal_a_stable_sort(k) -> None:
+    """The C selection of each row's k largest (top-k / top-p candidates): exactly the first k
+    of a stable descending sort, ties (many here) first column first."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 50, (6, 3000), generator=gen).float()
+    x[0] = torch.randn(3000, generator=gen)
+    x[1] = torch.arange(3000.0)  # ascending: every column beats the kept ones
+    values, indices = cpu_kernels().top_candidates(x, k)
+    want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])

@@ -53,6 +53,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_argmax": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_sample_rows": [_ptr, _ptr, _ptr, _i64, _i64, _int],
+    "minisgl_top_candidates": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
     + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _float, _i64, _int, _int],
@@ -467,6 +468,24 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return tokens
+
+    def top_candidates(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest values of each row of x [rows, cols] (float32, k <= cols), largest
+        first (the first column first among equals), and their columns (int64)."""
+        x = x.contiguous()
+        assert x.dtype == torch.float32 and 0 < k <= x.shape[1]
+        values = torch.empty(x.shape[0], k, dtype=torch.float32)
+        indices = torch.empty(x.shape[0], k, dtype=torch.int64)
+        self.lib.minisgl_top_candidates(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            k,
+            values.data_ptr(),
+            indices.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return values, indices
 
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
