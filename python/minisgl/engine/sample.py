@@ -162,7 +162,9 @@ class Sampler:
         # do not depend on the batch), mapped through the row's distribution function.
         uniforms = torch.rand(len(probs), dtype=torch.float64, device=probs.device)
         for row, generator in args.seeded or ():
-            uniforms[row] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
+            uniforms[row] = torch.rand(
+                1, dtype=torch.float64, generator=generator, device=uniforms.device
+            )[0]
         sampled = _sample_rows(weights, uniforms)
         if tokens is not None:
             sampled = tokens.gather(1, sampled[:, None])[:, 0]
