@@ -263,16 +263,17 @@ def test_engine_uses_cpu_backend_by_default():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_continues_from_a_prefix_state(dtype):
+@pytest.mark.parametrize("num_reqs", [2, 5])  # positions split across threads / whole requests
+def test_decode_attention_continues_from_a_prefix_state(dtype, num_reqs):
     """Cascade: attention over positions [0, start) given as (out, lse) + the kernel over the
     rest equals attention over everything."""
     gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, head_dim, num_reqs, start = 8, 2, 64, 5, 70
+    heads, kv_heads, head_dim, start = 8, 2, 64, 70
     k_cache = torch.randn(2000, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(2000, kv_heads, head_dim, generator=gen).to(dtype)
     page_table = torch.randint(0, 2000, (num_reqs, 200), dtype=torch.int32, generator=gen)
     rows = torch.arange(num_reqs)
-    kv_lens = torch.tensor([71, 100, 199, 130, 140])
+    kv_lens = torch.tensor([71, 100, 199, 130, 140])[:num_reqs]
     q = torch.randn(num_reqs, heads, head_dim, generator=gen).to(dtype)
     scale = 1 / math.sqrt(head_dim)
     # The prefix state, from plain float32 math.
