@@ -169,3 +169,18 @@ def test_top_candidates_equal_a_stable_sort(k) -> None:
     values, indices = cpu_kernels().top_candidates(x, k)
     want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels unavailable on this machine")
+def test_draws_from_logits_equal_draws_from_their_softmax() -> None:
+    """Temperature alone: the C draw computes softmax(logits / T) as it reads the logits; the
+    same uniforms pick the same tokens as the probabilities would, and -inf never."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(64, 1000, generator=gen) * 4
+    logits[:, 500:510] = float("-inf")
+    temperatures = torch.tensor([0.3, 1.0, 2.5, 7.0]).repeat(16)
+    uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    tokens = cpu_kernels().sample_rows(logits, uniforms, temperatures)
+    assert torch.equal(tokens, _sample_rows_torch(probs, uniforms))
+    assert not bool(((tokens >= 500) & (tokens < 510)).any())

@@ -144,8 +144,29 @@ class Sampler:
             return _argmax(logits).to(torch.int32)
         logits = logits.float()
         assert args.temperatures is not None
+        # One uniform number per row (a seeded request's from its own generator, so its draws
+        # do not depend on the batch), mapped through the row's distribution function.
+        uniforms = torch.rand(len(logits), dtype=torch.float64, device=logits.device)
+        for row, generator in args.seeded or ():
+            uniforms[row] = torch.rand(
+                1, dtype=torch.float64, generator=generator, device=uniforms.device
+            )[0]
+        kernels = kernels_for(logits)
+        if kernels is not None and args.top_k is None and args.top_p is None and args.min_p is None:
+            # Temperature alone: the C draw computes the softmax as it reads the logits.
+            sampled = kernels.sample_rows(logits, uniforms, args.temperatures[:, 0])
+        else:
+            sampled = self._sample_filtered(logits, args, uniforms)
+        if args.greedy_rows is None:
+            return sampled.to(torch.int32)
+        return torch.where(args.greedy_rows, _argmax(logits), sampled).to(torch.int32)
+
+    def _sample_filtered(
+        self, logits: torch.Tensor, args: SampleArgs, uniforms: torch.Tensor
+    ) -> torch.Tensor:
+        """The draw through a probability buffer the filters (top-k, top-p, min-p) edit."""
         # Softmax in place in a kept buffer (the logits are left as they are), unnormalised
-        # unless top-p reads it: the draw below scales by each row's total.
+        # unless top-p reads it: the draw scales by each row's total.
         probs = torch.div(logits, args.temperatures, out=self._scratch_like("probs", logits))
         probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
         if args.top_p is not None:
@@ -158,19 +179,8 @@ class Sampler:
         if args.min_p is not None:
             max_prob = weights.amax(dim=-1, keepdim=True)
             weights.masked_fill_(weights < args.min_p * max_prob, 0.0)
-        # One uniform number per row (a seeded request's from its own generator, so its draws
-        # do not depend on the batch), mapped through the row's distribution function.
-        uniforms = torch.rand(len(probs), dtype=torch.float64, device=probs.device)
-        for row, generator in args.seeded or ():
-            uniforms[row] = torch.rand(
-                1, dtype=torch.float64, generator=generator, device=uniforms.device
-            )[0]
         sampled = _sample_rows(weights, uniforms)
-        if tokens is not None:
-            sampled = tokens.gather(1, sampled[:, None])[:, 0]
-        if args.greedy_rows is None:
-            return sampled.to(torch.int32)
-        return torch.where(args.greedy_rows, _argmax(logits), sampled).to(torch.int32)
+        return sampled if tokens is None else tokens.gather(1, sampled[:, None])[:, 0]
 
     @staticmethod
     def _top_k_top_p(

@@ -52,7 +52,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
     "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_argmax": [_ptr, _ptr, _i64, _i64, _int, _int],
-    "minisgl_sample_rows": [_ptr, _ptr, _ptr, _i64, _i64, _int],
+    "minisgl_sample_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int],
     "minisgl_top_candidates": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
@@ -452,15 +452,24 @@ class CpuKernels:
         )
         return indices
 
-    def sample_rows(self, weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    def sample_rows(
+        self,
+        weights: torch.Tensor,
+        uniforms: torch.Tensor,
+        temperatures: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """A draw from each row of weights [rows, cols] (float32, >= 0, not all zero): the first
         column whose running sum exceeds uniforms [rows] (float64 in [0, 1)) times the row's
-        total. int64 [rows]."""
+        total. Given temperatures [rows] (float32, > 0), the rows are logits and the weights
+        softmax(row / temperature), computed on the fly. int64 [rows]."""
         weights, uniforms = weights.contiguous(), uniforms.contiguous()
         assert weights.dtype == torch.float32 and uniforms.dtype == torch.float64
+        if temperatures is not None:
+            temperatures = temperatures.to(torch.float32).contiguous()
         tokens = torch.empty(weights.shape[0], dtype=torch.int64)
         self.lib.minisgl_sample_rows(
             weights.data_ptr(),
+            None if temperatures is None else temperatures.data_ptr(),
             uniforms.data_ptr(),
             tokens.data_ptr(),
             weights.shape[0],

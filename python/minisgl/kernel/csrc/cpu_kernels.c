@@ -1914,60 +1914,95 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
     }
 }
 
-// Sum of w[0, n) in float32 lanes (n a multiple of 64 on the vector path), for the running
-// totals of minisgl_sample_rows, which add these block sums in double.
+// The weights of a row's columns [0, n) into w, and their float32 sum (minisgl_sample_rows adds
+// these block sums in double): x itself, or for logits exp((x - top) * inv_temp), 0 below e^-87
+// (where exp underflows, and for -inf).
 #define SAMPLE_BLOCK 64
-static inline float block_sum(const float* w, int64_t n) {
+static inline float block_weights(const float* x, int64_t n, int logits, float top,
+                                  float inv_temp, float* w) {
 #ifdef __AVX512F__
     if (n == SAMPLE_BLOCK) {
-        __m512 a = _mm512_add_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(w + 16));
-        __m512 b = _mm512_add_ps(_mm512_loadu_ps(w + 32), _mm512_loadu_ps(w + 48));
-        return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        __m512 total = _mm512_setzero_ps();
+        for (int i = 0; i < SAMPLE_BLOCK; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            if (logits) {
+                const __m512 z =
+                    _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(top)), _mm512_set1_ps(inv_temp));
+                const __mmask16 live = _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+                v = _mm512_maskz_mov_ps(live, exp512(z));
+            }
+            _mm512_storeu_ps(w + i, v);
+            total = _mm512_add_ps(total, v);
+        }
+        return _mm512_reduce_add_ps(total);
     }
 #endif
     float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += w[i];
+    for (int64_t i = 0; i < n; i++) {
+        const float z = (x[i] - top) * inv_temp;
+        w[i] = !logits ? x[i] : z >= -87.0f ? expf(z) : 0.0f;
+        sum += w[i];
+    }
     return sum;
 }
 
-// tokens[r]: a draw from row r of weights [rows, cols] (float32, >= 0, not all zero), by the
-// inverse of its distribution function: the first column whose running sum exceeds
-// uniforms[r] (in [0, 1)) times the row's total. One uniform number per row, where drawing one
-// per column (an exponential race) cost 34 ms at 64 x 151,936; two reads of the row instead.
-void minisgl_sample_rows(const float* weights, const double* uniforms, int64_t* tokens,
-                         int64_t rows, int64_t cols, int nthreads) {
+// tokens[r]: a draw from row r of x [rows, cols], by the inverse of its distribution function:
+// the first column whose running weight exceeds uniforms[r] (in [0, 1)) times the row's total.
+// The weights are x itself (>= 0, not all zero) or, given temperatures, softmax(x / T) up to
+// its normaliser, computed on the fly (no probability buffer). One uniform number per row, where
+// drawing one per column (an exponential race) cost 34 ms at 64 x 151,936.
+void minisgl_sample_rows(const float* x, const float* temperatures, const double* uniforms,
+                         int64_t* tokens, int64_t rows, int64_t cols, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float* w = weights + r * cols;
+        const float* row = x + r * cols;
+        const int logits = temperatures != NULL;
+        float top = 0.0f, w[SAMPLE_BLOCK];
+        if (logits) {
+            int64_t c = 0;
+            top = row[0];
+#ifdef __AVX512F__
+            __m512 tops = _mm512_set1_ps(row[0]);
+            for (; c + 16 <= cols; c += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + c));
+            top = _mm512_reduce_max_ps(tops);
+#endif
+            for (; c < cols; c++) top = row[c] > top ? row[c] : top;
+        }
+        const float inv_temp = logits ? 1.0f / temperatures[r] : 1.0f;
         double total = 0.0;
         for (int64_t c = 0; c < cols; c += SAMPLE_BLOCK)
-            total += block_sum(w + c, cols - c < SAMPLE_BLOCK ? cols - c : SAMPLE_BLOCK);
+            total += block_weights(row + c, cols - c < SAMPLE_BLOCK ? cols - c : SAMPLE_BLOCK,
+                                   logits, top, inv_temp, w);
         const double target = uniforms[r] * total;
         double running = 0.0;
-        int64_t token = -1, last = 0;  // last: the last nonzero column seen
+        int64_t token = -1, last = 0;  // last: the start of the last block with weight
         for (int64_t c = 0; c < cols && token < 0; c += SAMPLE_BLOCK) {
             const int64_t n = cols - c < SAMPLE_BLOCK ? cols - c : SAMPLE_BLOCK;
-            const float sum = block_sum(w + c, n);
-            if (sum > 0.0f) last = c + n - 1;
+            const float sum = block_weights(row + c, n, logits, top, inv_temp, w);
+            if (sum > 0.0f) last = c;
             if (running + sum <= target) {
                 running += sum;
                 continue;
             }
             // The crossing is in this block, up to rounding (the element sums in double may
-            // fall short of the block's float sum): then the next nonzero column after it.
+            // fall short of the block's float sum): then the next column with weight after it.
             double inside = running;
             for (int64_t i = 0; i < n; i++) {
-                inside += w[c + i];
-                if (inside > target && w[c + i] > 0.0f) {
+                inside += w[i];
+                if (inside > target && w[i] > 0.0f) {
                     token = c + i;
                     break;
                 }
             }
             running += sum;
         }
-        if (token < 0)  // target at the very top (rounding): the last nonzero column
-            for (token = last; token > 0 && !(w[token] > 0.0f); token--) {
+        if (token < 0) {  // target at the very top (rounding): the last column with weight
+            const int64_t n = cols - last < SAMPLE_BLOCK ? cols - last : SAMPLE_BLOCK;
+            block_weights(row + last, n, logits, top, inv_temp, w);
+            for (token = n - 1; token > 0 && !(w[token] > 0.0f); token--) {
             }
+            token += last;
+        }
         tokens[r] = token;
     }
 }
