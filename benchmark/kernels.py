@@ -24,7 +24,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from minisgl.engine.sample import SampleArgs, Sampler
+from minisgl.engine.sample import PenaltyArgs, SampleArgs, Sampler
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers.linear import interleave_gate_up, onednn_pack
 
@@ -259,6 +259,45 @@ def sampling_cases(rows: int, vocab: int) -> list[Row]:
     return cases
 
 
+def penalties_case(rows: int, vocab: int, history: int) -> Row:
+    """Presence, frequency and repetition penalties on every row (`history` tokens each, half
+    generated): the sampler's pass over the history's entries vs the vocabulary-wide one."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=gen)
+    pool = torch.randint(0, vocab, (rows, history), dtype=torch.int32, generator=gen)
+
+    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows, 1), value, dtype=dtype)
+
+    pen = PenaltyArgs(
+        torch.arange(rows),
+        torch.arange(rows),
+        column(history // 2, torch.int64),
+        column(history, torch.int64),
+        column(0.5),
+        column(0.3),
+        column(1.1),
+    )
+
+    def dense() -> torch.Tensor:
+        tokens = pool.long()
+        known = torch.ones(rows, history)
+        generated = (torch.arange(history) >= history // 2).float().expand(rows, -1)
+        counts = logits.new_zeros(rows, vocab).scatter_add_(1, tokens, generated)
+        seen = logits.new_zeros(rows, vocab).scatter_add_(1, tokens, known) > 0
+        scaled = torch.where(logits > 0, logits / pen.repetition, logits * pen.repetition)
+        out = torch.where(seen, scaled, logits) - pen.frequency * counts
+        return out - pen.presence * (counts > 0).float()
+
+    sampler = Sampler(vocab, torch.device("cpu"))
+    return (
+        f"penalties, {rows} x {vocab}, {history} tokens of history",
+        "vocabulary-wide ops",
+        seconds(dense, 5),
+        seconds(lambda: sampler._apply_penalties(logits, pen, pool), 5),
+    )
+
+
 def elementwise_cases(kernels: CpuKernels, tokens: int, hidden: int, inter: int) -> list[Row]:
     """Residual + RMSNorm and SiLU-and-mul on `tokens` rows: kernel vs the PyTorch ops."""
     x = torch.randn(tokens, hidden, dtype=BF16)
@@ -330,6 +369,7 @@ def main() -> None:
         rows += [gated_case(kernels, args, t) for t in (64, 2048)]
     rows.append(argmax_case(kernels, 64, 49152))
     rows += sampling_cases(64, 151936)
+    rows.append(penalties_case(64, 151936, 256))
     for tokens in (1, 64, 2048):
         rows += elementwise_cases(kernels, tokens, args.hidden, args.intermediate)
     print("| operation | baseline | baseline ms | kernel ms | speedup |")

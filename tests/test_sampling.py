@@ -88,7 +88,7 @@ def test_presence_and_frequency_penalties() -> None:
     assert args.penalties is not None
     logits = torch.zeros(1, 4)
     token_pool = torch.tensor([[0, 1, 1, 2, 3, 3]], dtype=torch.int32)  # 3s: not yet known
-    out = Sampler._apply_penalties(logits, args.penalties, token_pool)
+    out = sampler._apply_penalties(logits, args.penalties, token_pool)
     torch.testing.assert_close(out, torch.tensor([[0.0, -1.0, -0.75, 0.0]]))
 
 
@@ -184,3 +184,41 @@ def test_draws_from_logits_equal_draws_from_their_softmax() -> None:
     tokens = cpu_kernels().sample_rows(logits, uniforms, temperatures)
     assert torch.equal(tokens, _sample_rows_torch(probs, uniforms))
     assert not bool(((tokens >= 500) & (tokens < 510)).any())
+
+
+def test_penalties_equal_a_dense_reference() -> None:
+    """Penalties computed at the history's entries equal the vocabulary-wide formulation, for
+    a subset of the batch's rows, repeated tokens and histories of different lengths."""
+    gen = torch.Generator().manual_seed(7)
+    vocab, batch = 50, 5
+    sampler = Sampler(vocab, torch.device("cpu"))
+    token_pool = torch.randint(0, 12, (batch, 20), dtype=torch.int32, generator=gen)
+    reqs = []
+    for row in range(batch):
+        params = SamplingParams(
+            presence_penalty=0.1 * row, frequency_penalty=0.3, repetition_penalty=1.0 + 0.2 * row
+        )
+        ids = token_pool[row, : 10 + row].tolist()
+        req = _req(params if row != 2 else SamplingParams(), ids, prompt_len=6)
+        req.table_idx = row
+        reqs.append(req)
+    args = sampler.prepare(reqs)
+    assert args.penalties is not None
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    want = logits.clone()
+    for row, req in enumerate(reqs):
+        sp = req.sampling_params
+        if not sp.has_penalties:
+            continue
+        history = token_pool[row, : req.device_len].long()
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[history] = True
+        counts = torch.zeros(vocab).index_add_(0, history[req.prompt_len :], torch.ones(4 + row))
+        x = want[row]
+        x = torch.where(
+            seen, torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty), x
+        )
+        want[row] = x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
+    for _ in range(2):  # the kept count buffer is zero again after each use
+        out = sampler._apply_penalties(logits, args.penalties, token_pool)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
