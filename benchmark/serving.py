@@ -13,11 +13,14 @@ to the workload; --server-args adds flags) and always stops it, or it uses a run
 (output tokens - 1)), ITL (every gap between streamed text chunks; a chunk that carries k
 tokens counts as k gaps of 1/k each) and e2e latency; it prints p50/p90/p99, request and token
 throughput as a Markdown table and writes a PNG of the latency CDFs and a JSON under
-benchmark/out/. With --compare-offline it measures the decode step time of the offline `LLM`
-at batch size --max-concurrency on the same shapes, before starting the server and again after
-stopping it (the machine's speed drifts over minutes; the median over both, the faster middle
-run for an even count, so drift never flatters the server), and prints the server's TPOT p50 /
-that step time (issue 6, acceptance 4). Figures only: nothing is asserted.
+benchmark/out/. --rounds R repeats the timed run R times against the same server (fresh
+prompts each time; the tables pool them). With --compare-offline (3 rounds unless --rounds) it
+measures the decode step time of the offline `LLM` at batch size --max-concurrency on the same
+shapes before the server starts, between rounds (the server idle beside it) and after it
+stops. The machine's speed drifts over minutes, so each round's TPOT p50 is divided by the
+offline step measured just before and after it (the median over both, the faster middle run
+for an even count, so drift never flatters the server), and the median of those ratios is
+printed (issue 6, acceptance 4). Figures only: nothing is asserted.
 
     python benchmark/serving.py --quick                      # smoke test, < 1 minute
     python benchmark/serving.py --max-concurrency 8 --num-prompts 32 --compare-offline
@@ -41,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -125,6 +129,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="then measure the offline LLM's decode step at batch --max-concurrency; print ratio",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed runs against the same server (default 1; 3 with --compare-offline, which "
+        "then measures the offline step before, between and after them)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="offline decode runs (median)")
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids and arrivals")
     p.add_argument(
@@ -144,8 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, default)
     if args.quick and args.repeat == 3:
         args.repeat = 1
-    if min(args.num_prompts, args.input_len, args.repeat) < 1 or args.output_len < 2:
-        p.error("--num-prompts, --input-len and --repeat must be >= 1, --output-len >= 2")
+    if args.rounds is None:
+        args.rounds = 3 if args.compare_offline and not args.quick else 1
+    if min(args.num_prompts, args.input_len, args.repeat, args.rounds) < 1 or args.output_len < 2:
+        p.error("--num-prompts, --input-len, --repeat and --rounds must be >= 1, --output-len >= 2")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
     if args.compare_offline and offline_batch(args) is None:
@@ -262,6 +275,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     chunk_texts: list[str] = field(default_factory=list)
     error: str | None = None
+    # Arrival time and raw payload of every SSE event, parsed once the run is over.
+    events: list[tuple[float, bytes]] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -274,18 +289,44 @@ class RequestResult:
         assert self.e2e is not None and self.ttft is not None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
+    def parse_events(self) -> None:
+        """Fill TTFT, chunk times and texts and the token count from the raw events."""
+        try:
+            for at, data in self.events:
+                event = json.loads(data)
+                if "error" in event:  # the server reports mid-stream failures in-band
+                    self.error = str(event["error"].get("message", event["error"]))
+                    return
+                if event.get("usage"):
+                    self.output_tokens = int(event["usage"]["completion_tokens"])
+                for choice in event.get("choices", []):
+                    # Chunks with no text (the finish reason) mark no new token.
+                    if choice.get("text"):
+                        if self.ttft is None:
+                            self.ttft = at
+                        self.chunk_times.append(at)
+                        self.chunk_texts.append(choice["text"])
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            self.error = f"bad stream event: {type(exc).__name__}: {exc}"
+            return
+        finally:
+            self.events.clear()
+        if self.output_tokens == 0:
+            self.error = "no usage chunk in the stream"
+
 
 async def stream_one(
-    client: httpx.AsyncClient,
+    session: aiohttp.ClientSession,
     url: str,
     model_name: str,
     ids: list[int],
     max_tokens: int,
 ) -> RequestResult:
-    """Send one streaming completion; record when each text chunk arrives.
+    """Send one streaming completion; record when each SSE event arrives.
 
-    Only timestamps and texts are kept here: anything heavier would compete with the server
-    for the same cores while it is being measured (token counting happens afterwards).
+    Only arrival times and raw payloads are kept here: JSON parsing waits until the run is
+    over, since anything heavier would compete with the server for the same cores while it is
+    being measured.
     """
     result = RequestResult(prompt_len=len(ids))
     body = {
@@ -299,35 +340,20 @@ async def stream_one(
     }
     result.sent = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+            async for line in response.content:  # one SSE line at a time
+                if not line.startswith(b"data: "):
                     continue  # blank separators between SSE events
-                data = line[len("data: ") :]
-                if data == "[DONE]":
+                data = line[6:].rstrip()
+                if data == b"[DONE]":
                     break
-                now = time.perf_counter() - result.sent
-                event = json.loads(data)
-                if "error" in event:  # the server reports mid-stream failures in-band
-                    result.error = str(event["error"].get("message", event["error"]))
-                    return result
-                if event.get("usage"):
-                    result.output_tokens = int(event["usage"]["completion_tokens"])
-                for choice in event.get("choices", []):
-                    # Chunks with no text (the finish reason) mark no new token.
-                    if choice.get("text"):
-                        if result.ttft is None:
-                            result.ttft = now
-                        result.chunk_times.append(now)
-                        result.chunk_texts.append(choice["text"])
+                result.events.append((time.perf_counter() - result.sent, data))
         result.e2e = time.perf_counter() - result.sent
-        if result.output_tokens == 0:
-            result.error = "no usage chunk in the stream"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
@@ -352,11 +378,13 @@ async def run_load(
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt at its offset, at most `concurrency` in flight; (results, wall s)."""
     gate = asyncio.Semaphore(concurrency or len(prompts))
-    # No connection pool limit below the concurrency: queueing inside httpx would count as
+    # No connection limit below the concurrency: queueing inside the client would count as
     # server latency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(STREAM_TIMEOUT_S, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=STREAM_TIMEOUT_S)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
         start = time.perf_counter()
 
         async def one(ids: list[int], offset: float) -> RequestResult:
@@ -364,10 +392,13 @@ async def run_load(
             # TTFT counts from when the request is sent, not from when it was due: time spent
             # waiting here for a free slot is the closed loop's, not the server's.
             async with gate:
-                return await stream_one(client, url, model_name, ids, max_tokens)
+                return await stream_one(session, url, model_name, ids, max_tokens)
 
         results = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
         wall = time.perf_counter() - start
+    for result in results:
+        if result.error is None:
+            result.parse_events()
     return list(results), wall
 
 
@@ -591,37 +622,86 @@ def describe_load(args: argparse.Namespace) -> str:
     )
 
 
-def benchmark_server(
-    url: str, model: Path, tokens: TokenSource, args: argparse.Namespace, headers: dict[str, str]
-) -> tuple[Summary, list[RequestResult]]:
-    """Warm-up, then the timed run; returns the summary and the raw results."""
-    model_name, _ = served_model(url, headers)
+def warm_up(
+    url: str,
+    model_name: str,
+    tokens: TokenSource,
+    args: argparse.Namespace,
+    headers: dict[str, str],
+) -> None:
+    """A few untimed short requests (fresh ids), so the timed runs see a warm server."""
     warmup_n = args.warmup_requests
     if warmup_n is None:
         warmup_n = min(8, args.max_concurrency or args.num_prompts)
-    if warmup_n:
-        rng = tokens.rng("serving-warmup")
-        prompts = [tokens.draw(rng, args.input_len) for _ in range(warmup_n)]
-        log(f"warm-up: {warmup_n} requests of {WARMUP_TOKENS} tokens")
-        warm, _ = asyncio.run(
-            run_load(url, model_name, prompts, WARMUP_TOKENS, [0.0] * warmup_n, None, headers)
-        )
-        bad = [r.error for r in warm if not r.ok]
-        if bad:
-            raise RuntimeError(f"warm-up failed ({len(bad)} of {warmup_n}): {bad[0]}")
-    rng = tokens.rng("serving", args.num_prompts, args.input_len)
+    if not warmup_n:
+        return
+    rng = tokens.rng("serving-warmup")
+    prompts = [tokens.draw(rng, args.input_len) for _ in range(warmup_n)]
+    log(f"warm-up: {warmup_n} requests of {WARMUP_TOKENS} tokens")
+    warm, _ = asyncio.run(
+        run_load(url, model_name, prompts, WARMUP_TOKENS, [0.0] * warmup_n, None, headers)
+    )
+    bad = [r.error for r in warm if not r.ok]
+    if bad:
+        raise RuntimeError(f"warm-up failed ({len(bad)} of {warmup_n}): {bad[0]}")
+
+
+def timed_run(
+    url: str,
+    model_name: str,
+    tokens: TokenSource,
+    args: argparse.Namespace,
+    headers: dict[str, str],
+    round_index: int,
+) -> tuple[list[RequestResult], float]:
+    """One timed run of the load (fresh prompts each round); (results, wall s)."""
+    stream = () if round_index == 0 else (round_index,)
+    rng = tokens.rng("serving", args.num_prompts, args.input_len, *stream)
     prompts = [tokens.draw(rng, args.input_len) for _ in range(args.num_prompts)]
-    offsets = arrival_offsets(args.num_prompts, args.request_rate, tokens.rng("arrivals"))
-    log(f"timed run: {describe_load(args)}")
+    offsets = arrival_offsets(args.num_prompts, args.request_rate, tokens.rng("arrivals", *stream))
+    label = f"timed run {round_index + 1}/{args.rounds}" if args.rounds > 1 else "timed run"
+    log(f"{label}: {describe_load(args)}")
     results, wall = asyncio.run(
         run_load(url, model_name, prompts, args.output_len, offsets, args.max_concurrency, headers)
     )
-    log(f"timed run: {wall:.2f} s")
-    # Token counting needs the tokenizer; done now that the server is idle.
-    from transformers import AutoTokenizer
+    log(f"{label}: {wall:.2f} s")
+    return results, wall
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    return summarize(results, wall, tokenizer), results
+
+def offline_comparison(
+    summaries: list[Summary], offline_at: dict[int, OfflineStep], batch: int
+) -> tuple[str, float | None]:
+    """Per round: the server's TPOT p50 over the offline step measured just before and after
+    that round; (the table, the median ratio over rounds)."""
+    rows, ratios = [], []
+    for k, summary in enumerate(summaries):
+        around = [offline_at[i] for i in (k, k + 1) if i in offline_at]
+        step = OfflineStep.merged(*around)
+        tpot = summary.stat("TPOT", 50)
+        ratio = None if tpot is None else tpot / (1e3 * step.step_s)
+        if ratio is not None:
+            ratios.append(ratio)
+        rows.append(
+            [
+                k + 1,
+                batch,
+                1e3 * step.step_s,
+                step.tok_per_s,
+                tpot,
+                summary.stat("TPOT"),
+                None if ratio is None else f"{ratio:.2f}x",
+            ]
+        )
+    headers = [
+        "round",
+        "batch",
+        "offline step ms",
+        "offline decode tok/s",
+        "server TPOT p50 ms",
+        "server TPOT mean ms",
+        "TPOT p50 / step",
+    ]
+    return format_table(headers, rows), statistics.median(ratios) if ratios else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -631,12 +711,21 @@ def main(argv: list[str] | None = None) -> None:
     # Against a running server, its own folder (from /v1/models) is the model, unless --model.
     model = resolve_bench_model(args.model) if args.url is None or args.model else None
     server: Server | None = None
-    before: OfflineStep | None = None
     batch = offline_batch(args)
-    if args.compare_offline and args.url is None and batch is not None:
-        assert model is not None
-        log(f"offline: decode step of minisgl.llm.LLM at batch {batch}, before the server")
-        before = offline_decode_step(model, TokenSource(model, args.seed), args, batch)
+    # Offline decode steps by position: i is measured just before round i (0-based), so round
+    # k is compared with measurements k and k + 1, taken seconds before and after it.
+    offline_at: dict[int, OfflineStep] = {}
+
+    def measure_offline(position: int, when: str) -> None:
+        assert model is not None and batch is not None  # parse_args checked
+        log(f"offline: decode step of minisgl.llm.LLM at batch {batch}, {when}")
+        offline_at[position] = offline_decode_step(
+            model, TokenSource(model, args.seed), args, batch
+        )
+
+    if args.compare_offline and args.url is None:
+        measure_offline(0, "before the server")
+    runs: list[tuple[list[RequestResult], float]] = []
     try:
         if args.url is None:
             assert model is not None
@@ -646,8 +735,8 @@ def main(argv: list[str] | None = None) -> None:
             url = server.url
         else:
             url = args.url.rstrip("/")
+        model_name, root = served_model(url, headers)
         if model is None:
-            root = served_model(url, headers)[1]
             if root is None or not Path(root).exists():
                 sys.exit("the server does not name a local model folder: pass --model")
             model = Path(root)
@@ -655,14 +744,33 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# serving benchmark: {model_label(model)} ({model}), {args.dtype}")
         print(f"# machine: {machine_note()}")
         print(f"# server: {url}" + (" (started here)" if server else " (running already)"))
-        print(f"# load: {describe_load(args)}")
-        summary, results = benchmark_server(url, model, tokens, args, headers)
+        print(
+            f"# load: {describe_load(args)}"
+            + (f", {args.rounds} rounds" if args.rounds > 1 else "")
+        )
+        warm_up(url, model_name, tokens, args, headers)
+        for k in range(args.rounds):
+            runs.append(timed_run(url, model_name, tokens, args, headers, k))
+            if args.compare_offline and k + 1 < args.rounds:
+                # The machine's speed drifts over minutes: each round gets its own neighbours.
+                measure_offline(k + 1, "between rounds (the server idles)")
     except (RuntimeError, httpx.HTTPError) as exc:  # the server failed: say why, no traceback
         sys.exit(f"error: {exc}")
     finally:
         if server is not None:
             server.stop()
+    if args.compare_offline:
+        if args.url is not None:
+            log("note: the running server shares the cores with the offline engine")
+        measure_offline(args.rounds, "after the server" if server else "after the runs")
 
+    # Token counting needs the tokenizer; done now that the runs are over.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    summaries = [summarize(results, wall, tokenizer) for results, wall in runs]
+    all_results = [r for results, _ in runs for r in results]
+    summary = summarize(all_results, sum(wall for _, wall in runs), tokenizer)
     print(latency_table(summary))
     print(
         f"requests: {summary.completed} done, {summary.failed} failed in {summary.wall_s:.2f} s; "
@@ -675,36 +783,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"first error: {summary.first_error}")
 
     offline: OfflineStep | None = None
-    if args.compare_offline:
-        if args.url is not None:
-            log("note: the running server shares the cores with the offline engine")
-        assert batch is not None  # parse_args checked
-        log(f"offline: decode step of minisgl.llm.LLM at batch {batch}")
-        offline = offline_decode_step(model, tokens, args, batch)
-        if before is not None:
-            offline = OfflineStep.merged(before, offline)
-        tpot = summary.stat("TPOT", 50)
-        ratio = None if tpot is None else tpot / (1e3 * offline.step_s)
-        rows = [
-            [
-                batch,
-                1e3 * offline.step_s,
-                offline.tok_per_s,
-                tpot,
-                summary.stat("TPOT"),
-                None if ratio is None else f"{ratio:.2f}x",
-            ]
-        ]
-        headers_row = [
-            "batch",
-            "offline step ms",
-            "offline decode tok/s",
-            "server TPOT p50 ms",
-            "server TPOT mean ms",
-            "TPOT p50 / step",
-        ]
-        print(format_table(headers_row, rows))
-        print("offline step ms per run: " + ", ".join(f"{1e3 * s:.2f}" for s in offline.runs_s))
+    ratio: float | None = None
+    if offline_at:
+        assert batch is not None
+        table, ratio = offline_comparison(summaries, offline_at, batch)
+        print(table)
+        if ratio is not None and args.rounds > 1:
+            print(f"TPOT p50 / offline step, median over {args.rounds} rounds: {ratio:.2f}x")
+        offline = OfflineStep.merged(*offline_at.values())
+        for i, step in sorted(offline_at.items()):
+            runs_ms = ", ".join(f"{1e3 * s:.2f}" for s in step.runs_s)
+            print(
+                f"offline step ms before round {i + 1}: {runs_ms}"
+                if i < args.rounds
+                else f"offline step ms after the last round: {runs_ms}"
+            )
 
     png = args.out / f"serving-{model_label(model)}-{stamp()}.png"
     title = f"{model_label(model)} {args.dtype}: {describe_load(args)}"
@@ -724,8 +817,11 @@ def main(argv: list[str] | None = None) -> None:
                     for m in summary.samples_ms
                 },
             },
+            "rounds_tpot_p50_ms": [s.stat("TPOT", 50) for s in summaries],
             "offline": None if offline is None else asdict(offline),
-            "requests": [asdict(r) for r in results],
+            "offline_by_position": {str(i): asdict(step) for i, step in offline_at.items()},
+            "tpot_p50_over_step": ratio,
+            "requests": [asdict(r) for r in all_results],
         },
     )
 

@@ -253,6 +253,37 @@ def test_eight_concurrent_streams(server, model, expected):
         assert len(pieces) > 1  # really streamed, not one blob
 
 
+def test_serving_benchmark_client_records_every_token(server, model, expected):
+    """benchmark/serving.py's client: streamed text equals the greedy output, every token
+    counted, chunk times in order (it parses the raw events only after the run)."""
+    from minisgl.tokenizer import load_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    import serving
+
+    tokenizer = load_tokenizer(smollm2())
+    prompts = [tokenizer(p).input_ids for p in PROMPTS[:2]]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    results, wall = asyncio.run(
+        serving.run_load(server.url, model, prompts, MAX_TOKENS, [0.0, 0.05], 1, headers)
+    )
+    assert len(results) == 2 and wall > 0
+    for prompt, result in zip(PROMPTS, results):
+        assert result.ok, result.error
+        assert result.output_tokens == MAX_TOKENS and result.prompt_len > 0
+        # ignore_eos: the stream may run past where the offline greedy run met EOS.
+        assert "".join(result.chunk_texts).startswith(expected[prompt])
+        assert result.chunk_times == sorted(result.chunk_times)
+        assert result.ttft == result.chunk_times[0] <= result.e2e
+        assert result.tpot is not None and result.tpot > 0
+    # Concurrency 1: the second request was sent only after the first one ended.
+    assert results[1].sent >= results[0].sent + results[0].e2e
+    summary = serving.summarize(results, wall, tokenizer)
+    assert summary.completed == 2 and summary.failed == 0
+    assert summary.output_tokens == 2 * MAX_TOKENS
+    assert len(summary.samples_ms["ITL"]) == 2 * (MAX_TOKENS - 1)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_cut_and_never_leak(client, model, expected, stream):
     full = expected["stop"]
