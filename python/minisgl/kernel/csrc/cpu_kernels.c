@@ -200,7 +200,10 @@ static void gemv_row_generic(const bf16_t* x, const bf16_t* w, const bf16_t* bia
 void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
                        int64_t M, int64_t N, int64_t K, int nthreads) {
     int64_t full_blocks = N / 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+    // Guided: long runs of consecutive blocks (the prefetch two blocks on stays useful), then
+    // shorter ones, so a thread that fell behind (preempted, slower memory) is helped out at
+    // the end instead of waited for: batch 8 decode 4-5% faster than static halves.
+#pragma omp parallel for num_threads(nthreads) schedule(guided)
     for (int64_t blk = 0; blk < full_blocks; blk++) {
         int64_t n0 = blk * 4;
 #ifdef HAVE_AVX512_BF16
@@ -649,10 +652,11 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
     }
 #endif
     if (!use_tiles) {
-        // A task is a pair of column blocks (and up to AMX_MGROUP rows); a thread's tasks are
-        // consecutive, so each fetches the next pair's weights while it computes.
+        // A task is a pair of column blocks (and up to AMX_MGROUP rows); a thread's tasks come
+        // in runs of consecutive ones (guided, as in minisgl_gemv_bf16), so each fetches the
+        // next pair's weights while it computes.
         const int64_t pairs = (nblocks + 1) / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(guided)
         for (int64_t task = 0; task < pairs * mgroups; task++) {
             int64_t nb = task / mgroups * 2, g = task % mgroups;
             int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
