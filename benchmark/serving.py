@@ -292,7 +292,11 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
     def parse_events(self) -> None:
-        """Fill TTFT, chunk times and texts and the token count from the raw events."""
+        """Fill TTFT, chunk times and texts and the token count from the raw events (a
+        request that failed on the way keeps its error and drops them)."""
+        if self.error is not None:
+            self.events.clear()
+            return
         try:
             for at, data in self.events:
                 event = json.loads(data)
@@ -409,8 +413,7 @@ async def run_load(
         results = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
         wall = time.perf_counter() - start
     for result in results:
-        if result.error is None:
-            result.parse_events()
+        result.parse_events()
     return list(results), wall
 
 
