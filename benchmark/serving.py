@@ -692,7 +692,7 @@ def offline_comparison(
     for k, summary in enumerate(summaries):
         around = [offline_at[i] for i in (k, k + 1) if i in offline_at]
         step = OfflineStep.merged(*around)
-        tpot = summary.stat("TPOT", 50)
+        tpot, itl = summary.stat("TPOT", 50), summary.stat("ITL", 50)
         ratio = None if tpot is None else tpot / (1e3 * step.step_s)
         if ratio is not None:
             ratios.append(ratio)
@@ -705,6 +705,7 @@ def offline_comparison(
                 tpot,
                 summary.stat("TPOT"),
                 None if ratio is None else f"{ratio:.2f}x",
+                None if itl is None else f"{itl / (1e3 * step.step_s):.2f}x",
             ]
         )
     headers = [
@@ -715,6 +716,8 @@ def offline_comparison(
         "server TPOT p50 ms",
         "server TPOT mean ms",
         "TPOT p50 / step",
+        # Not moved by prefills that delay a request between its first and last token.
+        "ITL p50 / step",
     ]
     return format_table(headers, rows), statistics.median(ratios) if ratios else None
 
