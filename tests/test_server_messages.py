@@ -1,7 +1,9 @@
-"""The server's building blocks without processes: message codec, scheduler I/O loop and
-the detokenize manager (stop strings -> abort)."""
+"""The server's building blocks without processes: SSE chunks, message codec, scheduler I/O
+loop and the detokenize manager (stop strings -> abort)."""
 
 from __future__ import annotations
+
+import json
 
 import msgpack
 import pytest
@@ -22,7 +24,37 @@ from minisgl.message import (
     encode,
 )
 from minisgl.scheduler.io import SchedulerIO
+from minisgl.server.responses import ResponseFormatter
 from minisgl.tokenizer.server import DetokenizeManager, tokenize_request
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_sse_chunks_are_openai_json(chat):
+    fmt = ResponseFormatter(chat, "cmpl-1", 'a "model" \u00e9', 1700000000, 1)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def parsed(event: str) -> dict:
+        assert event.startswith("data: ") and event.endswith("\n\n")
+        body = json.loads(event[len("data: ") : -2])
+        assert {k: body.pop(k) for k in ("id", "object", "created", "model")} == {
+            "id": "cmpl-1",
+            "object": obj,
+            "created": 1700000000,
+            "model": 'a "model" \u00e9',
+        }
+        return body
+
+    for text in [" hello", 'q"uote\\ \n\t\u2028', "\u00e9\u4e2d\U0001f600", "}]}"]:
+        content = {"delta": {"content": text}} if chat else {"text": text}
+        choice = {"index": 3, **content, "logprobs": None, "finish_reason": None}
+        assert parsed(fmt.chunk(3, text, None)) == {"choices": [choice]}
+    content = {"delta": {}} if chat else {"text": ""}
+    choice = {"index": 0, **content, "logprobs": None, "finish_reason": "length"}
+    assert parsed(fmt.chunk(0, None, "length")) == {"choices": [choice]}
+    if chat:
+        role = {"index": 1, "delta": {"role": "assistant", "content": ""}}
+        expected = {"choices": [{**role, "logprobs": None, "finish_reason": None}]}
+        assert parsed(fmt.chunk(1, None, None, role=True)) == expected
 
 
 def test_codec_round_trips_nested_messages():
