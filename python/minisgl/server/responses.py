@@ -72,11 +72,13 @@ class ResponseFormatter:
 
     def __post_init__(self) -> None:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        head = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        # What every streamed chunk starts with.
+        self._head = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
         # The chunk of almost every streamed token (one choice's new text, nothing else) is
         # this head, the index, the text as a JSON string and a fixed tail, not a dict dumped
         # whole: the API server's CPU per streamed token went from 42-49 to 32-34 us.
-        self._text_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": '
+        self._text_head = "data: " + json.dumps(self._head, ensure_ascii=False)[:-1]
+        self._text_head += ', "choices": '
         self._text_key = '"delta": {"content": ' if self.chat else '"text": '
         close_delta = "}" if self.chat else ""
         self._text_tail = close_delta + ', "logprobs": null, "finish_reason": null}]}\n\n'
@@ -93,21 +95,16 @@ class ResponseFormatter:
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
-            obj = "chat.completion.chunk"
         else:
             choice = {"index": index, "text": text or ""}
-            obj = "text_completion"
         choice.update(logprobs=None, finish_reason=finish)
-        return self._sse({"choices": [choice]}, obj)
+        return self._sse({"choices": [choice]})
 
-    def _sse(self, payload: dict[str, Any], obj: str) -> str:
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-        body.update(payload)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def _sse(self, payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(self._head | payload, ensure_ascii=False)}\n\n"
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._sse({"choices": [], "usage": usage_body}, obj)
+        return self._sse({"choices": [], "usage": usage_body})
 
     def response(
         self, texts: list[str], finish: list[str | None], usage_body: dict[str, Any]
