@@ -47,9 +47,6 @@ from minisgl.utils.hf import cache_dir, resolve_model_path  # noqa: E402
 OUT_DIR = REPO_ROOT / "benchmark" / "out"
 PEERS_DIR = REPO_ROOT / ".peers"
 VLLM_RUNNER = REPO_ROOT / "benchmark" / "peers" / "vllm_offline.py"
-# Machine figures from shared/PEERS.md (2-core Zen 5): memory bandwidth and bf16 matmul peak.
-BANDWIDTH_GBS = 35.0
-PEAK_TFLOPS = 0.97
 
 QWEN3_RANDOM = "qwen3-0.6b-random"
 # Qwen3-0.6B's shape (random weights): q/k RMSNorm come with the Qwen3 architecture.
@@ -141,24 +138,79 @@ def model_label(path: Path) -> str:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """The two figures a roofline needs: memory read bandwidth and bf16 matmul peak."""
+
+    bandwidth_gbs: float
+    matmul_tflops: float
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.bandwidth_gbs:.1f} GB/s, {self.matmul_tflops:.2f} TFLOP/s ({self.source})"
+
+
+# shared/PEERS.md's machine (2-core Zen 5), on which the issues' absolute figures were set.
+REFERENCE_MACHINE = Machine(35.0, 0.97, "the 2-core Zen 5 of shared/PEERS.md")
+
+
+def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_machine() -> Machine:
+    """Measure this machine (about two seconds, with torch's current thread count).
+
+    Bandwidth: a float32 sum over 1 GiB, far beyond any cache. Peak: PyTorch's bf16 matmul
+    (oneDNN) on operands that fit in cache. Each is the best of several runs, since a bound
+    should not be beaten.
+    """
+    data = torch.ones(1 << 28, dtype=torch.float32)
+    bandwidth = data.numel() * 4 / _best_seconds(data.sum, 5) / 1e9
+    del data
+    a = torch.randn(512, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    seconds = _best_seconds(lambda: [torch.mm(a, b) for _ in range(4)], 5) / 4
+    tflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / seconds / 1e12
+    return Machine(bandwidth, tflops, f"measured here, {torch.get_num_threads()} threads")
+
+
+@dataclass(frozen=True)
 class ModelCost:
     """What one token / one decode step costs the machine, for roofline bounds."""
 
     params: int
     weight_bytes: int  # bytes read from memory by one decode step (weights only)
-    flops_per_token: int  # matmul FLOPs of one token (attention excluded)
+    flops_per_token: int  # matmul FLOPs of one token that gets logits (attention excluded)
+    head_flops: int  # of which the output head's (prompt tokens before the last skip it)
 
-    def bandwidth_steps_per_s(self, gbs: float = BANDWIDTH_GBS) -> float:
-        """Decode steps/s if every step streams the weights once at `gbs` GB/s."""
-        return gbs * 1e9 / self.weight_bytes
+    def bandwidth_steps_per_s(self, machine: Machine) -> float:
+        """Decode steps/s if every step streams the weights once at the machine's bandwidth."""
+        return machine.bandwidth_gbs * 1e9 / self.weight_bytes
 
-    def compute_tok_per_s(self, tflops: float = PEAK_TFLOPS) -> float:
+    def compute_tok_per_s(self, machine: Machine) -> float:
         """Tokens/s if the matmuls ran at the machine's peak."""
-        return tflops * 1e12 / self.flops_per_token
+        return machine.matmul_tflops * 1e12 / self.flops_per_token
 
-    def roofline_tok_per_s(self, batch: int) -> float:
+    def roofline_tok_per_s(self, batch: int, machine: Machine) -> float:
         """Decode tok/s bound at a batch size: the lower of the bandwidth and compute bounds."""
-        return min(batch * self.bandwidth_steps_per_s(), self.compute_tok_per_s())
+        return min(batch * self.bandwidth_steps_per_s(machine), self.compute_tok_per_s(machine))
+
+    def matmul_seconds(
+        self, prompt_tokens: int, requests: int, output_tokens: int, machine: Machine
+    ) -> float:
+        """Least time for a workload's matmuls at the machine's peak. The layers see every
+        prompt token and every output token but each request's last; the head makes every
+        output token."""
+        layer_flops = self.flops_per_token - self.head_flops
+        tokens = prompt_tokens + output_tokens - requests
+        flops = tokens * layer_flops + output_tokens * self.head_flops
+        return flops / (machine.matmul_tflops * 1e12)
 
 
 def model_cost(path: Path, dtype: torch.dtype) -> ModelCost:
@@ -174,8 +226,9 @@ def model_cost(path: Path, dtype: torch.dtype) -> ModelCost:
     # With tied embeddings the embedding matrix is the lm_head matmul; untied, the input
     # embedding is a row lookup that neither streams the matrix nor multiplies it.
     matmul_params = params if tied else params - embed
+    head = model.get_output_embeddings().weight.numel()
     element = torch.empty((), dtype=dtype).element_size()
-    return ModelCost(params, matmul_params * element, 2 * matmul_params)
+    return ModelCost(params, matmul_params * element, 2 * matmul_params, 2 * head)
 
 
 # ---------------------------------------------------------------------------- token ids

@@ -32,7 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    REFERENCE_MACHINE,
     HFRunner,
+    Machine,
     MinisglRunner,
     Panel,
     PeerRun,
@@ -46,6 +48,7 @@ from common import (  # noqa: E402
     format_table,
     machine_note,
     max_seq_len,
+    measure_machine,
     median_run,
     model_cost,
     model_label,
@@ -146,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"decode mode: {DECODE_INPUT_LEN}-token prompts, {DECODE_OUTPUT_LEN} new tokens",
     )
     p.add_argument("--skip-hf", action="store_true", help="do not run the HF baseline")
+    p.add_argument(
+        "--reference-machine",
+        action="store_true",
+        help="roofline bounds from shared/PEERS.md's machine (35 GB/s, 0.97 TFLOP/s) instead of "
+        "measuring this one",
+    )
     p.add_argument(
         "--hf-batch-size", type=int, default=None, help="HF batch (default: all prompts at once)"
     )
@@ -296,7 +305,11 @@ def run_all(
 
 
 def report_throughput(
-    results: list[RunResult], shapes: list[Shape], args: argparse.Namespace, model: Path
+    results: list[RunResult],
+    shapes: list[Shape],
+    args: argparse.Namespace,
+    model: Path,
+    machine: Machine,
 ) -> None:
     rows = []
     for shape in shapes:
@@ -325,6 +338,17 @@ def report_throughput(
         "bad len",
     ]
     print(format_table(headers, rows))
+    cost = model_cost(model, parse_dtype(args.dtype))
+    for shape in shapes:
+        ours = next(r for r in results if r.workload == shape.describe() and r.engine == "minisgl")
+        floor = cost.matmul_seconds(
+            ours.prompt_tokens, shape.num_prompts, ours.output_tokens, machine
+        )
+        print(
+            f"floor: {shape.describe()}'s matmuls take >= {floor:.2f} s at "
+            f"{machine.matmul_tflops:.2f} TFLOP/s ({machine.source}); minisgl's wall time is "
+            f"{ours.wall_s / floor:.2f}x that"
+        )
     for r in results:
         if r.cached_tokens:
             print(
@@ -347,18 +371,26 @@ def report_throughput(
 
 
 def report_decode(
-    results: list[RunResult], shapes: list[Shape], args: argparse.Namespace, model: Path
+    results: list[RunResult],
+    shapes: list[Shape],
+    args: argparse.Namespace,
+    model: Path,
+    machine: Machine,
 ) -> None:
     cost = model_cost(model, parse_dtype(args.dtype))
-    bw = cost.bandwidth_steps_per_s()
     print(
         f"bounds: {cost.params / 1e6:.1f}M params, {cost.weight_bytes / 1e6:.0f} MB of weights per "
-        f"decode step -> <= {bw:.1f} steps/s at 35 GB/s; matmuls <= {cost.compute_tok_per_s():,.0f} "
-        "tok/s at 0.97 TFLOP/s"
+        "decode step"
     )
+    for m in (machine, REFERENCE_MACHINE):
+        print(
+            f"  at {m.describe()}: <= {cost.bandwidth_steps_per_s(m):.1f} steps/s by bandwidth, "
+            f"matmuls <= {cost.compute_tok_per_s(m):,.0f} tok/s"
+        )
+    bw = cost.bandwidth_steps_per_s(machine)
     rows = []
     for shape in shapes:
-        bound = cost.roofline_tok_per_s(shape.num_prompts)
+        bound = cost.roofline_tok_per_s(shape.num_prompts, machine)
         for r in (r for r in results if r.workload == shape.describe()):
             steps = r.decode_steps_per_s
             if steps is None and r.engine.startswith("vLLM"):
@@ -371,7 +403,7 @@ def report_decode(
                     steps,
                     tok,
                     None if tok is None else f"{100 * tok / bound:.0f}%",
-                    min(bw, cost.compute_tok_per_s() / shape.num_prompts),
+                    min(bw, cost.compute_tok_per_s(machine) / shape.num_prompts),
                     r.output_tps,
                 ]
             )
@@ -395,7 +427,7 @@ def report_decode(
             series[e].append(None if row is None else row[3])
     png = args.out / f"decode-{model_label(model)}-{stamp()}.png"
     title = f"{model_label(model)} {args.dtype}: decode tok/s by batch size"
-    bounds = [cost.roofline_tok_per_s(s.num_prompts) for s in shapes]
+    bounds = [cost.roofline_tok_per_s(s.num_prompts, machine) for s in shapes]
     panel = Panel(groups, series, "decode tokens / s", bounds=bounds, bound_label="roofline bound")
     if bar_chart(png, title, [panel]):
         print(f"plot: {png}")
@@ -449,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)
     print(f"# offline benchmark: {model_label(model)} ({model}), {args.dtype}")
     print(f"# machine: {machine_note()}")
+    machine = REFERENCE_MACHINE if args.reference_machine else measure_machine()
+    print(f"# roofline figures: {machine.describe()}")
     peers = list(args.peer)
     if args.decode_batch_sizes:
         shapes = decode_shapes(args)
@@ -456,11 +490,11 @@ def main(argv: list[str] | None = None) -> None:
         results = run_all(model, shapes, tokens, args)
         if "vllm" in peers:
             results += vllm_decode_rates(model, shapes, tokens, args)
-        report_decode(results, shapes, args, model)
+        report_decode(results, shapes, args, model, machine)
     else:
         shapes = pick_shapes(args)
         results = run_all(model, shapes, tokens, args)
-        report_throughput(results, shapes, args, model)
+        report_throughput(results, shapes, args, model, machine)
     if "vllm" in peers and not any(r.engine.startswith("vLLM") for r in results):
         print("vLLM peer: ABSENT or failed (see above); its rows are missing.")
 
