@@ -139,7 +139,8 @@ def model_label(path: Path) -> str:
 
 @dataclass(frozen=True)
 class Machine:
-    """The two figures a roofline needs: memory read bandwidth and bf16 matmul peak."""
+    """The two figures a roofline needs: memory read bandwidth and matmul peak (in the dtype the
+    model runs in; PEERS.md's reference figures are bf16's)."""
 
     bandwidth_gbs: float
     matmul_tflops: float
@@ -163,21 +164,33 @@ def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def measure_machine() -> Machine:
+def measure_machine(dtype: torch.dtype = torch.bfloat16) -> Machine:
     """Measure this machine (about two seconds, with torch's current thread count).
 
-    Bandwidth: a float32 sum over 1 GiB, far beyond any cache. Peak: PyTorch's bf16 matmul
-    (oneDNN) on operands that fit in cache. Each is the best of several runs, since a bound
-    should not be beaten.
+    Bandwidth: a float32 sum over 1 GiB, far beyond any cache. Peak: oneDNN's matmul in `dtype`
+    (a packed 2,048 x 2,048 weight, as the engine multiplies on CPU; F.linear where oneDNN cannot
+    pack the dtype) on operands that fit in cache. Each is the best of several runs, since a
+    bound should not be beaten.
     """
     data = torch.ones(1 << 28, dtype=torch.float32)
     bandwidth = data.numel() * 4 / _best_seconds(data.sum, 5) / 1e9
     del data
-    a = torch.randn(512, 2048, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    seconds = _best_seconds(lambda: [torch.mm(a, b) for _ in range(4)], 5) / 4
-    tflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / seconds / 1e12
-    return Machine(bandwidth, tflops, f"measured here, {torch.get_num_threads()} threads")
+    x = torch.randn(512, 2048, dtype=dtype)
+    weight = torch.randn(2048, 2048, dtype=dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
+
+        def matmul() -> object:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+
+        def matmul() -> object:
+            return torch.nn.functional.linear(x, weight)
+
+    seconds = _best_seconds(lambda: [matmul() for _ in range(4)], 5) / 4
+    tflops = 2 * x.shape[0] * x.shape[1] * weight.shape[0] / seconds / 1e12
+    name = str(dtype).removeprefix("torch.")
+    return Machine(bandwidth, tflops, f"measured here, {name}, {torch.get_num_threads()} threads")
 
 
 @dataclass(frozen=True)

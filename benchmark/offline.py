@@ -481,7 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)
     print(f"# offline benchmark: {model_label(model)} ({model}), {args.dtype}")
     print(f"# machine: {machine_note()}")
-    machine = REFERENCE_MACHINE if args.reference_machine else measure_machine()
+    machine = (
+        REFERENCE_MACHINE if args.reference_machine else measure_machine(parse_dtype(args.dtype))
+    )
     print(f"# roofline figures: {machine.describe()}")
     peers = list(args.peer)
     if args.decode_batch_sizes:

@@ -8,7 +8,7 @@ from torch import nn
 
 from minisgl.kernel.cpu import CpuKernels
 
-from .linear import HALF_DTYPES, CpuProjection
+from .linear import CPU_PROJECTION_DTYPES, CpuProjection
 
 
 class VocabEmbedding(nn.Module):
@@ -38,7 +38,7 @@ class LMHead(nn.Module):
         """Pick the CPU matmul path (see layers.linear); a tied weight is kept for the lookup.
         Where the C packed matmul computes the head, logits come out float32."""
         weight = self._weight()
-        if weight.device.type == "cpu" and weight.dtype in HALF_DTYPES:
+        if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
             self.cpu_projection = CpuProjection(weight.data, kernels, float_out=True)
 
     def forward(self, hidden: torch.Tensor, reuse_output: bool = False) -> torch.Tensor:

@@ -16,10 +16,11 @@ from .activation import silu_and_mul
 # packed matmul: on the AMX tiles 1.3-1.6x oneDNN at 5-64 rows, 1.5x the GEMV at 5-8, 1.3x at
 # 1,024; with vdpbf16ps (Zen 5) level with oneDNN on Qwen3's shapes and 1.1-1.3x on SmolLM2's at
 # 16-128 rows, within 5% at 2,048. It also fuses SiLU into gate_up and lets the C decode layer
-# take any batch. Other dtypes and CPUs: oneDNN's packed layout.
+# take any batch. Other dtypes and CPUs: oneDNN's packed layout (float32 included: PyTorch's
+# F.linear runs MKL's sgemm, which on AMD CPUs takes a generic path 2-3x slower than oneDNN).
 GEMV_MAX_ROWS = 8
 AMX_GEMV_MAX_ROWS = 4
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+CPU_PROJECTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def onednn_packing_available() -> bool:
@@ -48,7 +49,7 @@ def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
 
 
 class CpuProjection:
-    """How a half-precision weight is multiplied on the CPU, by rows per call: with avx512_bf16
+    """How a weight is multiplied on the CPU, by rows per call: with avx512_bf16
     and a bf16 weight, the C GEMV for a few rows and above them the C packed matmul over a copy
     in the tile layout (on the AMX tiles where the CPU has them, else vdpbf16ps); otherwise
     oneDNN's packed copy, or F.linear where neither applies. Without the GEMV only the packed
@@ -147,8 +148,8 @@ class Linear(nn.Module):
         self.cpu_projection: CpuProjection | None = None
 
     def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
-        """Pick the CPU matmul path for a half-precision weight (after loading)."""
-        if self.weight.device.type == "cpu" and self.weight.dtype in HALF_DTYPES:
+        """Pick the CPU matmul path for the weight (after loading)."""
+        if self.weight.device.type == "cpu" and self.weight.dtype in CPU_PROJECTION_DTYPES:
             bias = None if self.bias is None else self.bias.data
             self.cpu_projection = CpuProjection(self.weight.data, kernels, self.gated, bias)
             if not self.cpu_projection.needs_weight:  # the packed copy replaces the weight
