@@ -61,7 +61,7 @@ _SIGNATURES: dict[str, list[type]] = {
     + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float]
     + [_i64, _int, _int],
     "minisgl_decode_layer_scratch": [_ptr, _i64],
-    "minisgl_decode_layer": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+    "minisgl_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
     "minisgl_decode_layer_q_offset": [_ptr, _i64],
     "minisgl_shared_prefix_attention": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
@@ -83,7 +83,7 @@ _RESTYPES = {
 
 
 class DecodeLayerParams(ctypes.Structure):
-    """One layer's weights and KV pool for `minisgl_decode_layer` (NULL: absent)."""
+    """One layer's weights and KV pool for the C decode layer (NULL: absent)."""
 
     _fields_ = [
         (name, _ptr)
@@ -621,30 +621,28 @@ class CpuKernels:
     def decode_layer_scratch(self, model: DecodeModelParams, tokens: int) -> int:
         return self.lib.minisgl_decode_layer_scratch(ctypes.byref(model), tokens)
 
-    def decode_layer(
+    def decode_layers(
         self,
-        layer: DecodeLayerParams,
+        layers: ctypes.Array[DecodeLayerParams],
         model: DecodeModelParams,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rows: torch.Tensor,
         kv_lens: torch.Tensor,
         out_loc: torch.Tensor,
         scratch: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One bf16 decoder layer for x [tokens, hidden] (one decode token per request), as
-        DecoderLayer.forward computes it: returns (MLP output, residual). scratch: bf16 of
-        decode_layer_scratch(model, tokens) elements, reused across layers."""
+        """Every bf16 decoder layer of `layers` in turn for x [tokens, hidden] (one decode token
+        per request), as DecoderLayer.forward computes each: returns the last one's (MLP output,
+        residual). scratch: bf16 of decode_layer_scratch(model, tokens) elements."""
         tokens = x.shape[0]
-        out = torch.empty_like(x)
-        new_residual = torch.empty_like(x) if residual is None else residual
-        self.lib.minisgl_decode_layer(
-            ctypes.byref(layer),
+        out, residual = torch.empty_like(x), torch.empty_like(x)
+        self.lib.minisgl_decode_layers(
+            layers,
+            len(layers),
             ctypes.byref(model),
             x.data_ptr(),
-            new_residual.data_ptr(),
-            residual is not None,
+            residual.data_ptr(),
             out.data_ptr(),
             scratch.data_ptr(),
             tokens,
@@ -654,7 +652,7 @@ class CpuKernels:
             out_loc.data_ptr(),
             torch.get_num_threads(),
         )
-        return out, new_residual
+        return out, residual
 
     def decode_layer_begin(
         self,

@@ -1,7 +1,7 @@
-"""The fused C decode layer: a whole bf16 decoder layer per call for decode batches.
+"""The fused C decode layers: every bf16 decoder layer of a decode step in one C call.
 
 At batch 1 a layer is ~10 short kernels and the Python between them cost as much as reading
-the weights; `minisgl_decode_layer` runs the same kernels in the same order from C, so its
+the weights; `minisgl_decode_layers` runs the same kernels in the same order from C, so its
 output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py). Batches up to
 the GEMV's row limit take the GEMV; larger ones the packed matmul (AMX tiles or vdpbf16ps).
 """
@@ -110,6 +110,8 @@ class FusedDecode:
                     window=config.sliding_windows[i] or 0,
                 )
             )
+        # The same blocks side by side, for the one call that runs every layer.
+        self.layer_array = (DecodeLayerParams * len(self.layer_params))(*self.layer_params)
 
     @staticmethod
     def supported(model: DecoderModel, x: torch.Tensor) -> CpuKernels | None:
@@ -155,13 +157,13 @@ class FusedDecode:
         kernels, model_params = self.kernels, self.model_params
         scratch = x.new_empty(kernels.decode_layer_scratch(model_params, x.shape[0]))
         q = kernels.decode_layer_queries(model_params, scratch, x.shape[0]) if cascade else None
+        if not cascade:
+            x, residual = kernels.decode_layers(
+                self.layer_array, model_params, x, positions, rows, kv_lens, out_loc, scratch
+            )
+            return model.norm(x, residual)[0]
         residual = None
         for layer_id, params in enumerate(self.layer_params):
-            if not cascade:
-                x, residual = kernels.decode_layer(
-                    params, model_params, x, residual, positions, rows, kv_lens, out_loc, scratch
-                )
-                continue
             residual = kernels.decode_layer_begin(
                 params, model_params, x, residual, positions, out_loc, scratch
             )
