@@ -49,11 +49,11 @@ def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
 
 
 class CpuProjection:
-    """How a weight is multiplied on the CPU, by rows per call: with avx512_bf16
-    and a bf16 weight, the C GEMV for a few rows and above them the C packed matmul over a copy
-    in the tile layout (on the AMX tiles where the CPU has them, else vdpbf16ps); otherwise
-    oneDNN's packed copy, or F.linear where neither applies. Without the GEMV only the packed
-    copy is kept.
+    """How a weight is multiplied on the CPU, by rows per call: with avx512_bf16 and a bf16
+    weight, the C GEMV for a few rows and above them the C packed matmul over a copy in the
+    tile layout (on the AMX tiles where the CPU has them, else vdpbf16ps); otherwise (float32,
+    float16, CPUs without avx512_bf16) oneDNN's packed copy, or F.linear where oneDNN cannot
+    pack the dtype. Without the GEMV only the packed copy is kept.
 
     gated (a gate_up projection): the tile copy holds gate and up interleaved, for
     `silu_and_mul`, which then runs every call above the GEMV's rows with SiLU in the matmul's

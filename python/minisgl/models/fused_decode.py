@@ -156,18 +156,17 @@ class FusedDecode:
         out_loc = batch.out_loc.long().contiguous()
         kernels, model_params = self.kernels, self.model_params
         scratch = x.new_empty(kernels.decode_layer_scratch(model_params, x.shape[0]))
-        q = kernels.decode_layer_queries(model_params, scratch, x.shape[0]) if cascade else None
         if not cascade:
             x, residual = kernels.decode_layers(
                 self.layer_array, model_params, x, positions, rows, kv_lens, out_loc, scratch
             )
             return model.norm(x, residual)[0]
+        q = kernels.decode_layer_queries(model_params, scratch, x.shape[0])
         residual = None
         for layer_id, params in enumerate(self.layer_params):
             residual = kernels.decode_layer_begin(
                 params, model_params, x, residual, positions, out_loc, scratch
             )
-            assert q is not None
             prefix = backend.shared_prefix_state(q, layer_id, batch)
             x, residual = kernels.decode_layer_end(
                 params, model_params, residual, rows, kv_lens, scratch, prefix
