@@ -95,6 +95,24 @@ def packed_case(
     return label, "oneDNN packed", seconds(baseline, 5), seconds(kernel, 5)
 
 
+def float32_case(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int) -> Row:
+    """float32 projections, `rows` input rows through every weight: oneDNN's packed copy (what
+    layers/linear.py runs for float32) vs F.linear (MKL's sgemm, a generic path on AMD)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+
+    def onednn() -> None:
+        for w, p in zip(weights, packed):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    def baseline() -> None:
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    mbytes = sum(w.numel() * 4 for w in weights) / 1e6
+    label = f"float32 projection (oneDNN packed) {rows} rows, {mbytes:.0f} MB of weights"
+    return label, "F.linear", seconds(baseline, 5), seconds(onednn, 5)
+
+
 def attention_case(kernels: CpuKernels, args: argparse.Namespace, batch: int, context: int) -> Row:
     """Decode attention of `batch` requests x `context` positions over every layer."""
     slots = batch * context
@@ -361,6 +379,11 @@ def main() -> None:
         rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
         if packed is not None:
             rows += [packed_case(kernels, weights, packed, n) for n in (16, 32, 64, 256, 2048)]
+    weights32 = [torch.randn(n, k) * 0.02 for _ in range(args.layers) for n, k in shapes]
+    packed32 = [p for p in map(onednn_pack, weights32) if p is not None]
+    if len(packed32) == len(weights32):
+        rows += [float32_case(weights32, packed32, n) for n in (1, 16, 64, 2048)]
+    del weights32, packed32
     rows += [attention_case(kernels, args, b, c) for b, c in ((1, 1024), (16, 512), (64, 192))]
     if kernels.blocked_attention_fits(BF16, args.head_dim):
         rows += [shared_prefix_case(kernels, args, t, 1024) for t in (63, 2016)]
