@@ -40,6 +40,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT / "python"))
 
 from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.layers.linear import onednn_pack  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.llm.llm import parse_dtype  # noqa: E402
 from minisgl.utils.hf import cache_dir, resolve_model_path  # noqa: E402
@@ -177,15 +178,12 @@ def measure_machine(dtype: torch.dtype = torch.bfloat16) -> Machine:
     del data
     x = torch.randn(512, 2048, dtype=dtype)
     weight = torch.randn(2048, 2048, dtype=dtype)
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
+    packed = onednn_pack(weight)
 
-        def matmul() -> object:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    except (AttributeError, RuntimeError):
-
-        def matmul() -> object:
+    def matmul() -> object:
+        if packed is None:
             return torch.nn.functional.linear(x, weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     seconds = _best_seconds(lambda: [matmul() for _ in range(4)], 5) / 4
     tflops = 2 * x.shape[0] * x.shape[1] * weight.shape[0] / seconds / 1e12
