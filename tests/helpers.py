@@ -75,6 +75,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     # head_dim 128 and 64 take the CPU decode kernel's vector path; 16 its portable one.
     "qwen3": ("Qwen3Config", dict(head_dim=128, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(head_dim=64, sliding_window=48)),
+    # Qwen3-0.6B's context (40,960 positions) on the tiny shape: pools smaller than the context.
+    "qwen3-long": (
+        "Qwen3Config",
+        dict(head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960),
+    ),
 }
 
 

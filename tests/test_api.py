@@ -61,10 +61,17 @@ def test_max_tokens_clipped_to_context(llm) -> None:
 
 
 def test_request_larger_than_pool() -> None:
+    """The pool bounds the context (max_model_len) like the model and --max-seq-len do."""
     small = build_llm("qwen3", num_page_override=8, max_seq_len_override=64)
-    with pytest.raises(ValueError, match="KV"):
-        small.generate([[5] * 6], greedy(40))
+    assert small.max_model_len == 8
+    with pytest.raises(ValueError, match="max_tokens"):
+        small.add_request([5] * 6, greedy(40), clip_to_context=False)
+    with pytest.raises(ValueError, match="context length is 8"):
+        small.generate([[5] * 8], greedy(1))
+    out = small.generate([[5] * 6], greedy(40))[0]
+    assert len(out["token_ids"]) == 2 and out["finish_reason"] == "length"
     assert small.generate([[5] * 3], greedy(3))[0]["token_ids"]
+    assert_all_pages_free(small)
     small.shutdown()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -44,6 +45,16 @@ class AttentionBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
 
+class RequestError(ValueError):
+    """A request that can never run; `param` names the field at fault, `code` is the OpenAI
+    error code the API server reports (e.g. "context_length_exceeded")."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop. Greedy when temperature is 0 or top_k is 1."""
@@ -59,7 +70,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    max_tokens: int = 1024
+    # None: as many as the context leaves after the prompt.
+    max_tokens: int | None = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,14 +81,22 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range parameter."""
         checks = [
-            ("temperature", self.temperature >= 0.0),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0),
             ("top_k", self.top_k == -1 or self.top_k >= 1),
             ("top_p", 0.0 < self.top_p <= 1.0),
             ("min_p", 0.0 <= self.min_p <= 1.0),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
-            ("repetition_penalty", self.repetition_penalty > 0.0),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            (
+                "repetition_penalty",
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            ),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63),
+            (
+                "max_tokens",
+                self.max_tokens is None
+                or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            ),
         ]
         for name, ok in checks:
             if not ok:
@@ -95,7 +115,8 @@ class SamplingParams:
         )
 
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the request alone failed (its processing raised, or its logits were not finite).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(eq=False)
@@ -119,6 +140,7 @@ class Req:
     prompt_cached_tokens: int = 0
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why it failed, with finish_reason "error"
 
     @property
     def extend_len(self) -> int:

@@ -58,6 +58,19 @@ def configure_cpu_threads() -> int:
     return threads
 
 
+def flag_non_finite(
+    logits: torch.Tensor, sampled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens with -1 where the row's chosen logit is NaN or infinite, tokens safe to feed
+    back as input). A row that went non-finite fails its request alone; reading only the
+    chosen logit of each row costs nothing next to a scan of the vocabulary."""
+    vocab = logits.shape[-1]
+    safe = sampled.clamp(0, vocab - 1)
+    chosen = logits.gather(1, safe.long()[:, None])[:, 0]
+    ok = torch.isfinite(chosen) & (sampled == safe)
+    return torch.where(ok, sampled, -1), torch.where(ok, safe, 0)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -73,6 +86,8 @@ class Engine:
         )
         self.page_size = config.page_size
         self.num_pages = config.num_page_override or self._pages_from_memory_budget()
+        # The longest sequence a request may reach: its page-table row, and all of the pool.
+        self.max_model_len = min(self.max_seq_len, self.num_pages * self.page_size)
         mc = self.model_config
         self.kv_cache = MHAKVCache(
             mc.num_layers,
@@ -100,13 +115,17 @@ class Engine:
         set_global_ctx(self.ctx)
         self.sampler = Sampler(mc.vocab_size, self.device)
         logger.info(
-            "engine ready: %s %s on %s, %d KV pages x %d tokens, max_seq_len %d",
+            "engine ready: %s %s on %s, %d KV pages x %d tokens, max_model_len %d "
+            "(model context %d, page-table row %d, KV pool %d tokens)",
             mc.architecture,
             str(config.dtype).removeprefix("torch."),
             self.device,
             self.num_pages,
             self.page_size,
+            self.max_model_len,
+            model_max,
             self.max_seq_len,
+            self.num_pages * self.page_size,
         )
 
     def _pages_from_memory_budget(self) -> int:
@@ -146,8 +165,9 @@ class Engine:
             )
         finally:
             self.ctx.set_batch(None)
-        next_tokens = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)
-        self.token_pool[forward_input.token_rows, forward_input.token_cols] = next_tokens
+        sampled = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)
+        next_tokens, pool_tokens = flag_non_finite(logits, sampled)
+        self.token_pool[forward_input.token_rows, forward_input.token_cols] = pool_tokens
         if self.device.type != "cuda":
             return ForwardOutput(next_tokens, next_tokens, logits)
         next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)

@@ -80,7 +80,8 @@ class Sampler:
         )
         if any(p.top_k > 1 for p in params):
             args.top_k = column(
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params], torch.int64
+                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
+                torch.int64,
             )
         if any(p.top_p < 1.0 for p in params):
             args.top_p = column([p.top_p for p in params], torch.float32)

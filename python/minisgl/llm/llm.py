@@ -100,7 +100,8 @@ class LLM(Scheduler):
         """Generate for every prompt; returns one dict per prompt, in order.
 
         Each dict has `text`, `token_ids` (generated tokens), `finish_reason`,
-        `prompt_tokens` and `cached_tokens` (prompt tokens served from the prefix cache).
+        `prompt_tokens`, `cached_tokens` (prompt tokens served from the prefix cache) and
+        `error` (None, or why the request failed alone: finish_reason "error").
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -123,6 +124,7 @@ class LLM(Scheduler):
         tokens: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
         cached = [0] * len(prompts)
+        errors: list[str | None] = [None] * len(prompts)
         # Stop strings are matched on the text as it is produced; a match ends the request.
         detoks = [
             IncrementalDetokenizer(self.tokenizer, sp.stop) if sp.stop else None
@@ -142,6 +144,7 @@ class LLM(Scheduler):
                     if out.finish_reason is not None:
                         reasons[i] = out.finish_reason
                         cached[i] = out.cached_tokens
+                        errors[i] = out.error
                         bar.update(1)
         self.cache_manager.check_integrity()
         texts = [
@@ -157,9 +160,10 @@ class LLM(Scheduler):
                 "finish_reason": "stop" if detok is not None and detok.stopped else reason,
                 "prompt_tokens": len(ids),
                 "cached_tokens": hit,
+                "error": error,
             }
-            for ids, toks, reason, hit, text, detok in zip(
-                encoded, tokens, reasons, cached, texts, detoks
+            for ids, toks, reason, hit, text, detok, error in zip(
+                encoded, tokens, reasons, cached, texts, detoks, errors
             )
         ]
 

@@ -11,9 +11,11 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from minisgl.core import RequestError
 from minisgl.message import AbortMsg, AcceptedMsg, ErrorMsg, StatsMsg, TokenMsg, UserMsg
 from minisgl.scheduler import Scheduler, TokenOutput
 from minisgl.utils import init_logger
+from minisgl.utils.faults import inject as inject_fault
 
 logger = init_logger(__name__)
 
@@ -54,13 +56,25 @@ class SchedulerIO:
         return replies
 
     def _add(self, msg: UserMsg) -> AcceptedMsg | ErrorMsg:
+        # Test hook for an engine failure: raised outside the request's own error handling.
+        inject_fault("crash", msg.sampling_params.stop)
         try:
-            uid = self.scheduler.add_request(msg.input_ids, msg.sampling_params)
+            # Refused, not clipped, past the context (as vLLM's OpenAI server).
+            uid = self.scheduler.add_request(
+                msg.input_ids, msg.sampling_params, clip_to_context=False
+            )
+        except RequestError as exc:
+            return ErrorMsg(msg.rid, str(exc), exc.param, exc.code)
         except ValueError as exc:
             text = str(exc)
             param = "max_tokens" if "max_tokens" in text else None
             code = "context_length_exceeded" if "context" in text else "invalid_value"
             return ErrorMsg(msg.rid, text, param, code)
+        except Exception as exc:  # a bug, but this request's: the engine keeps serving
+            logger.exception("adding request %s failed", msg.rid)
+            return ErrorMsg(
+                msg.rid, f"the request could not be queued: {exc}", None, "request_failed"
+            )
         self.uid_to_rid[uid] = msg.rid
         self.rid_to_uid[msg.rid] = uid
         return AcceptedMsg(
@@ -68,13 +82,21 @@ class SchedulerIO:
         )
 
     # ---------------------------------------------------------------- tokens out
-    def convert(self, outputs: list[TokenOutput]) -> list[TokenMsg]:
-        """Scheduler outputs -> messages; a request's first token carries its cache hit."""
+    def convert(self, outputs: list[TokenOutput]) -> list[TokenMsg | ErrorMsg]:
+        """Scheduler outputs -> messages; a request's first token carries its cache hit, and a
+        request that failed ends with an ErrorMsg (code "request_failed")."""
         live = None
-        msgs = []
+        msgs: list[TokenMsg | ErrorMsg] = []
         for out in outputs:
             rid = self.uid_to_rid.get(out.uid)
             if rid is None:
+                continue
+            if out.finish_reason == "error":
+                msgs.append(
+                    ErrorMsg(rid, out.error or "the request failed", None, "request_failed")
+                )
+                del self.uid_to_rid[out.uid], self.rid_to_uid[rid]
+                self._started.discard(out.uid)
                 continue
             cached = out.cached_tokens
             if out.uid not in self._started:
@@ -151,6 +173,7 @@ def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
     io = SchedulerIO(scheduler, ZmqPullQueue(addrs.scheduler), ZmqPushQueue(addrs.detokenizer))
     ready.send(
         {
+            "max_model_len": scheduler.max_model_len,
             "max_seq_len": scheduler.engine.max_seq_len,
             "num_pages": scheduler.engine.num_pages,
             "page_size": scheduler.page_size,

@@ -16,6 +16,7 @@ class TokenOutput:
     finish_reason: FinishReason | None
     # Prompt tokens that came from the prefix cache (reported with the last output).
     cached_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass

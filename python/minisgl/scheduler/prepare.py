@@ -4,34 +4,47 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.core import Batch, SamplingParams
+from minisgl.core import Batch, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput
-from minisgl.utils import div_ceil
 
 
 def validate_request(
-    engine: Engine, input_ids: list[int] | torch.Tensor, sampling_params: SamplingParams
+    engine: Engine,
+    input_ids: list[int] | torch.Tensor,
+    sampling_params: SamplingParams,
+    clip_to_context: bool = True,
 ) -> tuple[torch.Tensor, int]:
-    """The prompt as a CPU tensor and its KV footprint; ValueError if it can never run."""
+    """The prompt as a CPU tensor and the length the request may reach (prompt + max_tokens);
+    RequestError if it can never run. A max_tokens past the context is cut to what is left
+    (`clip_to_context`, as vLLM's offline API) or refused (as its OpenAI server)."""
     ids = torch.as_tensor(input_ids, dtype=torch.int32).flatten().cpu()
-    vocab, max_seq_len = engine.model_config.vocab_size, engine.max_seq_len
+    vocab, limit = engine.model_config.vocab_size, engine.max_model_len
     if len(ids) == 0:
-        raise ValueError("prompt is empty: give at least one token")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {ids.tolist()}")
-    if len(ids) >= max_seq_len:
-        raise ValueError(
-            f"prompt has {len(ids)} tokens; the context holds {max_seq_len} "
-            "(prompt + at least one generated token)"
+        raise RequestError("prompt is empty: give at least one token", "prompt")
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if len(bad):
+        raise RequestError(
+            f"prompt token ids must lie in [0, {vocab}), got {bad[:8].tolist()}", "prompt"
         )
-    max_device_len = min(len(ids) + sampling_params.max_tokens, max_seq_len)
-    pool_tokens = engine.num_pages * engine.page_size
-    if div_ceil(max_device_len, engine.page_size) > engine.num_pages:
-        raise ValueError(
-            f"prompt ({len(ids)}) + max_tokens ({sampling_params.max_tokens}) needs "
-            f"{max_device_len} KV slots; the pool holds {pool_tokens}"
+    if len(ids) >= limit:
+        raise RequestError(
+            f"this model's maximum context length is {limit} tokens and the prompt has "
+            f"{len(ids)}: no room is left to generate a token",
+            "prompt",
+            "context_length_exceeded",
         )
-    return ids, max_device_len
+    max_tokens = sampling_params.max_tokens
+    if max_tokens is None or (clip_to_context and len(ids) + max_tokens > limit):
+        return ids, limit
+    if len(ids) + max_tokens > limit:
+        raise RequestError(
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{len(ids)} and max_tokens is {max_tokens} ({len(ids) + max_tokens} in all): "
+            "shorten the prompt or lower max_tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return ids, len(ids) + max_tokens
 
 
 def prepare_forward_input(batch: Batch, engine: Engine) -> ForwardInput:

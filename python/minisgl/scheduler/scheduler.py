@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
 from minisgl.utils import div_ceil, init_logger
+from minisgl.utils.faults import inject as inject_fault
 
 from .cache import CacheManager
 from .config import SchedulerConfig
@@ -24,10 +26,14 @@ from .table import TableManager
 
 logger = init_logger(__name__)
 
-# Admission reserves this share of each running request's remaining output (SGLang's
+# Admission reserves this share of each admitted request's remaining output (SGLang's
 # new_token_ratio): it starts cautious, decays while decode runs fine, and jumps after a
 # retraction. Retraction is what keeps an optimistic estimate safe.
 _RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.001
+# Output tokens a request is expected to produce at most, whatever its max_tokens (SGLang's
+# clip_max_new_tokens_estimation): one request that may run to the end of a long context must
+# not reserve the whole pool and keep everyone else waiting.
+OUTPUT_ESTIMATE_CLIP = 4096
 
 
 @dataclass
@@ -57,6 +63,7 @@ class Scheduler:
         self.device = self.engine.device
         self.page_size = config.page_size
         self.eos_ids = frozenset(self.engine.model_config.eos_token_ids + tuple(extra_eos_ids))
+        self.max_model_len = self.engine.max_model_len
         self.table_manager = TableManager(config.max_running_req)
         self.cache_manager = CacheManager(
             self.engine.num_pages,
@@ -82,10 +89,16 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in
     def add_request(
-        self, input_ids: list[int] | torch.Tensor, sampling_params: SamplingParams
+        self,
+        input_ids: list[int] | torch.Tensor,
+        sampling_params: SamplingParams,
+        clip_to_context: bool = True,
     ) -> int:
-        """Queue a request; raises ValueError naming the parameter when it can never run."""
-        ids, max_device_len = validate_request(self.engine, input_ids, sampling_params)
+        """Queue a request; raises RequestError naming the parameter when it can never run
+        (with `clip_to_context` False also when prompt + max_tokens exceed max_model_len)."""
+        ids, max_device_len = validate_request(
+            self.engine, input_ids, sampling_params, clip_to_context
+        )
         uid = next(self._uids)
         req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
         if sampling_params.seed is not None:
@@ -117,8 +130,9 @@ class Scheduler:
     # ---------------------------------------------------------------- one step
     def step(self) -> list[TokenOutput]:
         """Launch the next batch and process the previous one (overlap) or this one."""
-        if self._in_flight is not None and not self._decode_fits():
-            # Decode would need retraction, which must not touch a step still running.
+        if self._in_flight is not None and not (self._decode_fits() and self._chunk_fits()):
+            # Short of pages: retraction must not touch a step still running, and what that step
+            # finishes is released once it is processed.
             self._process(self._in_flight)
             self._in_flight = None
         batch = self._schedule()
@@ -130,8 +144,13 @@ class Scheduler:
             self._process(launched)
         if batch is None and previous is None:  # nothing ran, nothing was pending
             if self.waiting:
-                raise RuntimeError(f"{len(self.waiting)} queued requests cannot be admitted")
-            self.cache_manager.check_integrity()
+                # Idle, so the head fits by validation: reaching this is a bug, which must cost
+                # that request only, never the engine.
+                head = self.waiting.popleft()
+                logger.error("cannot admit %s on an idle engine; failing it", head)
+                self._fail(head, "the request could not be scheduled (internal error)")
+            else:
+                self.cache_manager.check_integrity()
         outputs, self._outbox = self._outbox, []
         return outputs
 
@@ -170,41 +189,57 @@ class Scheduler:
         self._last_was_prefill = batch is not None and batch.is_prefill
         return batch
 
+    def _pages_to_claim(self, req: Req, held_len: int) -> int:
+        """Pages `req` is expected to claim beyond those for its first `held_len` positions: all
+        of its known tokens, and a `new_token_ratio` share of its output (clipped). Admission,
+        chunking and decode all count pages by this one rule."""
+        known = max(len(req.input_ids), req.device_len)
+        remaining_out = min(req.max_device_len - known, OUTPUT_ESTIMATE_CLIP)
+        expected = min(req.max_device_len, known + math.ceil(remaining_out * self.new_token_ratio))
+        return max(0, div_ceil(expected, self.page_size) - div_ceil(held_len, self.page_size))
+
     def _reserved_pages(self) -> int:
-        """Pages admitted requests are expected to claim before they finish."""
-        reserved = 0.0
-        for req in self.running:
-            remaining = req.max_device_len - req.device_len
-            reserved += div_ceil(int(remaining * self.new_token_ratio), self.page_size)
-        if self.chunked is not None:
-            chunked = self.chunked
-            reserved += self.cache_manager.pages_to_grow(chunked, len(chunked.input_ids))
-            remaining_out = chunked.max_device_len - len(chunked.input_ids)
-            reserved += div_ceil(int(remaining_out * self.new_token_ratio), self.page_size)
-        return int(reserved)
+        """Pages admitted requests (running and chunked) are expected to claim before finishing."""
+        admitted = self.running + ([self.chunked] if self.chunked is not None else [])
+        return sum(self._pages_to_claim(r, r.device_len) for r in admitted)
+
+    def _next_chunk(self, budget: int) -> tuple[int, int]:
+        """The chunked request's next extent within `budget` tokens, and the pages it needs."""
+        assert self.chunked is not None
+        req = self.chunked
+        new_len = req.device_len + min(len(req.input_ids) - req.device_len, budget)
+        return new_len, self.cache_manager.pages_to_grow(req, new_len)
+
+    def _chunk_fits(self) -> bool:
+        if self.chunked is None:
+            return True
+        _, pages = self._next_chunk(self.config.max_prefill_length or 1)
+        return pages * self.page_size <= self.cache_manager.available_size
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.config.max_prefill_length
         assert budget is not None
         reqs: list[Req] = []
         new_lens: list[int] = []
+        # What every admitted request still needs, the chunked one's rest of prompt included;
+        # a newcomer is admitted only if its own need fits beside it.
+        reserved = self._reserved_pages()
         if self.chunked is not None:
+            new_len, pages = self._next_chunk(budget)
+            if pages * self.page_size > self.cache_manager.available_size:
+                # Decode runs meanwhile and frees pages (or retracts); alone, the chunk fits.
+                return None
             req, self.chunked = self.chunked, None
-            extend = min(len(req.input_ids) - req.device_len, budget)
             reqs.append(req)
-            new_lens.append(req.device_len + extend)
-            budget -= extend
+            new_lens.append(new_len)
+            budget -= new_len - req.device_len
         if self.waiting and budget > 0:
             self.order_queue(self.waiting, lambda r: self.cache_manager.match_req(r).cached_len)
-        reserved = self._reserved_pages()
         while self.waiting and budget > 0 and self.table_manager.available > 0:
             req = self.waiting[0]
             handle = self.cache_manager.match_req(req)
-            self.cache_manager.lock(handle)
-            remaining_out = req.max_device_len - len(req.input_ids)
-            prompt_pages = div_ceil(len(req.input_ids), self.page_size)
-            need = prompt_pages - handle.cached_len // self.page_size
-            need += div_ceil(int(remaining_out * self.new_token_ratio), self.page_size)
+            self.cache_manager.lock(handle)  # its pages stop counting as evictable
+            need = self._pages_to_claim(req, handle.cached_len)
             if need > self.cache_manager.available_size // self.page_size - reserved:
                 self.cache_manager.unlock(handle)
                 break
@@ -283,19 +318,41 @@ class Scheduler:
         for req, token in zip(step.sampled, tokens):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this step ran: its token is not sent
-            req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
-            req.finish_reason = self._finish_reason(req, token)
-            self.stats.generated_tokens += 1
-            cached = req.prompt_cached_tokens if req.finish_reason else 0
-            self._outbox.append(TokenOutput(req.uid, token, req.finish_reason, cached))
-            if req.finish_reason is not None:
-                self._drop(req)
+            try:
+                self._append_token(req, token)
+            except Exception as exc:  # this request's fault: it alone ends
+                logger.exception("processing %s failed", req)
+                self._fail(req, f"processing the request failed: {exc}")
         for req in step.batch.reqs:
             if req.finish_reason is not None:
                 if not self._is_in_flight(req) and req.cache_handle is not None:
                     self._release(req)
             elif step.batch.is_prefill:
                 self.cache_manager.cache_req(req, finished=False)
+
+    def _append_token(self, req: Req, token: int) -> None:
+        inject_fault("schedule", req.sampling_params.stop)
+        if token < 0:  # the engine flags a row whose logits were not finite
+            self._fail(req, "the model's logits for this request were not finite (NaN or inf)")
+            return
+        req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
+        req.finish_reason = self._finish_reason(req, token)
+        self.stats.generated_tokens += 1
+        cached = req.prompt_cached_tokens if req.finish_reason else 0
+        self._outbox.append(TokenOutput(req.uid, token, req.finish_reason, cached))
+        if req.finish_reason is not None:
+            self._drop(req)
+
+    def _fail(self, req: Req, message: str) -> None:
+        """End one request with an error; its pages are released as for an abort."""
+        req.finish_reason = "error"
+        req.error = message
+        self._drop(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._outbox.append(
+            TokenOutput(req.uid, None, "error", req.prompt_cached_tokens, error=message)
+        )
 
     def _is_in_flight(self, req: Req) -> bool:
         return self._in_flight is not None and any(r is req for r in self._in_flight.batch.reqs)
@@ -308,7 +365,10 @@ class Scheduler:
             self.running.remove(req)
 
     def _release(self, req: Req) -> None:
-        self.cache_manager.cache_req(req, finished=True)
+        if req.finish_reason == "error":  # what it computed last may be what went wrong
+            self.cache_manager.release_uncached(req)
+        else:
+            self.cache_manager.cache_req(req, finished=True)
         self.table_manager.free(req.table_idx)
 
     def shutdown(self) -> None:
