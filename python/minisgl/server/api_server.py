@@ -22,7 +22,13 @@ from minisgl.utils import init_logger
 
 from .frontend import FrontendManager, RequestGroup
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_request
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    parse_request,
+    sample_seed,
+)
 from .responses import APIError, ResponseFormatter, new_id, now, total_usage
 
 logger = init_logger(__name__)
@@ -34,7 +40,7 @@ class ServerState:
 
     model_name: str
     model_path: str
-    max_seq_len: int
+    max_model_len: int  # the effective context: prompt + output tokens of one request
     frontend: FrontendManager
     metrics: ServerMetrics
     api_key: str | None = None
@@ -100,6 +106,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return APIError(str(exc), code="invalid_value").response()
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: Starlette logs its traceback after this; the client gets an OpenAI body.
+        state.metrics.errors.labels("500").inc()
+        error = APIError(f"internal error: {exc}", status=500, type="server_error")
+        return error.response()
+
     if state.api_key is not None:
         app.add_middleware(_APIKeyMiddleware, api_key=state.api_key)
 
@@ -120,7 +133,7 @@ def create_app(state: ServerState) -> FastAPI:
             "created": state.created,
             "owned_by": "minisgl",
             "root": state.model_path,
-            "max_model_len": state.max_seq_len,
+            "max_model_len": state.max_model_len,
         }
 
     @app.get("/v1/models")
@@ -151,10 +164,11 @@ def create_app(state: ServerState) -> FastAPI:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
-        # No limit given: up to the end of the context (the scheduler caps it there).
-        sp = req.sampling_params(state.max_seq_len if max_tokens is None else max_tokens, param)
+        # None (no limit given): what the context leaves after the prompt.
+        sp = req.sampling_params(max_tokens, param, state.max_model_len)
         endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
-        return await serve(request, req, endpoint, [{"messages": messages}], sp, "messages")
+        names = {"prompt": "messages", "max_tokens": param}
+        return await serve(request, req, endpoint, [{"messages": messages}], sp, names)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -163,9 +177,10 @@ def create_app(state: ServerState) -> FastAPI:
         req.check_unsupported()
         prompts = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in req.prompts()]
         # OpenAI's legacy default for completions is 16 tokens.
-        sp = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, "max_tokens")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        sp = req.sampling_params(max_tokens, "max_tokens", state.max_model_len)
         endpoint = ResponseFormatter(False, new_id("cmpl"), state.model_name, now(), req.n)
-        return await serve(request, req, endpoint, prompts, sp, "prompt")
+        return await serve(request, req, endpoint, prompts, sp, {})
 
     async def serve(
         request: Request,
@@ -173,17 +188,16 @@ def create_app(state: ServerState) -> FastAPI:
         endpoint: ResponseFormatter,
         prompts: list[dict[str, Any]],
         sp: SamplingParams,
-        default_param: str,
+        param_names: dict[str, str],
     ) -> Response:
         msgs = []
         for prompt in prompts:
             for j in range(req.n):
-                # n samples of one prompt must differ even with a seed: seed j-th as seed + j.
-                sp_j = sp if sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j)
+                sp_j = sp if j == 0 else dataclasses.replace(sp, seed=sample_seed(sp.seed, j))
                 msgs.append(TokenizeMsg(state.frontend.new_rid(), sp_j, **prompt))
-        group = RequestGroup(state.frontend, msgs)
+        group = RequestGroup(state.frontend, msgs, param_names)
         try:
-            await group.wait_accepted(default_param)
+            await group.wait_accepted()
         except asyncio.CancelledError:
             group.abort("request cancelled")
             raise
@@ -214,7 +228,10 @@ def create_app(state: ServerState) -> FastAPI:
                     total_usage(group.prompt_tokens, endpoint.n, completion, cached)
                 )
             yield "data: [DONE]\n\n"
-        except APIError as exc:  # headers are sent already: report in the stream
+        except Exception as exc:  # headers are sent already: report in the stream
+            if not isinstance(exc, APIError):
+                logger.exception("streaming a response failed")
+                exc = APIError(f"internal error: {exc}", status=500, type="server_error")
             yield f"data: {json.dumps(exc.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -85,9 +86,20 @@ class FrontendManager:
                 f"the server is shutting down: {self.failure}", status=503, type="server_error"
             )
         assert self._outbox is not None
+        try:
+            self._outbox.put_many(list(msgs))
+        except Exception as exc:  # validation let through what cannot be encoded: a bug
+            logger.exception("cannot send request(s) %s to the tokenizer", [m.rid for m in msgs])
+            raise APIError(
+                f"the request could not be sent to the engine: {exc}",
+                status=500,
+                code="request_failed",
+                type="server_error",
+            ) from exc
+        # Tracked only once sent, so a refused submission leaves nothing behind. (Replies are
+        # dispatched by this event loop, so none can arrive before this returns.)
         for index, msg in enumerate(msgs):
             self._tracked[msg.rid] = _Tracked(queue, index, arrival)
-        self._outbox.put_many(list(msgs))
 
     def abort(self, rids: list[int], why: str, client_gone: bool = True) -> None:
         """Abort requests still running (synchronous: safe in a cancelled task's cleanup)."""
@@ -119,12 +131,27 @@ class FrontendManager:
         try:
             while True:
                 for msg in await self._inbox.get():
-                    self._dispatch(msg)
+                    try:
+                        self._dispatch(msg)
+                    except Exception as exc:
+                        self._fail_request(msg, exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("API server receive loop failed")
             self.fail_all(f"internal error: {exc}")
+
+    def _fail_request(self, msg: Any, exc: Exception) -> None:
+        """Handling one message failed: that request alone ends with an error."""
+        rid = getattr(msg, "rid", None)
+        logger.exception("API server: handling %s of request %s failed", type(msg).__name__, rid)
+        tracked = self._tracked.pop(rid, None) if rid is not None else None
+        if tracked is None:
+            return
+        error = ErrorMsg(rid, f"internal error: {exc}", code="request_failed")
+        tracked.queue.put_nowait((tracked.index, error))
+        if self._outbox is not None:
+            self._outbox.put_many([AbortMsg(rid)])
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, StatsMsg):
@@ -163,11 +190,34 @@ class FrontendManager:
             m.e2e.observe(now - tracked.arrival)
 
 
-class RequestGroup:
-    """The sub-requests (prompts x n) of one HTTP request, sharing one result queue."""
+def api_error(msg: ErrorMsg, param_names: dict[str, str]) -> APIError:
+    """The HTTP error for a pipeline's ErrorMsg. Codes "server_error" (the server is going
+    down: 503) and "request_failed" (this request alone failed: 500) are the server's fault;
+    any other is a rejection of the request (400), its pipeline parameter name ("prompt",
+    "max_tokens") renamed to the endpoint's (`param_names`, e.g. "prompt" -> "messages")."""
+    if msg.code == "server_error":
+        return APIError(msg.message, status=503, code=msg.code, type="server_error")
+    if msg.code == "request_failed":
+        return APIError(msg.message, status=500, code=msg.code, type="server_error")
+    pipeline_param = msg.param or "prompt"
+    param = param_names.get(pipeline_param, pipeline_param)
+    message = msg.message
+    if pipeline_param == "max_tokens" and param != pipeline_param:  # as the client named it
+        message = re.sub(r"\bmax_tokens\b", param, message)
+    return APIError(message, status=400, param=param, code=msg.code or "invalid_value")
 
-    def __init__(self, frontend: FrontendManager, msgs: list[TokenizeMsg]) -> None:
+
+class RequestGroup:
+    """The sub-requests (prompts x n) of one HTTP request, sharing one result queue.
+
+    `param_names` renames the pipeline's parameter names in errors to the endpoint's.
+    """
+
+    def __init__(
+        self, frontend: FrontendManager, msgs: list[TokenizeMsg], param_names: dict[str, str]
+    ) -> None:
         self.frontend = frontend
+        self.param_names = param_names
         self.rids = [m.rid for m in msgs]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = [0] * len(msgs)
@@ -175,7 +225,7 @@ class RequestGroup:
         self._early: list[tuple[int, OutputMsg]] = []
         frontend.submit(msgs, self.queue, time.perf_counter())
 
-    async def wait_accepted(self, default_param: str) -> None:
+    async def wait_accepted(self) -> None:
         """Wait until the scheduler queued every sub-request; raise its error if one failed."""
         waiting = set(range(len(self.rids)))
         while waiting:
@@ -183,14 +233,7 @@ class RequestGroup:
             if isinstance(msg, ErrorMsg):
                 self.unfinished.discard(index)
                 self.abort("another prompt of the request was rejected", client_gone=False)
-                status = 503 if msg.code == "server_error" else 400
-                raise APIError(
-                    msg.message,
-                    status=status,
-                    param=msg.param or (default_param if status == 400 else None),
-                    code=msg.code,
-                    type="server_error" if status == 503 else "invalid_request_error",
-                )
+                raise api_error(msg, self.param_names)
             if isinstance(msg, AcceptedMsg):
                 self.prompt_tokens[index] = msg.prompt_tokens
                 waiting.discard(index)
@@ -206,8 +249,8 @@ class RequestGroup:
             index, msg = await self.queue.get()
             if isinstance(msg, ErrorMsg):
                 self.unfinished.discard(index)
-                self.abort("the request failed", client_gone=False)
-                raise APIError(msg.message, status=503, code=msg.code, type="server_error")
+                self.abort("another choice of the request failed", client_gone=False)
+                raise api_error(msg, self.param_names)
             yield self._seen(index, msg)
 
     def _seen(self, index: int, msg: OutputMsg) -> tuple[int, OutputMsg]:

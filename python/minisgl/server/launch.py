@@ -64,7 +64,7 @@ def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
 def start_workers(config: Any, addrs: Any) -> tuple[list[BaseProcess], dict[str, Any]]:
     """Spawn scheduler, tokenizer and detokenizer; wait until each reports ready.
 
-    Returns the processes and the scheduler's ready info (max_seq_len, num_pages, ...).
+    Returns the processes and the scheduler's ready info (max_model_len, num_pages, ...).
     Raises WorkerDied if one exits first (its own log says why).
     """
     from minisgl.scheduler.io import run_scheduler_process
@@ -150,7 +150,7 @@ def launch_server(args: ServerArgs) -> int:
         state = ServerState(
             model_name=args.model_name(path),
             model_path=str(path),
-            max_seq_len=info["max_seq_len"],
+            max_model_len=info["max_model_len"],
             frontend=frontend,
             metrics=metrics,
             api_key=args.api_key,

@@ -1,0 +1,182 @@
+"""The API server's edge, in process and without a model: malformed requests are refused with
+an OpenAI error body and leave nothing behind; the pipeline's errors map to the right HTTP
+answer (400 rejected, 500 this request failed, 503 the server is going down).
+
+A fake pipeline thread stands in for tokenizer, scheduler and detokenizer: it answers each
+request by the marker in its prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import zmq
+from fastapi.testclient import TestClient
+from test_server import BAD_REQUESTS
+
+from minisgl.message import AcceptedMsg, ErrorMsg, OutputMsg, TokenizeMsg
+from minisgl.message.queue import ZmqAddresses, ZmqPullQueue, ZmqPushQueue
+from minisgl.server.api_server import ServerState, create_app
+from minisgl.server.frontend import FrontendManager
+from minisgl.server.metrics import ServerMetrics
+
+MAX_MODEL_LEN = 512  # as the real server of test_server.py
+
+
+class FakePipeline(threading.Thread):
+    """Answers TokenizeMsgs by their prompt: "reject" -> an ErrorMsg before acceptance (an
+    over-context prompt), "fail" -> accepted, one piece of text, then a request_failed error,
+    "hang" -> accepted and nothing more, anything else -> accepted, "ok", finished."""
+
+    def __init__(self, addrs: ZmqAddresses) -> None:
+        super().__init__(daemon=True)
+        self.inbox = ZmqPullQueue(addrs.tokenizer)
+        self.outbox = ZmqPushQueue(addrs.api_server)
+        self.received: list = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if not self.inbox.socket.poll(50, zmq.POLLIN):
+                continue
+            for msg in self.inbox.get():
+                with self.lock:
+                    self.received.append(msg)
+                if isinstance(msg, TokenizeMsg):
+                    self.outbox.put_many(self.answer(msg))
+
+    @staticmethod
+    def answer(msg: TokenizeMsg) -> list:
+        prompt = msg.text if msg.text is not None else msg.messages[-1]["content"]
+        if "reject" in prompt:
+            return [
+                ErrorMsg(msg.rid, "the prompt has 600 tokens", "prompt", "context_length_exceeded")
+            ]
+        accepted = AcceptedMsg(msg.rid, 3)
+        if "fail" in prompt:
+            return [
+                accepted,
+                OutputMsg(msg.rid, "par", 1),
+                ErrorMsg(msg.rid, "boom", None, "request_failed"),
+            ]
+        if "hang" in prompt:
+            return [accepted]
+        return [accepted, OutputMsg(msg.rid, "ok", 1, "length", completion_tokens=1)]
+
+    def take_received(self) -> list:
+        with self.lock:
+            out, self.received = self.received, []
+        return out
+
+
+@dataclass
+class App:
+    http: TestClient
+    frontend: FrontendManager
+    pipeline: FakePipeline
+
+
+@pytest.fixture
+def app(tmp_path) -> Iterator[App]:
+    addrs = ZmqAddresses(str(tmp_path))
+    pipeline = FakePipeline(addrs)
+    pipeline.start()
+    metrics = ServerMetrics()
+    frontend = FrontendManager(addrs, metrics)
+    state = ServerState("m", "/models/m", MAX_MODEL_LEN, frontend, metrics)
+    try:
+        with TestClient(create_app(state)) as http:
+            yield App(http, frontend, pipeline)
+    finally:
+        pipeline.stopping.set()
+        pipeline.join()
+
+
+def completion(app: App, prompt: str, **kw) -> dict:
+    r = app.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, **kw})
+    return {"status": r.status_code, **r.json()}
+
+
+def events(app: App, path: str, body: dict) -> list:
+    """The SSE events of a streamed request, parsed ([DONE] as the string)."""
+    with app.http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    return [x if x == "[DONE]" else json.loads(x) for x in (line[6:] for line in lines)]
+
+
+def test_refused_requests_leave_nothing_behind(app):
+    refused_here = [case for case in BAD_REQUESTS if case.at_edge]
+    assert len(refused_here) >= 30
+    for case in refused_here:
+        headers = {"Content-Type": "application/json"}
+        r = app.http.post(f"/v1/{case.endpoint}", content=case.body, headers=headers)
+        assert r.status_code == case.status, (case, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], case
+        assert (error["param"], error["code"]) == (case.param, case.code), (case, error)
+        assert app.frontend._tracked == {}, case
+    # Nothing went to the tokenizer; the next good request is served.
+    assert completion(app, "hello")["choices"][0]["text"] == "ok"
+    assert [type(m) for m in app.pipeline.take_received()] == [TokenizeMsg]
+    assert app.frontend._tracked == {}
+
+
+def test_pipeline_errors_map_to_http_answers(app):
+    # Rejected by the scheduler: 400 naming the endpoint's parameter, nothing left tracked.
+    body = completion(app, "reject")
+    assert body["status"] == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert body["error"]["param"] == "prompt"
+    chat = {"messages": [{"role": "user", "content": "reject"}], "max_completion_tokens": 4}
+    r = app.http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # Failed after acceptance: 500 server_error, or in a stream an error event then [DONE].
+    body = completion(app, "fail")
+    assert body["status"] == 500, body
+    assert body["error"] == {
+        "message": "boom",
+        "type": "server_error",
+        "param": None,
+        "code": "request_failed",
+    }
+    streamed = events(app, "/v1/completions", {"prompt": "fail", "max_tokens": 4})
+    assert streamed[0]["choices"][0]["text"] == "par"
+    assert streamed[-2] == {"error": body["error"]} and streamed[-1] == "[DONE]"
+    # n = 3 samples of which every one fails: the siblings still running are aborted.
+    assert completion(app, "fail", n=3)["status"] == 500
+    assert app.frontend._tracked == {}
+    assert completion(app, "fine")["choices"][0]["text"] == "ok"
+
+
+def test_engine_failure_ends_open_requests_and_health(app):
+    """What the launcher's monitor does when a worker dies: every open request gets a
+    server_error, /health and new requests answer 503."""
+    accepted = threading.Event()
+    lines: list[str] = []
+
+    def open_stream() -> None:
+        chat = {"messages": [{"role": "user", "content": "hang"}], "stream": True}
+        with app.http.stream("POST", "/v1/chat/completions", json=chat) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                accepted.set()  # the role chunk comes once the request was accepted
+
+    waiter = threading.Thread(target=open_stream)
+    waiter.start()
+    assert accepted.wait(30)
+    app.frontend.fail_all_threadsafe("the scheduler process died")
+    waiter.join(30)
+    assert not waiter.is_alive()
+    data = [json.loads(x[6:]) if x != "data: [DONE]" else x for x in lines if x]
+    error = data[-2]["error"]
+    assert error["type"] == "server_error" and "scheduler process died" in error["message"]
+    assert data[-1] == "data: [DONE]"
+    assert app.http.get("/health").status_code == 503
+    body = completion(app, "hello")
+    assert body["status"] == 503 and body["error"]["type"] == "server_error"
