@@ -126,15 +126,19 @@ def test_scheduler_io_accepts_rejects_streams_and_aborts(llm):
         UserMsg(10, [1, 2, 3], greedy),
         UserMsg(11, list(range(1, 100)), greedy),  # longer than the 64-token context
         UserMsg(12, [4, 5, 6], long),
+        UserMsg(13, [1, 2, 3], SamplingParams(max_tokens=62)),  # 3 + 62 > 64: refused
     ]
-    io.run_once()  # drains all three, then steps once
+    io.run_once()  # drains all four, then steps once
     inbox.items = [AbortMsg(12), AbortMsg(99)]  # 99: unknown, ignored
     run_until_idle(io)
     by_rid: dict[int, list] = {}
     for m in outbox.sent:
         if not isinstance(m, StatsMsg):
             by_rid.setdefault(m.rid, []).append(m)
-    assert isinstance(by_rid[11][0], ErrorMsg) and by_rid[11][0].code == "context_length_exceeded"
+    for rid, param in [(11, "prompt"), (13, "max_tokens")]:
+        assert by_rid[rid] == [
+            ErrorMsg(rid, by_rid[rid][0].message, param, "context_length_exceeded")
+        ]
     assert by_rid[10][0] == AcceptedMsg(10, 3, [], True)
     assert by_rid[12][0] == AcceptedMsg(12, 3, ["x"], True)
     tokens10 = by_rid[10][1:]
@@ -176,3 +180,86 @@ def test_tokenize_request_forms(llm):
     assert tok.decode(chat.input_ids).endswith("<|im_start|>assistant\n")
     assert tokenize_request(tok, TokenizeMsg(2, sp, text="hi")).input_ids == tok("hi").input_ids
     assert tokenize_request(tok, TokenizeMsg(3, sp, input_ids=[7, 8])).input_ids == [7, 8]
+
+
+class _FailingDecode:
+    """A tokenizer whose decode raises on one token id (a bug in one request's text)."""
+
+    def __init__(self, tokenizer, bad_token: int) -> None:
+        self.tokenizer, self.bad_token = tokenizer, bad_token
+
+    def decode(self, ids, **kw):
+        if self.bad_token in ids:
+            raise RuntimeError("cannot decode")
+        return self.tokenizer.decode(ids, **kw)
+
+
+def test_detokenize_failure_ends_only_that_request(llm):
+    tok = llm.tokenizer
+    ids = tok("alpha beta gamma", add_special_tokens=False).input_ids
+    bad = tok(" zeta", add_special_tokens=False).input_ids[0]
+    manager = DetokenizeManager(_FailingDecode(tok, bad))
+    manager.handle([AcceptedMsg(1, 3), AcceptedMsg(2, 3)])
+    # One batch: request 2 hits the failing token between request 1's tokens.
+    to_api, aborts = manager.handle(
+        [TokenMsg(1, ids[0]), TokenMsg(2, ids[0]), TokenMsg(2, bad), TokenMsg(1, ids[1])]
+    )
+    assert aborts == [AbortMsg(2)]
+    errors = [m for m in to_api if isinstance(m, ErrorMsg)]
+    assert len(errors) == 1 and errors[0].rid == 2 and errors[0].code == "request_failed"
+    assert "cannot decode" in errors[0].message
+    assert [m.rid for m in to_api if isinstance(m, OutputMsg)] == [1]  # 2's text is dropped
+    assert set(manager.states) == {1}
+    # The failed request's late tokens and its abort confirmation are ignored; 1 goes on.
+    to_api, aborts = manager.handle(
+        [TokenMsg(2, ids[1]), TokenMsg(2, None, "abort"), TokenMsg(1, ids[2], "length")]
+    )
+    assert aborts == [] and [m.rid for m in to_api] == [1]
+    assert to_api[0].finish_reason == "length" and to_api[0].completion_tokens == 3
+
+
+def test_tokenize_errors_blame_the_prompt_or_the_server():
+    from jinja2 import TemplateError
+
+    from minisgl.tokenizer.server import tokenize_error
+
+    chat = TokenizeMsg(1, SamplingParams(), messages=[{"role": "user", "content": "x"}])
+    text = TokenizeMsg(2, SamplingParams(), text="x")
+    refused = tokenize_error(chat, TemplateError("roles must alternate"))
+    assert (refused.param, refused.code) == ("messages", "invalid_value")
+    assert "roles must alternate" in refused.message
+    assert (tokenize_error(text, ValueError("no")).param) == "prompt"
+    failed = tokenize_error(text, RuntimeError("tokenizer bug"))
+    assert (failed.param, failed.code) == (None, "request_failed")
+
+
+def test_push_queue_sends_what_can_be_encoded(tmp_path):
+    from minisgl.message.queue import ZmqPullQueue, ZmqPushQueue, ipc_address
+
+    address = ipc_address(str(tmp_path), "q")
+    inbox, outbox = ZmqPullQueue(address), ZmqPushQueue(address)
+    try:
+        unencodable = ErrorMsg(2, "x", None, None)
+        unencodable.rid = 2**64  # type: ignore[assignment]
+        msgs = [AbortMsg(1), unencodable, AbortMsg(3)]
+        failed = outbox.put_encodable(msgs)
+        assert [m for m, _ in failed] == [unencodable]  # msgpack holds at most 64 bits
+        assert inbox.socket.poll(5000)
+        assert inbox.get() == [AbortMsg(1), AbortMsg(3)]
+    finally:
+        outbox.close()
+        inbox.close()
+
+
+def test_fault_injection_spec():
+    from minisgl.utils.faults import _parse
+
+    assert _parse(None) is None
+    assert _parse("tokenize,detokenize:@x;crash:@y") == {
+        "tokenize": "@x",
+        "detokenize": "@x",
+        "crash": "@y",
+    }
+    for bad in ["tokenize", "tokenize:", "nowhere:@x", ":@x", "tokenize:@x;"]:
+        with pytest.raises(ValueError, match="MINISGL_FAULT_INJECT"):
+            _parse(bad)

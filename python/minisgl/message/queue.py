@@ -45,6 +45,26 @@ class ZmqPushQueue:
         if msgs:
             self.put(msgs[0] if len(msgs) == 1 else BatchMsg(msgs))
 
+    def put_encodable(self, msgs: list[Any]) -> list[tuple[Any, Exception]]:
+        """`put_many`, except that a message that cannot be encoded does not take the others
+        down: they are sent, and it is returned with the encoder's error."""
+        if not msgs:
+            return []
+        try:
+            frame = encode(msgs[0] if len(msgs) == 1 else BatchMsg(msgs))
+        except Exception:
+            sendable, failed = [], []
+            for msg in msgs:
+                try:
+                    encode(msg)
+                    sendable.append(msg)
+                except Exception as exc:
+                    failed.append((msg, exc))
+            self.put_many(sendable)
+            return failed
+        self.socket.send(frame, copy=False)
+        return []
+
     def close(self) -> None:
         self.socket.close()
 

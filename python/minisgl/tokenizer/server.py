@@ -2,6 +2,9 @@
 
 tokenizer:   API server --TokenizeMsg/AbortMsg--> [encode] --UserMsg/AbortMsg--> scheduler
 detokenizer: scheduler --AcceptedMsg/TokenMsg/StatsMsg--> [decode, stop strings] --> API server
+
+A failure while handling one request's message ends that request alone (an ErrorMsg to the API
+server; from the detokenizer also an AbortMsg to the scheduler), never the worker.
 """
 
 from __future__ import annotations
@@ -21,24 +24,44 @@ from minisgl.message import (
     UserMsg,
 )
 from minisgl.utils import init_logger
+from minisgl.utils.faults import inject as inject_fault
 
 from .detokenize import IncrementalDetokenizer
 from .tokenize import encode_chat, encode_text, load_tokenizer
 
 logger = init_logger(__name__)
 
+try:  # what a chat template raises for a conversation it refuses (roles out of order, ...)
+    from jinja2 import TemplateError as _TemplateError
+
+    _PROMPT_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, _TemplateError)
+except ImportError:  # without jinja2 there are no chat templates to refuse anything
+    _PROMPT_ERRORS = (ValueError, TypeError)
+
 
 def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
     """Encode the request's prompt; raises ValueError for prompts that cannot be encoded."""
     if msg.messages is not None:
+        inject_fault("tokenize", (m["content"] for m in msg.messages))
         ids = encode_chat(tokenizer, msg.messages)
     elif msg.text is not None:
+        inject_fault("tokenize", (msg.text,))
         ids = encode_text(tokenizer, msg.text)
     elif msg.input_ids is not None:
         ids = list(msg.input_ids)
     else:
         raise ValueError("the request has no prompt")
     return UserMsg(msg.rid, ids, msg.sampling_params, msg.skip_special_tokens)
+
+
+def tokenize_error(msg: TokenizeMsg, exc: Exception) -> ErrorMsg:
+    """The error for a request whose prompt could not be encoded: the prompt's fault (400)
+    when the tokenizer or chat template refused it, else this request's failure (500)."""
+    param = "messages" if msg.messages is not None else "prompt"
+    if isinstance(exc, _PROMPT_ERRORS):
+        return ErrorMsg(msg.rid, f"cannot tokenize the {param}: {exc}", param, "invalid_value")
+    logger.error("tokenizing request %s failed", msg.rid, exc_info=exc)
+    return ErrorMsg(msg.rid, f"tokenizing the request failed: {exc}", None, "request_failed")
 
 
 @dataclass
@@ -67,26 +90,51 @@ class DetokenizeManager:
         aborts: list[AbortMsg] = []
         touched: dict[int, _DetokState] = {}
         for msg in msgs:
-            if isinstance(msg, AcceptedMsg):
-                detok = IncrementalDetokenizer(self.tokenizer, msg.stop, msg.skip_special_tokens)
-                self.states[msg.rid] = _DetokState(detok)
-                to_api.append(msg)
-            elif isinstance(msg, TokenMsg):
-                out = self._on_token(msg, touched, aborts)
-                if out is not None:
-                    to_api.append(out)
-            elif isinstance(msg, ErrorMsg):
-                self.states.pop(msg.rid, None)
-                to_api.append(msg)
-            elif isinstance(msg, StatsMsg):
-                to_api.append(msg)
-            else:
-                logger.warning("detokenizer: ignoring unexpected %s", type(msg).__name__)
+            try:
+                self._on_message(msg, to_api, aborts, touched)
+            except Exception as exc:
+                rid = getattr(msg, "rid", None)
+                logger.error("detokenizing request %s failed", rid, exc_info=exc)
+                if rid is None:  # nobody's message (stats): nothing to end
+                    continue
+                touched.pop(rid, None)
+                error, abort = self.fail(rid, f"detokenizing the output failed: {exc}")
+                to_api.append(error)
+                aborts.append(abort)
         # Unfinished requests: one OutputMsg each per batch, however many tokens arrived.
         for rid, state in touched.items():
             if rid in self.states and state.pending_tokens:
                 to_api.append(self._output(rid, state, None))
         return to_api, aborts
+
+    def fail(self, rid: int, message: str) -> tuple[ErrorMsg, AbortMsg]:
+        """End one request with an error: drop its state; return the ErrorMsg for the API
+        server and the AbortMsg for the scheduler (which would keep generating for it)."""
+        self.states.pop(rid, None)
+        return ErrorMsg(rid, message, None, "request_failed"), AbortMsg(rid)
+
+    def _on_message(
+        self,
+        msg: Any,
+        to_api: list[Any],
+        aborts: list[AbortMsg],
+        touched: dict[int, _DetokState],
+    ) -> None:
+        if isinstance(msg, AcceptedMsg):
+            detok = IncrementalDetokenizer(self.tokenizer, msg.stop, msg.skip_special_tokens)
+            self.states[msg.rid] = _DetokState(detok)
+            to_api.append(msg)
+        elif isinstance(msg, TokenMsg):
+            out = self._on_token(msg, touched, aborts)
+            if out is not None:
+                to_api.append(out)
+        elif isinstance(msg, ErrorMsg):
+            self.states.pop(msg.rid, None)
+            to_api.append(msg)
+        elif isinstance(msg, StatsMsg):
+            to_api.append(msg)
+        else:
+            logger.warning("detokenizer: ignoring unexpected %s", type(msg).__name__)
 
     def _on_token(
         self, msg: TokenMsg, touched: dict[int, _DetokState], aborts: list[AbortMsg]
@@ -97,6 +145,7 @@ class DetokenizeManager:
         if msg.cached_tokens:
             state.cached_tokens = msg.cached_tokens
         if msg.token is not None:
+            inject_fault("detokenize", state.detok.stop)
             state.pending_tokens += 1
             state.text.append(state.detok.add_token(msg.token))
         if state.detok.stopped:
@@ -147,14 +196,15 @@ def run_tokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None
             if isinstance(msg, TokenizeMsg):
                 try:
                     forward.append(tokenize_request(tokenizer, msg))
-                except Exception as exc:  # a bad chat template input must not kill the worker
-                    param = "messages" if msg.messages is not None else "prompt"
-                    errors.append(ErrorMsg(msg.rid, f"cannot tokenize the prompt: {exc}", param))
+                except Exception as exc:
+                    errors.append(tokenize_error(msg, exc))
             elif isinstance(msg, AbortMsg):
                 forward.append(msg)
             else:
                 logger.warning("tokenizer: ignoring unexpected %s", type(msg).__name__)
-        to_scheduler.put_many(forward)
+        for msg, exc in to_scheduler.put_encodable(forward):
+            logger.error("cannot send request %s to the scheduler", msg.rid, exc_info=exc)
+            errors.append(ErrorMsg(msg.rid, f"internal error: {exc}", None, "request_failed"))
         to_detokenizer.put_many(errors)
 
 
@@ -174,4 +224,9 @@ def run_detokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> No
     while True:
         out, aborts = manager.handle(inbox.get())
         to_scheduler.put_many(aborts)  # first: stop computing as early as possible
-        to_api.put_many(out)
+        for msg, exc in to_api.put_encodable(out):
+            logger.error("cannot send %s to the API server", type(msg).__name__, exc_info=exc)
+            if hasattr(msg, "rid"):
+                error, abort = manager.fail(msg.rid, f"internal error: {exc}")
+                to_api.put(error)
+                to_scheduler.put(abort)
