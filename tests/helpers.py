@@ -165,6 +165,40 @@ def hf_last_logits(name: str, prompt: str | list[int]) -> torch.Tensor:
     return hf_logits(name, prompt)[-1]
 
 
+@functools.cache
+def _hf_model_float64(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
+
+
+def assert_logits_match_hf(rows: torch.Tensor, name: str, prompts: list[str | list[int]]) -> None:
+    """Our float32 last-token logits (one row per prompt) against HF's.
+
+    The tolerance is float32's accumulation-order noise for this model on this machine: how far
+    HF's own float32 logits are from its float64 ones, at most over the prompts. Two float32
+    implementations that sum in different orders (oneDNN on AMX, on AVX-512, MKL) each land
+    about that far from the exact values, so they differ by up to about twice it; four times
+    leaves room for the tail. The argmax must be HF's wherever float64's top two are further
+    apart than that.
+    """
+    path = model_path(name)
+    exact = []
+    noise = 0.0
+    for prompt in prompts:
+        ids = torch.tensor([hf_encode(path, prompt)])
+        with torch.inference_mode():
+            exact.append(_hf_model_float64(path)(ids).logits[0, -1])
+        noise = max(noise, (hf_last_logits(name, prompt).double() - exact[-1]).abs().max().item())
+    atol = 4 * noise
+    for i, (row, want) in enumerate(zip(rows, exact)):
+        diff = (row.double() - want).abs().max().item()
+        assert diff <= atol, f"{name} prompt {i}: logits off by {diff:.3g} > {atol:.3g}"
+        top2 = want.topk(2).values
+        if (top2[0] - top2[1]).item() > atol:
+            assert row.argmax().item() == want.argmax().item(), f"{name} prompt {i}: argmax"
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 

@@ -7,10 +7,10 @@ import torch
 from helpers import (
     MIXED_PROMPTS,
     assert_all_pages_free,
+    assert_logits_match_hf,
     build_llm,
     greedy,
     hf_greedy,
-    hf_last_logits,
     hf_logits,
     spy_logits,
 )
@@ -41,9 +41,7 @@ def test_prefill_logits_match_hf(arch: str) -> None:
     captured = spy_logits(llm, "prefill")
     llm.generate(MIXED_PROMPTS, greedy(1))
     assert len(captured) == 1, "all prompts fit one prefill batch"
-    for row, prompt in zip(captured[0], MIXED_PROMPTS):
-        want = hf_last_logits(arch, prompt)
-        torch.testing.assert_close(row, want, atol=1e-4, rtol=0)
+    assert_logits_match_hf(captured[0], arch, MIXED_PROMPTS)
     llm.shutdown()
 
 
@@ -57,8 +55,7 @@ def test_equal_length_prompts_share_one_causal_attention_call(arch: str) -> None
     captured = spy_logits(llm, "prefill")
     outputs = llm.generate(prompts, greedy(6))
     assert len(captured) == 1
-    for row, prompt in zip(captured[0], prompts):
-        torch.testing.assert_close(row, hf_last_logits(arch, prompt), atol=1e-4, rtol=0)
+    assert_logits_match_hf(captured[0], arch, prompts)
     assert [o["token_ids"] for o in outputs] == hf_greedy(arch, prompts, [6] * 4)
     assert_all_pages_free(llm)
     llm.shutdown()
