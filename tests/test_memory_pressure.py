@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_all_pages_free, build_llm, greedy, hf_greedy
 
 from minisgl.core import RequestError, SamplingParams
-from minisgl.scheduler.scheduler import OUTPUT_ESTIMATE_CLIP
+from minisgl.scheduler.budget import OUTPUT_ESTIMATE_CLIP
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -34,7 +34,7 @@ def test_chunked_prompt_beside_decodes_at_the_ratio_floor(overlap: bool) -> None
     reservation ratio at its floor (as after warm-up traffic): once ran out of KV pages."""
     llm = build_llm("qwen3", num_page_override=200, max_prefill_length=8, overlap_schedule=overlap)
     llm.generate(_prompts(4, 6, seed=1), greedy(2))  # warm-up traffic
-    llm.new_token_ratio = 0.1
+    llm.budget.new_token_ratio = 0.1
     decoders = _prompts(6, 8, seed=2)
     long_prompt = _prompts(1, 100, seed=3)[0]
     uids = [llm.add_request(p, greedy(24)) for p in decoders]
@@ -56,7 +56,7 @@ def test_request_that_fills_the_pool_exactly_is_admitted_at_ratio_one() -> None:
     """page_size 16, 4 pages: a 17-token prompt with max_tokens 47 needs all 64 slots; rounding
     prompt and output pages up separately once asked for 5 pages and never admitted it."""
     llm = build_llm("qwen3", page_size=16, num_page_override=4, overlap_schedule=False)
-    llm.new_token_ratio = 1.0  # as after retractions
+    llm.budget.new_token_ratio = 1.0  # as after retractions
     prompt = _prompts(1, 17, seed=4)[0]
     out = llm.generate([prompt], greedy(47))[0]
     assert out["token_ids"] == hf_greedy("qwen3", [prompt], 47)[0]
@@ -120,8 +120,8 @@ def test_estimate_of_an_unbounded_request_is_clipped(long_context_llm) -> None:
     req_uid = llm.add_request(_prompts(1, 10, seed=6)[0], SamplingParams(max_tokens=None))
     req = llm.waiting[-1]
     assert req.uid == req_uid and req.max_device_len == llm.max_model_len
-    llm.new_token_ratio = 1.0
-    pages = llm._pages_to_claim(req, 0)
+    llm.budget.new_token_ratio = 1.0
+    pages = llm.budget.pages_to_claim(req, 0)
     assert pages == min(llm.max_model_len, 10 + OUTPUT_ESTIMATE_CLIP)
     llm.abort_request(req_uid)
     llm.step()

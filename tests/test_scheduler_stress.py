@@ -86,7 +86,7 @@ def _run(config: dict, pool: list[list[int]], expected: list[list[int]], seed: i
         cache_type=config["cache_type"],
         schedule_policy=config["schedule_policy"],
     )
-    llm.new_token_ratio = rng.choice([0.1, 0.7, 1.0])  # optimistic as after warm-up, or not
+    llm.budget.new_token_ratio = rng.choice([0.1, 0.7, 1.0])  # optimistic as after warm-up, or not
     uids: dict[int, Arrival] = {}
     arrived_at: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,9 +13,10 @@ from minisgl.core import Batch, FinishReason, Req, SamplingParams
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
-from minisgl.utils import div_ceil, init_logger
+from minisgl.utils import init_logger
 from minisgl.utils.faults import inject as inject_fault
 
+from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
 from .output import SchedulerStats, TokenOutput
@@ -25,15 +25,6 @@ from .prepare import prepare_forward_input, validate_request
 from .table import TableManager
 
 logger = init_logger(__name__)
-
-# Admission reserves this share of each admitted request's remaining output (SGLang's
-# new_token_ratio): it starts cautious, decays while decode runs fine, and jumps after a
-# retraction. Retraction is what keeps an optimistic estimate safe.
-_RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.001
-# Output tokens a request is expected to produce at most, whatever its max_tokens (SGLang's
-# clip_max_new_tokens_estimation): one request that may run to the end of a long context must
-# not reserve the whole pool and keep everyone else waiting.
-OUTPUT_ESTIMATE_CLIP = 4096
 
 
 @dataclass
@@ -76,7 +67,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.running: list[Req] = []
         self.stats = SchedulerStats()
-        self.new_token_ratio = _RATIO_INIT
+        self.budget = PageBudget(config.page_size)
         self._uids = itertools.count()
         self._outbox: list[TokenOutput] = []
         self._in_flight: InFlight | None = None
@@ -112,8 +103,7 @@ class Scheduler:
         if req is not None:
             self.waiting.remove(req)
         else:
-            held = self.running + ([self.chunked] if self.chunked else [])
-            req = next((r for r in held if r.uid == uid), None)
+            req = next((r for r in self._admitted() if r.uid == uid), None)
             if req is None:
                 return False
             self._drop(req)
@@ -189,19 +179,9 @@ class Scheduler:
         self._last_was_prefill = batch is not None and batch.is_prefill
         return batch
 
-    def _pages_to_claim(self, req: Req, held_len: int) -> int:
-        """Pages `req` is expected to claim beyond those for its first `held_len` positions: all
-        of its known tokens, and a `new_token_ratio` share of its output (clipped). Admission,
-        chunking and decode all count pages by this one rule."""
-        known = max(len(req.input_ids), req.device_len)
-        remaining_out = min(req.max_device_len - known, OUTPUT_ESTIMATE_CLIP)
-        expected = min(req.max_device_len, known + math.ceil(remaining_out * self.new_token_ratio))
-        return max(0, div_ceil(expected, self.page_size) - div_ceil(held_len, self.page_size))
-
-    def _reserved_pages(self) -> int:
-        """Pages admitted requests (running and chunked) are expected to claim before finishing."""
-        admitted = self.running + ([self.chunked] if self.chunked is not None else [])
-        return sum(self._pages_to_claim(r, r.device_len) for r in admitted)
+    def _admitted(self) -> list[Req]:
+        """Requests holding KV pages: running, and the one being chunked."""
+        return self.running + ([self.chunked] if self.chunked is not None else [])
 
     def _next_chunk(self, budget: int) -> tuple[int, int]:
         """The chunked request's next extent within `budget` tokens, and the pages it needs."""
@@ -211,9 +191,11 @@ class Scheduler:
         return new_len, self.cache_manager.pages_to_grow(req, new_len)
 
     def _chunk_fits(self) -> bool:
+        """Whether the chunked request's next chunk (a whole budget's worth) has its pages."""
         if self.chunked is None:
             return True
-        _, pages = self._next_chunk(self.config.max_prefill_length or 1)
+        assert self.config.max_prefill_length is not None
+        _, pages = self._next_chunk(self.config.max_prefill_length)
         return pages * self.page_size <= self.cache_manager.available_size
 
     def _schedule_prefill(self) -> Batch | None:
@@ -223,12 +205,12 @@ class Scheduler:
         new_lens: list[int] = []
         # What every admitted request still needs, the chunked one's rest of prompt included;
         # a newcomer is admitted only if its own need fits beside it.
-        reserved = self._reserved_pages()
+        reserved = self.budget.reserved(self._admitted())
         if self.chunked is not None:
-            new_len, pages = self._next_chunk(budget)
-            if pages * self.page_size > self.cache_manager.available_size:
+            if not self._chunk_fits():
                 # Decode runs meanwhile and frees pages (or retracts); alone, the chunk fits.
                 return None
+            new_len, _ = self._next_chunk(budget)
             req, self.chunked = self.chunked, None
             reqs.append(req)
             new_lens.append(new_len)
@@ -239,7 +221,7 @@ class Scheduler:
             req = self.waiting[0]
             handle = self.cache_manager.match_req(req)
             self.cache_manager.lock(handle)  # its pages stop counting as evictable
-            need = self._pages_to_claim(req, handle.cached_len)
+            need = self.budget.pages_to_claim(req, handle.cached_len)
             if need > self.cache_manager.available_size // self.page_size - reserved:
                 self.cache_manager.unlock(handle)
                 break
@@ -289,7 +271,7 @@ class Scheduler:
         self.cache_manager.allocate(reqs, [r.device_len + 1 for r in reqs])
         for req in reqs:
             req.device_len += 1
-        self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
+        self.budget.on_decode()
         return Batch(reqs, "decode")
 
     def _retract(self, req: Req) -> None:
@@ -301,7 +283,7 @@ class Scheduler:
         req.table_idx = -1
         self.waiting.appendleft(req)
         self.stats.retractions += 1
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+        self.budget.on_retraction()
         logger.debug("retracted %s", req)
 
     # ---------------------------------------------------------------- results out
