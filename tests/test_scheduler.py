@@ -273,3 +273,39 @@ def test_freed_pages_come_back_lowest_first_as_runs(page_size: int) -> None:
     assert torch.equal(page_table[4, : 2 * length], torch.arange(2 * length, dtype=torch.int32))
     release(big)
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_non_finite_logits_fail_that_request_alone(overlap: bool) -> None:
+    from minisgl.core import get_global_ctx
+
+    llm = build_llm("qwen3", page_size=4, overlap_schedule=overlap)
+    prompts = _random_prompts(3, 10, 30, seed=9)
+    uids = [llm.add_request(p, greedy(8)) for p in prompts]
+    victim = uids[1]
+    model = llm.engine.model
+    steps = {"victim": 0}
+
+    def poisoned(*args, **kwargs):
+        logits = model(*args, **kwargs)
+        sampled = [r for r in get_global_ctx().batch.reqs if not r.is_chunked]
+        for row, req in enumerate(sampled):
+            if req.uid == victim:
+                steps["victim"] += 1
+                if steps["victim"] == 3:  # its third token's logits go bad
+                    logits[row] = float("nan")
+        return logits
+
+    llm.engine.model = poisoned
+    outs = {uid: [] for uid in uids}
+    while llm.has_work:
+        for out in llm.step():
+            outs[out.uid].append(out)
+    last = outs[victim][-1]
+    assert last.finish_reason == "error" and "not finite" in (last.error or "")
+    assert [o.token for o in outs[victim][:-1]] == hf_greedy("qwen3", [prompts[1]], 2)[0]
+    others = [prompts[0], prompts[2]]
+    assert [[o.token for o in outs[u]] for u in (uids[0], uids[2])] == hf_greedy("qwen3", others, 8)
+    assert_all_pages_free(llm)
+    llm.engine.model = model
+    llm.shutdown()
