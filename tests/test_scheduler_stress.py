@@ -52,9 +52,9 @@ def _configs(rng: random.Random) -> list[dict]:
     picked: list[dict] = []
     for config in product:
         new = any(all(c[k] != v for c in picked) for k, v in config.items())
-        if new or len(picked) < 10:
+        if new or len(picked) < 16:
             picked.append(config)
-        if len(picked) >= 10 and all(
+        if len(picked) >= 16 and all(
             {c[k] for c in picked} == set(values) for k, values in AXES.items()
         ):
             break
@@ -72,7 +72,7 @@ def _run(config: dict, pool: list[list[int]], expected: list[list[int]], seed: i
             max_tokens=rng.randint(1, MAX_OUTPUT),
             abort_after=rng.randint(0, 12) if rng.random() < 0.2 else None,
         )
-        for _ in range(20)
+        for _ in range(24)
     ]
     largest = max(div_ceil(len(pool[a.prompt]) + a.max_tokens, ps) for a in arrivals)
     num_pages = {"smallest": largest, "tight": 2 * largest, "ample": 40 * largest}[config["pool"]]
@@ -86,7 +86,9 @@ def _run(config: dict, pool: list[list[int]], expected: list[list[int]], seed: i
         cache_type=config["cache_type"],
         schedule_policy=config["schedule_policy"],
     )
-    llm.budget.new_token_ratio = rng.choice([0.1, 0.7, 1.0])  # optimistic as after warm-up, or not
+    # Optimistic as after warm-up traffic (always so in the smallest pool: retractions), or not.
+    ratios = [0.1] if config["pool"] == "smallest" else [0.1, 0.7, 1.0]
+    llm.budget.new_token_ratio = rng.choice(ratios)
     uids: dict[int, Arrival] = {}
     arrived_at: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}
