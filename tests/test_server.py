@@ -141,6 +141,8 @@ def started(tmp_path_factory):
         chat_ids = [encode_chat(tok, msgs) for msgs in CHATS]
         for i, o in enumerate(llm.generate(chat_ids, greedy(MAX_TOKENS))):
             out[f"chat{i}"] = o["text"]
+        # No max_tokens: up to the end of the context (the model's EOS comes well before).
+        out["chat_unbounded"] = llm.generate(chat_ids[:1], greedy(None))[0]
         out["stop"] = llm.generate([STOP_PROMPT], greedy(32))[0]["text"]
         llm.shutdown()
         del llm
@@ -220,6 +222,16 @@ def test_chat_greedy_matches_offline_streaming_and_not(client, model, expected):
             reasons[-1] == resp.choices[0].finish_reason and reasons.count(None) == len(reasons) - 1
         )
         assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_chat_without_max_tokens_runs_to_the_end(client, model, expected):
+    """OpenAI clients often omit max_tokens: the room the context leaves, never a 400."""
+    resp = client.chat.completions.create(model=model, messages=CHATS[0], temperature=0)
+    want = expected["chat_unbounded"]
+    assert want["finish_reason"] == "stop"
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].message.content == want["text"]
+    assert resp.usage.completion_tokens == len(want["token_ids"])
 
 
 def test_chat_content_parts_and_n(client, model, expected):
