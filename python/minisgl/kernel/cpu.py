@@ -8,171 +8,57 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
-import os
 import platform
 import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from minisgl.env import ENV
-from minisgl.utils.hf import cache_dir
+from minisgl.kernel.abi import (
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    MAX_INTERMEDIATE,
+    MAX_NORM_HIDDEN,
+    OK,
+    RESTYPES,
+    SIGNATURES,
+    DecodeLayerParams,
+    DecodeModelParams,
+    check_block_inputs,
+    check_heads,
+    check_prefill_tokens,
+    check_prefix_state,
+    check_rope_tables,
+    check_status,
+    decode_attention_error,
+    raise_not_contiguous,
+    require,
+)
+from minisgl.kernel.build import build_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-# -ffast-math lets gcc vectorise the float reductions and expf; it is given to the compile step
-# only, because linking with it would flush denormals process-wide. Infinities and NaNs stay.
-COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math"]
-COMPILE_FLAGS += ["-fno-finite-math-only"]
-LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "MAX_INTERMEDIATE", "MAX_NORM_HIDDEN"]
+__all__ += ["CpuKernels", "DecodeLayerParams", "DecodeModelParams", "cpu_kernels", "kernels_for"]
+
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Stack buffers in the C kernels (elements per row).
-MAX_NORM_HIDDEN, MAX_INTERMEDIATE, MAX_HEAD_DIM, MAX_GROUP = 8192, 16384, 256, 32
-
-_ptr = ctypes.c_void_p
-_i64 = ctypes.c_int64
-_int = ctypes.c_int
-_float = ctypes.c_float
-_SIGNATURES: dict[str, list[type]] = {
-    "minisgl_has_avx512_bf16": [],
-    "minisgl_has_amx": [],
-    "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
-    "minisgl_packed_elems": [_i64, _i64],
-    "minisgl_pack_weight": [_ptr, _ptr, _i64, _i64, _int],
-    "minisgl_packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int, _int],
-    "minisgl_packed_gated_silu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
-    "minisgl_decode_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
-    + [_i64, _i64, _i64, _i64, _float, _i64, _int, _int],
-    "minisgl_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int],
-    "minisgl_silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
-    "minisgl_argmax": [_ptr, _ptr, _i64, _i64, _int, _int],
-    "minisgl_sample_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int],
-    "minisgl_top_candidates": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int],
-    "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
-    "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
-    + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _float, _i64, _int, _int],
-    "minisgl_prefill_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
-    + [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float]
-    + [_i64, _int, _int],
-    "minisgl_decode_layer_scratch": [_ptr, _i64],
-    "minisgl_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
-    + [_ptr, _int],
-    "minisgl_decode_layer_q_offset": [_ptr, _i64],
-    "minisgl_shared_prefix_attention": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
-    + [_i64, _i64, _float, _int, _int],
-    "minisgl_prefill_attention": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
-    + [_i64, _i64, _i64, _float, _i64, _int, _int],
-    "minisgl_decode_layer_begin": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _int],
-    "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
-    + [_int],
-}
-_RESTYPES = {
-    "minisgl_shared_prefix_attention": _int,
-    "minisgl_prefill_attention": _int,
-    "minisgl_prefill_attention_block": _int,
-    "minisgl_decode_layer_scratch": _i64,
-    "minisgl_decode_layer_q_offset": _i64,
-    "minisgl_packed_elems": _i64,
-}
 
 
-class DecodeLayerParams(ctypes.Structure):
-    """One layer's weights and KV pool for the C decode layer (NULL: absent)."""
-
-    _fields_ = [
-        (name, _ptr)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "q_norm",
-            "k_norm",
-            "qkv_w",
-            "qkv_b",
-            "o_w",
-            "o_b",
-            "gate_up_w",
-            "gate_up_b",
-            "down_w",
-            "down_b",
-            "qkv_t",
-            "o_t",
-            "gate_up_t",
-            "down_t",
-            "gate_up_tb",
-            "k_cache",
-            "v_cache",
-        )
-    ] + [("window", _i64)]
-
-
-class DecodeModelParams(ctypes.Structure):
-    """Shapes, norm epsilon, attention scale, rotary tables and page table of a model."""
-
-    _fields_ = [
-        ("hidden", _i64),
-        ("inter", _i64),
-        ("num_heads", _i64),
-        ("num_kv_heads", _i64),
-        ("head_dim", _i64),
-        ("eps", _float),
-        ("scale", _float),
-        ("cos", _ptr),
-        ("sin", _ptr),
-        ("page_table", _ptr),
-        ("table_stride", _i64),
-        ("gemv_max_rows", _i64),
-        ("use_tiles", _i64),
-    ]
-
-
-def _machine_tag() -> str:
-    """What the built library depends on: source, flags, compiler and this CPU's features."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
-    digest.update(subprocess.run(["gcc", "--version"], capture_output=True).stdout)
-    try:
-        cpu_flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line[:5] == "flags"
-        )
-    except (OSError, StopIteration):
-        cpu_flags = platform.processor()
-    digest.update(cpu_flags.encode())
-    return digest.hexdigest()[:16]
-
-
-def _build() -> Path:
-    out = cache_dir() / "kernels" / f"cpu_kernels-{_machine_tag()}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in (
-            ["gcc", *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            ["gcc", str(obj), "-o", str(lib), *LINK_FLAGS],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
-        os.replace(lib, out)  # atomic: concurrent builders each publish a complete file
-    logger.info("built CPU kernels into %s", out)
-    return out
+# The machine's own build (tests/test_kernel_build.py builds it directly).
+_build = build_library
 
 
 class CpuKernels:
-    """Typed wrappers over the C kernels; every tensor must be contiguous and on the CPU."""
+    """Typed wrappers over the C kernels; every tensor must be contiguous and on the CPU. Shapes
+    a kernel cannot take raise ValueError, a failed C allocation MemoryError."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for name, argtypes in _SIGNATURES.items():
+        for name, argtypes in SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = _RESTYPES.get(name, _int)
+            getattr(lib, name).restype = RESTYPES[name]
         self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
         # Built with the tile instructions and granted the tile state by the kernel.
         self.has_amx = ENV.CPU_AMX.value and bool(lib.minisgl_has_amx())
@@ -185,6 +71,16 @@ class CpuKernels:
     ) -> torch.Tensor:
         """x [M, K] @ weight [N, K]^T (+ bias) for small M, all bfloat16."""
         rows, in_features = x.shape
+        if not (
+            x.is_contiguous()
+            and weight.is_contiguous()
+            and weight.shape[1] == in_features
+            and (bias is None or (bias.is_contiguous() and bias.shape == weight.shape[:1]))
+        ):
+            raise_not_contiguous("gemv_bf16", x=x, weight=weight, bias=bias)
+            raise ValueError(
+                f"gemv_bf16: weight {tuple(weight.shape)} / bias does not fit x {tuple(x.shape)}"
+            )
         out = x.new_empty(rows, weight.shape[0])
         self.lib.minisgl_gemv_bf16(
             x.data_ptr(),
@@ -207,6 +103,12 @@ class CpuKernels:
         )
         return packed
 
+    def _check_packed(self, kernel: str, packed: torch.Tensor, n: int, k: int) -> None:
+        if not (packed.numel() == self.lib.minisgl_packed_elems(n, k)):
+            raise ValueError(
+                f"{kernel}: packed weight of {packed.numel()} elements is not [{n}, {k}] packed"
+            )
+
     def packed_linear(
         self,
         x: torch.Tensor,
@@ -218,8 +120,11 @@ class CpuKernels:
     ) -> torch.Tensor:
         """x [M, K] @ W^T (+ bias), W packed by `pack_weight`; bfloat16 in, bfloat16 out (float32
         with float_out: the sums unrounded), into `out` when given. On the AMX tiles where the
-        CPU has them, else with vdpbf16ps."""
+        CPU has them, else with vdpbf16ps (RuntimeError in a build without avx512_bf16)."""
         rows, in_features = x.shape
+        if not (x.is_contiguous() and (bias is None or bias.is_contiguous())):
+            raise_not_contiguous("packed_linear", x=x, bias=bias)
+        self._check_packed("packed_linear", packed, out_features, in_features)
         dtype = torch.float32 if float_out else x.dtype
         if out is None:
             out = x.new_empty(rows, out_features, dtype=dtype)
@@ -228,7 +133,7 @@ class CpuKernels:
                 f"out must be a contiguous {dtype} tensor of shape {(rows, out_features)}, got "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        self.lib.minisgl_packed_linear(
+        status = self.lib.minisgl_packed_linear(
             x.data_ptr(),
             packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -240,6 +145,7 @@ class CpuKernels:
             int(self.has_amx),
             torch.get_num_threads(),
         )
+        check_status("packed_linear", status)
         return out
 
     def packed_gated_silu(
@@ -248,8 +154,12 @@ class CpuKernels:
         """silu(x @ gate^T) * (x @ up^T) [M, inter] from a gate_up weight packed by
         `pack_weight` with its gate and up rows interleaved in 16s (`interleave_gate_up`)."""
         rows, in_features = x.shape
+        require(inter % 16 == 0, f"packed_gated_silu: inter {inter} is not a multiple of 16")
+        if not (x.is_contiguous() and (bias is None or bias.is_contiguous())):
+            raise_not_contiguous("packed_gated_silu", x=x, bias=bias)
+        self._check_packed("packed_gated_silu", packed, 2 * inter, in_features)
         out = x.new_empty(rows, inter)
-        self.lib.minisgl_packed_gated_silu(
+        status = self.lib.minisgl_packed_gated_silu(
             x.data_ptr(),
             packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -260,6 +170,7 @@ class CpuKernels:
             int(self.has_amx),
             torch.get_num_threads(),
         )
+        check_status("packed_gated_silu", status)
         return out
 
     def decode_attention(
@@ -279,12 +190,28 @@ class CpuKernels:
         q: [B, heads, dim]; caches: [slots, kv_heads, dim]; page_table: int32 [rows, max_len];
         rows, kv_lens: int64 [B]. prefix = (kv_starts int64 [B], out float32 [B, heads, dim],
         lse float32 [B, heads]): attention over positions before kv_starts[b], merged in.
-        Returns [B, heads, dim].
+        Any GQA group, head_dim up to MAX_HEAD_DIM, page size and batch. Returns [B, heads, dim].
         """
         num_reqs, num_heads, head_dim = q.shape
+        # One test per call (the C checks heads and head_dim itself); the error says what failed.
+        if not (
+            q.is_contiguous()
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and rows.is_contiguous()
+            and kv_lens.is_contiguous()
+            and k_cache.shape[2] == head_dim
+            and q.dtype == k_cache.dtype == v_cache.dtype
+            and rows.shape == kv_lens.shape == (num_reqs,)
+            and page_table.dtype == torch.int32
+            and page_table.stride(1) == 1
+        ):
+            decode_attention_error(q, k_cache, v_cache, page_table, rows, kv_lens)
         out = torch.empty_like(q)
         starts, prefix_out, prefix_lse = prefix if prefix is not None else (None, None, None)
-        self.lib.minisgl_decode_attention(
+        if prefix is not None:
+            check_prefix_state("decode_attention", q, prefix)
+        status = self.lib.minisgl_decode_attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -305,6 +232,9 @@ class CpuKernels:
             _DTYPE_CODES[q.dtype],
             torch.get_num_threads(),
         )
+        if status != OK:
+            check_heads("decode_attention", num_heads, k_cache.shape[1], head_dim)
+            check_status("decode_attention", status)
         return out
 
     def blocked_attention_fits(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -334,10 +264,11 @@ class CpuKernels:
             return None
         if len(slots) == 0:
             return None
+        check_heads("shared_prefix_attention", num_heads, k_cache.shape[1], head_dim)
         q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
         out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
         lse = torch.empty(tokens, num_heads, dtype=torch.float32)
-        done = self.lib.minisgl_shared_prefix_attention(
+        status = self.lib.minisgl_shared_prefix_attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -353,7 +284,8 @@ class CpuKernels:
             int(self.has_amx),
             torch.get_num_threads(),
         )
-        return (out, lse) if done else None
+        check_status("shared_prefix_attention", status)
+        return out, lse
 
     def prefill_attention(
         self,
@@ -374,15 +306,15 @@ class CpuKernels:
         tokens, num_heads, head_dim = q.shape
         if not self.blocked_attention_fits(q.dtype, head_dim) or k_cache.dtype != q.dtype:
             return None
-        if len(rows) == 0:
-            return None
+        check_heads("prefill_attention", num_heads, k_cache.shape[1], head_dim)
         assert page_table.dtype == torch.int32 and page_table.is_contiguous()
         q = q.contiguous()
         rows, cached_lens, extend_lens = (
             t.to(torch.int64).contiguous() for t in (rows, cached_lens, extend_lens)
         )
+        check_prefill_tokens("prefill_attention", tokens, extend_lens)
         out = torch.empty_like(q)
-        done = self.lib.minisgl_prefill_attention(
+        status = self.lib.minisgl_prefill_attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -401,13 +333,25 @@ class CpuKernels:
             int(self.has_amx),
             torch.get_num_threads(),
         )
-        return out if done else None
+        check_status("prefill_attention", status)
+        return out
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); with no residual, x itself is the residual."""
         rows, hidden = x.shape
+        if not (
+            x.is_contiguous()
+            and weight.is_contiguous()
+            and weight.shape == (hidden,)
+            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
+        ):
+            raise_not_contiguous("add_rms_norm", x=x, residual=residual, weight=weight)
+            raise ValueError(
+                f"add_rms_norm: weight {tuple(weight.shape)} / residual does not fit x "
+                f"{tuple(x.shape)}"
+            )
         out = torch.empty_like(x)
         new_residual = x if residual is None else torch.empty_like(x)
         self.lib.minisgl_add_rms_norm(
@@ -426,6 +370,10 @@ class CpuKernels:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         rows, width = gate_up.shape
+        if not gate_up.is_contiguous():
+            raise_not_contiguous("silu_and_mul", gate_up=gate_up)
+        if width % 2:
+            raise ValueError(f"silu_and_mul: gate_up width {width} is odd")
         out = gate_up.new_empty(rows, width // 2)
         self.lib.minisgl_silu_and_mul(
             gate_up.data_ptr(),
@@ -441,6 +389,7 @@ class CpuKernels:
         """Row-wise argmax of x [rows, cols] float32 or bf16 (first index on ties, a NaN wins),
         int64."""
         x = x.contiguous()
+        require(x.shape[1] > 0, "argmax: rows of 0 columns have no argmax")
         indices = torch.empty(x.shape[0], dtype=torch.int64)
         self.lib.minisgl_argmax(
             x.data_ptr(),
@@ -464,16 +413,24 @@ class CpuKernels:
         softmax(row / temperature), computed on the fly. int64 [rows]."""
         weights, uniforms = weights.contiguous(), uniforms.contiguous()
         assert weights.dtype == torch.float32 and uniforms.dtype == torch.float64
+        rows, cols = weights.shape
+        require(cols > 0, "sample_rows: rows of 0 columns have nothing to draw")
+        if not (
+            uniforms.shape == (rows,) and (temperatures is None or temperatures.shape == (rows,))
+        ):
+            raise ValueError(
+                f"sample_rows: uniforms {tuple(uniforms.shape)} / temperatures for {rows} rows"
+            )
         if temperatures is not None:
             temperatures = temperatures.to(torch.float32).contiguous()
-        tokens = torch.empty(weights.shape[0], dtype=torch.int64)
+        tokens = torch.empty(rows, dtype=torch.int64)
         self.lib.minisgl_sample_rows(
             weights.data_ptr(),
             None if temperatures is None else temperatures.data_ptr(),
             uniforms.data_ptr(),
             tokens.data_ptr(),
-            weights.shape[0],
-            weights.shape[1],
+            rows,
+            cols,
             torch.get_num_threads(),
         )
         return tokens
@@ -482,10 +439,11 @@ class CpuKernels:
         """The k largest values of each row of x [rows, cols] (float32, k <= cols), largest
         first (the first column first among equals), and their columns (int64)."""
         x = x.contiguous()
-        assert x.dtype == torch.float32 and 0 < k <= x.shape[1]
+        assert x.dtype == torch.float32
+        require(0 < k <= x.shape[1], f"top_candidates: k {k} is outside 1..{x.shape[1]}")
         values = torch.empty(x.shape[0], k, dtype=torch.float32)
         indices = torch.empty(x.shape[0], k, dtype=torch.int64)
-        self.lib.minisgl_top_candidates(
+        status = self.lib.minisgl_top_candidates(
             x.data_ptr(),
             x.shape[0],
             x.shape[1],
@@ -494,16 +452,29 @@ class CpuKernels:
             indices.data_ptr(),
             torch.get_num_threads(),
         )
+        check_status("top_candidates", status)
         return values, indices
 
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
         """RoPE in place on x [tokens, heads, dim] (dim contiguous; tokens may be strided);
-        positions int64 [tokens]; cos/sin float32 [max_positions, dim]."""
+        positions int64 [tokens], each within cos/sin float32 [max_positions, dim] (else
+        ValueError, x untouched)."""
         tokens, heads, head_dim = x.shape
-        assert x.stride(2) == 1 and x.stride(1) == head_dim, "rotary: heads must be contiguous"
-        self.lib.minisgl_rotary(
+        if not (
+            x.stride(2) == 1
+            and x.stride(1) == head_dim
+            and positions.dtype == torch.int64
+            and positions.shape == (tokens,)
+            and positions.is_contiguous()
+        ):
+            raise ValueError(
+                f"rotary: x {tuple(x.shape)} (strides {x.stride()}) needs contiguous heads, "
+                f"positions {positions.dtype} {tuple(positions.shape)} one contiguous int64 each"
+            )
+        check_rope_tables("rotary", head_dim, (cos, sin))
+        status = self.lib.minisgl_rotary(
             x.data_ptr(),
             tokens,
             x.stride(0),
@@ -512,9 +483,11 @@ class CpuKernels:
             positions.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
+            cos.shape[0],
             _DTYPE_CODES[x.dtype],
             torch.get_num_threads(),
         )
+        check_status("rotary", status, positions, cos.shape[0])
 
     @staticmethod
     def _block_args(
@@ -534,13 +507,15 @@ class CpuKernels:
         assert page_table.dtype == torch.int32 and page_table.is_contiguous()
         assert out_loc.dtype == positions.dtype == torch.int64
         assert qkv.is_contiguous() and out_loc.is_contiguous() and positions.is_contiguous()
+        check_block_inputs(qkv, k_cache, out_loc, positions, rope_tables, num_heads)
         q_buf = qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[2])
         out = torch.empty_like(q_buf)
         q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
         tensors = [qkv, q_buf, out, q_norm, k_norm, k_cache, v_cache, out_loc, positions]
-        tensors += [rope_tables[0], rope_tables[1], page_table]
+        tensors += [rope_tables[0], rope_tables[1]]
         ptr = [None if t is None else t.data_ptr() for t in tensors]
-        return out, q_buf, [*ptr[:5], eps, *ptr[5:], page_table.stride(0)]
+        table = [rope_tables[0].shape[0], page_table.data_ptr(), page_table.stride(0)]
+        return out, q_buf, [*ptr[:5], eps, *ptr[5:], *table]
 
     def decode_attention_block(
         self,
@@ -563,7 +538,7 @@ class CpuKernels:
             qkv, qk_norms, k_cache, v_cache, out_loc, positions, rope_tables, page_table, num_heads
         )
         rows, kv_lens = paged
-        self.lib.minisgl_decode_attention_block(
+        status = self.lib.minisgl_decode_attention_block(
             *args,
             rows.data_ptr(),
             kv_lens.data_ptr(),
@@ -576,6 +551,7 @@ class CpuKernels:
             _DTYPE_CODES[qkv.dtype],
             torch.get_num_threads(),
         )
+        check_status("decode_attention_block", status, positions, rope_tables[0].shape[0])
         return out
 
     def prefill_attention_block(
@@ -594,14 +570,17 @@ class CpuKernels:
     ) -> torch.Tensor | None:
         """Prefill attention from the fused bf16 qkv projection, as decode_attention_block;
         prefill: (page-table rows, cached lens, extend lens) per request as `prefill_attention`
-        takes them. Returns [tokens, num_heads * head_dim], or None when the attention could
-        not run (out of memory)."""
+        takes them. Returns [tokens, num_heads * head_dim], or None where the blocked kernel
+        does not apply (`blocked_attention_fits`)."""
         assert qkv.dtype == k_cache.dtype == torch.bfloat16 and qkv.is_contiguous()
+        if not self.blocked_attention_fits(qkv.dtype, k_cache.shape[2]):
+            return None
         out, _q_buf, args = self._block_args(
             qkv, qk_norms, k_cache, v_cache, out_loc, positions, rope_tables, page_table, num_heads
         )
         rows, cached_lens, extend_lens = (t.to(torch.int64).contiguous() for t in prefill)
-        done = self.lib.minisgl_prefill_attention_block(
+        check_prefill_tokens("prefill_attention_block", qkv.shape[0], extend_lens)
+        status = self.lib.minisgl_prefill_attention_block(
             *args,
             rows.data_ptr(),
             cached_lens.data_ptr(),
@@ -616,7 +595,8 @@ class CpuKernels:
             int(self.has_amx),
             torch.get_num_threads(),
         )
-        return out if done else None
+        check_status("prefill_attention_block", status, positions, rope_tables[0].shape[0])
+        return out
 
     def decode_layer_scratch(self, model: DecodeModelParams, tokens: int) -> int:
         return self.lib.minisgl_decode_layer_scratch(ctypes.byref(model), tokens)
@@ -635,9 +615,10 @@ class CpuKernels:
         """Every bf16 decoder layer of `layers` in turn for x [tokens, hidden] (one decode token
         per request), as DecoderLayer.forward computes each: returns the last one's (MLP output,
         residual). scratch: bf16 of decode_layer_scratch(model, tokens) elements."""
-        tokens = x.shape[0]
+        tokens, needed = x.shape[0], self.decode_layer_scratch(model, x.shape[0])
+        require(scratch.numel() >= needed, f"decode_layers: scratch {scratch.numel()} < {needed}")
         out, residual = torch.empty_like(x), torch.empty_like(x)
-        self.lib.minisgl_decode_layers(
+        status = self.lib.minisgl_decode_layers(
             layers,
             len(layers),
             ctypes.byref(model),
@@ -652,6 +633,7 @@ class CpuKernels:
             out_loc.data_ptr(),
             torch.get_num_threads(),
         )
+        check_status("decode_layers", status, positions, model.max_positions)
         return out, residual
 
     def decode_layer_begin(
@@ -668,7 +650,7 @@ class CpuKernels:
         the KV store; the queries land in scratch (`decode_layer_queries`). Returns the
         residual."""
         new_residual = torch.empty_like(x) if residual is None else residual
-        self.lib.minisgl_decode_layer_begin(
+        status = self.lib.minisgl_decode_layer_begin(
             ctypes.byref(layer),
             ctypes.byref(model),
             x.data_ptr(),
@@ -680,6 +662,7 @@ class CpuKernels:
             out_loc.data_ptr(),
             torch.get_num_threads(),
         )
+        check_status("decode_layer_begin", status, positions, model.max_positions)
         return new_residual
 
     def decode_layer_queries(
@@ -706,7 +689,7 @@ class CpuKernels:
         Returns (MLP output, residual)."""
         out = torch.empty_like(residual)
         starts, prefix_out, prefix_lse = prefix if prefix is not None else (None, None, None)
-        self.lib.minisgl_decode_layer_end(
+        status = self.lib.minisgl_decode_layer_end(
             ctypes.byref(layer),
             ctypes.byref(model),
             residual.data_ptr(),
@@ -720,6 +703,7 @@ class CpuKernels:
             None if prefix_lse is None else prefix_lse.data_ptr(),
             torch.get_num_threads(),
         )
+        check_status("decode_layer_end", status)
         return out, residual
 
 

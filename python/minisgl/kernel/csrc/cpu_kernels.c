@@ -28,6 +28,38 @@
 
 typedef uint16_t bf16_t;
 
+// What the kernels that can fail return; cpu.py turns every code but MINISGL_OK into an
+// exception naming the kernel (nothing is written on an error, unless it says otherwise).
+#define MINISGL_OK 0
+#define MINISGL_ERR_NOMEM 1        // an allocation failed
+#define MINISGL_ERR_SHAPE 2        // a shape this kernel cannot take (cpu.py checks them first)
+#define MINISGL_ERR_UNSUPPORTED 3  // built without the instructions this kernel needs
+#define MINISGL_ERR_POSITION 4     // a position outside the rotary tables
+
+// Allocations made through kernel_alloc fail while this is positive (the tests' hook, each
+// failure counting it down), so that every error path is exercised.
+static int64_t failing_allocations = 0;
+
+void minisgl_fail_allocations(int64_t count) {
+    __atomic_store_n(&failing_allocations, count, __ATOMIC_SEQ_CST);
+}
+
+// Every allocation of the kernels: 64-byte aligned (whole lines, as the AVX-512 loads and tile
+// rows want), rounded up to whole lines as aligned_alloc requires, never of 0 bytes. NULL on
+// failure: the caller returns MINISGL_ERR_NOMEM (or takes a path that needs no memory).
+static void* kernel_alloc(size_t bytes) {
+    if (__atomic_load_n(&failing_allocations, __ATOMIC_RELAXED) > 0 &&
+        __atomic_sub_fetch(&failing_allocations, 1, __ATOMIC_SEQ_CST) >= 0)
+        return NULL;
+    return aligned_alloc(64, bytes == 0 ? 64 : (bytes + 63) / 64 * 64);
+}
+
+// Whether minisgl_has_amx got this process the tile state: the tiles are used only then (a
+// tile instruction without it kills the process), whatever a caller asks for.
+static int amx_granted = 0;
+
+static inline int tiles_usable(int use_tiles) { return use_tiles && amx_granted; }
+
 #ifdef __AVX512F__
 // 16 bf16 values as float32 (exact).
 static inline __m512 bf16x16_to_f32(__m256i packed) {
@@ -240,7 +272,8 @@ int minisgl_has_amx(void) {
 #ifdef HAVE_AMX
     // Linux hands out the tile state only to processes that ask (ARCH_REQ_XCOMP_PERM, 18 =
     // XFEATURE_XTILEDATA); asking again is harmless.
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted;
 #else
     return 0;
 #endif
@@ -587,13 +620,16 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
 #define AMX_PANEL_MIN_ROWS 256
 #define AMX_PANEL_BYTES (1 << 20)
 #define AMX_PANEL_ROWS 64
-static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
-                          int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles,
-                          int nthreads) {
+// Returns MINISGL_OK, MINISGL_ERR_NOMEM (y not written) or, built without avx512_bf16,
+// MINISGL_ERR_UNSUPPORTED.
+static int packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                         int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles,
+                         int nthreads) {
 #ifdef HAVE_AVX512_BF16
 #ifndef HAVE_AMX
     use_tiles = 0;
 #endif
+    use_tiles = tiles_usable(use_tiles);
     const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP, kpad = ksteps * AMX_KSTEP;
     // Tiles take whole 16-row tiles of x; vdpbf16ps any number of rows.
     const int64_t mpad = use_tiles ? (M + 15) / 16 * 16 : M;
@@ -604,8 +640,8 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
     const bf16_t* a = x;
     int64_t ldx = K;
     if (mpad != M || kpad != K) {
-        xpad = (bf16_t*)aligned_alloc(64, (size_t)(mpad * kpad * 2));
-        if (!xpad) return;
+        xpad = (bf16_t*)kernel_alloc((size_t)(mpad * kpad * 2));
+        if (!xpad) return MINISGL_ERR_NOMEM;
         for (int64_t m = 0; m < mpad; m++) {
             bf16_t* row = xpad + m * kpad;
             if (m < M) memcpy(row, x + m * K, (size_t)K * 2);
@@ -628,7 +664,7 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
             // by block (chunking it measured 2% slower there, 7% faster on Qwen3's shapes).
             float(*acc)[4][16][16] = NULL;
             if (ksteps >= 4 * AMX_KCHUNK)
-                acc = (float(*)[4][16][16])aligned_alloc(64, (size_t)panel * sizeof(*acc));
+                acc = (float(*)[4][16][16])kernel_alloc((size_t)panel * sizeof(*acc));
             if (acc) {
                 for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
                     for (int64_t m = r0; m < r1; m += 32)
@@ -648,7 +684,7 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
             _tile_release();
         }
         free(xpad);
-        return;
+        return MINISGL_OK;
     }
 #endif
     if (!use_tiles) {
@@ -686,27 +722,30 @@ static void packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* b
     }
 #endif
     free(xpad);
+    return MINISGL_OK;
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)epilogue;
     (void)use_tiles, (void)nthreads;
+    return MINISGL_ERR_UNSUPPORTED;
 #endif
 }
 
 // use_tiles: the AMX tiles (where compiled in), else vdpbf16ps on the same packed layout.
-// out_f32: y is float32 (the sums unrounded, e.g. logits), else bf16.
-void minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
-                           int64_t M, int64_t N, int64_t K, int out_f32, int use_tiles,
-                           int nthreads) {
-    packed_matmul(x, packed, bias, y, M, N, K, out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16,
-                  use_tiles, nthreads);
+// out_f32: y is float32 (the sums unrounded, e.g. logits), else bf16. Status: packed_matmul's.
+int minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                          int64_t M, int64_t N, int64_t K, int out_f32, int use_tiles,
+                          int nthreads) {
+    return packed_matmul(x, packed, bias, y, M, N, K, out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16,
+                         use_tiles, nthreads);
 }
 
 // silu(gate) * up straight from a gate_up weight packed with its gate and up rows interleaved
-// in 16s (and its bias likewise): y [M, inter]; inter a multiple of 16.
-void minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
-                               bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
-                               int nthreads) {
-    packed_matmul(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, use_tiles, nthreads);
+// in 16s (and its bias likewise): y [M, inter]; inter a multiple of 16. Status: packed_matmul's.
+int minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
+                              bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
+                              int nthreads) {
+    return packed_matmul(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, use_tiles,
+                         nthreads);
 }
 
 // --------------------------------------------------------------------- paged decode attention
@@ -1070,44 +1109,48 @@ static void attn_task_avx512(const attn_args* a, int64_t b, int64_t kvh0, int64_
 static inline int attn_chunks(int64_t head_dim) { return 0; }
 #endif
 
-// Portable version of the same computation (any head_dim up to ATTN_MAX_DIM).
-static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
+// Portable version of the same computation (any head_dim up to ATTN_MAX_DIM) for query heads
+// [first, first + count) of kv head kvh's group (count at most ATTN_MAX_GROUP: a wider group is
+// taken a slice per task, each reading the group's keys and values again).
+static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh, int64_t first,
+                              int64_t count) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
+    const int64_t head0 = kvh * group + first;  // the slice's first query head
     float qf[ATTN_MAX_GROUP][ATTN_MAX_DIM], acc[ATTN_MAX_GROUP][ATTN_MAX_DIM];
     float scores[ATTN_MAX_GROUP][ATTN_BLOCK], row[ATTN_MAX_DIM];
     float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        int64_t offset = (b * a->num_heads + kvh * group + g) * dim;
+    for (int64_t g = 0; g < count; g++) {
+        int64_t offset = (b * a->num_heads + head0 + g) * dim;
         load_row(a->q, offset, a->dtype, qf[g], dim);
         for (int64_t d = 0; d < dim; d++) {
             qf[g][d] *= a->scale;
             acc[g][d] = a->prefix_out ? a->prefix_out[offset + d] : 0.0f;
         }
-        run_max[g] = a->prefix_lse ? a->prefix_lse[b * a->num_heads + kvh * group + g] : 0.0f;
+        run_max[g] = a->prefix_lse ? a->prefix_lse[b * a->num_heads + head0 + g] : 0.0f;
         run_sum[g] = a->prefix_lse ? 1.0f : 0.0f;
     }
     int has_state = a->prefix_lse != NULL;
     const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
     const int64_t kv_len = a->kv_lens[b], start = attn_start(a, b);
     for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
-        int64_t count = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
-        for (int64_t j = 0; j < count; j++) {
+        int64_t block = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
+        for (int64_t j = 0; j < block; j++) {
             int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh) * dim;
             load_row(a->k_cache, offset, a->dtype, row, dim);
-            for (int64_t g = 0; g < group; g++) {
+            for (int64_t g = 0; g < count; g++) {
                 float dot = 0.0f;
                 for (int64_t d = 0; d < dim; d++) dot += qf[g][d] * row[d];
                 scores[g][j] = dot;
             }
         }
-        for (int64_t g = 0; g < group; g++) {
+        for (int64_t g = 0; g < count; g++) {
             float new_max = scores[g][0];
-            for (int64_t j = 1; j < count; j++)
+            for (int64_t j = 1; j < block; j++)
                 new_max = scores[g][j] > new_max ? scores[g][j] : new_max;
             if (has_state && run_max[g] > new_max) new_max = run_max[g];
             float correction = has_state ? expf(run_max[g] - new_max) : 0.0f;
             float block_sum = 0.0f;
-            for (int64_t j = 0; j < count; j++) {
+            for (int64_t j = 0; j < block; j++) {
                 scores[g][j] = expf(scores[g][j] - new_max);
                 block_sum += scores[g][j];
             }
@@ -1116,49 +1159,65 @@ static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh) {
             for (int64_t d = 0; d < dim; d++) acc[g][d] *= correction;
         }
         has_state = 1;
-        for (int64_t j = 0; j < count; j++) {
+        for (int64_t j = 0; j < block; j++) {
             int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh) * dim;
             load_row(a->v_cache, offset, a->dtype, row, dim);
-            for (int64_t g = 0; g < group; g++)
+            for (int64_t g = 0; g < count; g++)
                 for (int64_t d = 0; d < dim; d++) acc[g][d] += scores[g][j] * row[d];
         }
     }
-    for (int64_t g = 0; g < group; g++) {
+    for (int64_t g = 0; g < count; g++) {
         float inv = 1.0f / run_sum[g];
         for (int64_t d = 0; d < dim; d++) acc[g][d] *= inv;
-        store_row(a->out, (b * a->num_heads + kvh * group + g) * dim, a->dtype, acc[g], dim);
+        store_row(a->out, (b * a->num_heads + head0 + g) * dim, a->dtype, acc[g], dim);
     }
 }
 
-void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
-                              const int32_t* page_table, int64_t table_stride,
-                              const int64_t* rows, const int64_t* kv_lens,
-                              const int64_t* kv_starts, const float* prefix_out,
-                              const float* prefix_lse, int64_t num_reqs, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
-                              int dtype, int nthreads) {
+// Whether attention kernels can take these heads: a whole number of query heads per kv head.
+static inline int heads_fit(int64_t num_heads, int64_t num_kv_heads) {
+    return num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0;
+}
+
+// Returns MINISGL_OK, MINISGL_ERR_SHAPE (heads not a whole group per kv head, head_dim above
+// ATTN_MAX_DIM) or MINISGL_ERR_NOMEM; any group size, head_dim, page size and batch otherwise.
+int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
+                             const int32_t* page_table, int64_t table_stride,
+                             const int64_t* rows, const int64_t* kv_lens,
+                             const int64_t* kv_starts, const float* prefix_out,
+                             const float* prefix_lse, int64_t num_reqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
+                             int dtype, int nthreads) {
+    if (!heads_fit(num_heads, num_kv_heads) || head_dim <= 0 || head_dim > ATTN_MAX_DIM ||
+        num_reqs < 0)
+        return MINISGL_ERR_SHAPE;
     attn_args a = {q,          k_cache,    v_cache,   out,          page_table, table_stride,
                    rows,       kv_lens,    kv_starts, prefix_out,   prefix_lse, num_heads,
                    num_kv_heads, head_dim, window,    scale,        dtype};
     const int64_t group = num_heads / num_kv_heads;
     if (!attn_chunks(head_dim) || group > ATTN_MAX_HEADS) {  // the portable path
+        const int64_t slices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
-            attn_task_generic(&a, task / num_kv_heads, task % num_kv_heads);
-        return;
+        for (int64_t task = 0; task < num_reqs * num_kv_heads * slices; task++) {
+            const int64_t head = task / slices, first = task % slices * ATTN_MAX_GROUP;
+            attn_task_generic(&a, head / num_kv_heads, head % num_kv_heads, first,
+                              group - first < ATTN_MAX_GROUP ? group - first : ATTN_MAX_GROUP);
+        }
+        return MINISGL_OK;
     }
 #ifdef __AVX512F__
     if (num_heads > ATTN_MAX_HEADS) {  // more heads than a task holds: one kv head per task
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
             attn_task_avx512(&a, task / num_kv_heads, task % num_kv_heads, 1, NULL);
-        return;
+        return MINISGL_OK;
     }
+    if (num_reqs == 0) return MINISGL_OK;
     if (num_reqs < 2 * nthreads) {
         // Few requests: each split into one range of positions per thread (whole rows, read in
         // order), their states merged after.
         const int64_t parts = nthreads, tasks = num_reqs * parts;
-        attn_state* states = malloc(tasks * sizeof(attn_state));
+        attn_state* states = (attn_state*)kernel_alloc((size_t)tasks * sizeof(attn_state));
+        if (!states) return MINISGL_ERR_NOMEM;
 #pragma omp parallel for num_threads(nthreads) schedule(static, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task / parts, part = task % parts;
@@ -1174,7 +1233,7 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
             attn_state_store(&a, b, 0, num_heads, states + b * parts);
         }
         free(states);
-        return;
+        return MINISGL_OK;
     }
     // Otherwise a task is a whole request (each position's rows are read once for all its
     // heads), and each thread takes a contiguous run of requests holding an equal share of the
@@ -1204,6 +1263,7 @@ void minisgl_decode_attention(const void* q, const void* k_cache, const void* v_
         }
     }
 #endif
+    return MINISGL_OK;
 }
 
 
@@ -1498,15 +1558,20 @@ static void tile_queries(bf16_t (*queries)[ATTN_MAX_DIM], const bf16_t* q, int64
 // The cascade's first half: every query token of a batch (q [tokens, heads, dim] bf16) against
 // the `prefix_len` positions all its requests share (KV at `slots`). Writes out [tokens, heads,
 // dim] float32 (normalised) and lse [tokens, heads] (natural log-sum-exp of the scaled scores),
-// the state minisgl_decode_attention continues from. Returns 0 (nothing written) without
-// avx512_bf16. use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps.
+// the state minisgl_decode_attention continues from. use_tiles: on the AMX tiles (where compiled
+// in), else with vdpbf16ps. Returns MINISGL_OK, MINISGL_ERR_SHAPE (head_dim not a multiple of 32
+// up to ATTN_MAX_DIM, no prefix), MINISGL_ERR_NOMEM, or without avx512_bf16
+// MINISGL_ERR_UNSUPPORTED; nothing written on an error.
 int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                                     const int64_t* slots, int64_t prefix_len, float* out,
                                     float* lse, int64_t tokens, int64_t num_heads,
                                     int64_t num_kv_heads, int64_t dim, float scale, int use_tiles,
                                     int nthreads) {
 #ifdef HAVE_AVX512_BF16
-    if (dim % 32 != 0 || dim > ATTN_MAX_DIM || prefix_len <= 0) return 0;
+    if (dim % 32 != 0 || dim <= 0 || dim > ATTN_MAX_DIM || prefix_len <= 0 || tokens < 0 ||
+        !heads_fit(num_heads, num_kv_heads))
+        return MINISGL_ERR_SHAPE;
+    use_tiles = tiles_usable(use_tiles);
     const int64_t group = num_heads / num_kv_heads, rows = tokens * group;
     const int64_t tiles = (rows + 15) / 16, padded = (prefix_len + 31) / 32 * 32;
     const int64_t row_elems = num_kv_heads * dim;
@@ -1514,8 +1579,8 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
     // float32, probabilities [2, 16, padded] bf16.
     const size_t kv_words = (size_t)(num_kv_heads * padded * dim / 2);
     const size_t thread_bytes = (size_t)(16 * padded * 4 * 2);
-    char* buffer = (char*)aligned_alloc(64, 8 * kv_words + (size_t)nthreads * thread_bytes);
-    if (!buffer) return 0;
+    char* buffer = (char*)kernel_alloc(8 * kv_words + (size_t)nthreads * thread_bytes);
+    if (!buffer) return MINISGL_ERR_NOMEM;
     uint32_t* keys_t = (uint32_t*)buffer;
     uint32_t* values_p = keys_t + kv_words;
 #pragma omp parallel num_threads(nthreads)
@@ -1557,12 +1622,12 @@ int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, cons
         attend_end(use_tiles);
     }
     free(buffer);
-    return 1;
+    return MINISGL_OK;
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)slots, (void)prefix_len, (void)out, (void)lse;
     (void)tokens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)scale, (void)use_tiles;
     (void)nthreads;
-    return 0;
+    return MINISGL_ERR_UNSUPPORTED;
 #endif
 }
 
@@ -1594,8 +1659,9 @@ static inline void prefill_tile_bounds(prefill_tile* t, int64_t row0, int64_t ro
 // heads, dim] bf16. Each request's keys and values are laid out once for all its query tiles, a
 // tile computes only the key blocks its rows can see, and each thread takes a contiguous run of
 // tiles (so a request's keys stay in its cache) holding an equal share of the key blocks.
-// Returns 0 (nothing written) without
-// avx512_bf16. use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps.
+// use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps. Returns MINISGL_OK,
+// MINISGL_ERR_SHAPE (head_dim not a multiple of 32 up to ATTN_MAX_DIM), MINISGL_ERR_NOMEM, or
+// without avx512_bf16 MINISGL_ERR_UNSUPPORTED; nothing written on an error.
 int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                               bf16_t* out, const int32_t* page_table, int64_t table_stride,
                               const int64_t* rows, const int64_t* cached_lens,
@@ -1603,12 +1669,16 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
                               int64_t num_kv_heads, int64_t dim, float scale, int64_t window,
                               int use_tiles, int nthreads) {
 #ifdef HAVE_AVX512_BF16
-    if (dim % 32 != 0 || dim > ATTN_MAX_DIM || num_reqs <= 0) return 0;
+    if (dim % 32 != 0 || dim <= 0 || dim > ATTN_MAX_DIM || num_reqs < 0 ||
+        !heads_fit(num_heads, num_kv_heads))
+        return MINISGL_ERR_SHAPE;
+    if (num_reqs == 0) return MINISGL_OK;
+    use_tiles = tiles_usable(use_tiles);
     const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * dim;
     // Per request (prefix sums, one extra entry for the totals): first query token, first
     // laid-out position, first 32-position block (x kv heads), first task.
-    int64_t* starts = (int64_t*)malloc((size_t)(4 * (num_reqs + 1)) * sizeof(int64_t));
-    if (!starts) return 0;
+    int64_t* starts = (int64_t*)kernel_alloc((size_t)(4 * (num_reqs + 1)) * sizeof(int64_t));
+    if (!starts) return MINISGL_ERR_NOMEM;
     int64_t *q_first = starts, *kv_first = starts + num_reqs + 1;
     int64_t *block_first = kv_first + num_reqs + 1, *task_first = block_first + num_reqs + 1;
     int64_t max_padded = 0;
@@ -1623,13 +1693,14 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
     }
     const int64_t tasks = task_first[num_reqs];
     // A task's cost: its key blocks plus a fixed share for loading queries and storing rows.
-    int64_t* cost_first = (int64_t*)malloc((size_t)(tasks + 1) * sizeof(int64_t));
+    int64_t* cost_first = (int64_t*)kernel_alloc((size_t)(tasks + 1) * sizeof(int64_t));
     const size_t kv_words = (size_t)(kv_first[num_reqs] * num_kv_heads * dim / 2);
     const size_t thread_bytes = (size_t)(16 * max_padded * 4 * 2);
-    char* buffer = (char*)aligned_alloc(64, 8 * kv_words + (size_t)nthreads * thread_bytes);
+    char* buffer = cost_first ? (char*)kernel_alloc(8 * kv_words + (size_t)nthreads * thread_bytes)
+                              : NULL;
     if (!buffer || !cost_first) {
         free(buffer), free(cost_first), free(starts);
-        return 0;
+        return MINISGL_ERR_NOMEM;
     }
     cost_first[0] = 0;
     for (int64_t b = 0, i = 0; b < num_reqs; b++) {
@@ -1704,12 +1775,12 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
     free(buffer);
     free(cost_first);
     free(starts);
-    return 1;
+    return MINISGL_OK;
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)out, (void)page_table, (void)table_stride;
     (void)rows, (void)cached_lens, (void)extend_lens, (void)num_reqs, (void)num_heads;
     (void)num_kv_heads, (void)dim, (void)scale, (void)window, (void)use_tiles, (void)nthreads;
-    return 0;
+    return MINISGL_ERR_UNSUPPORTED;
 #endif
 }
 
@@ -1787,8 +1858,12 @@ static void add_rms_norm_bf16_row(const bf16_t* x, const bf16_t* residual, const
 // then weight * round(h * rsqrt(mean(h^2) + eps)) with the statistics in float32. Writes the
 // normalised rows to `out` and h to `residual_out` (either may alias its input).
 
-// Row r of minisgl_add_rms_norm.
-static void add_rms_norm_row(const void* x, const void* residual, const void* weight, void* out,
+// Row r of minisgl_add_rms_norm. Never inlined: under -ffast-math gcc would vectorise its sums
+// differently in each caller, and the attention blocks' q/k norms must equal the module path's
+// bit for bit.
+#define NORM_CHUNK 8192
+static __attribute__((noinline)) void add_rms_norm_row(const void* x, const void* residual,
+                                                       const void* weight, void* out,
                              void* residual_out, int64_t r, int64_t hidden, float eps,
                              int dtype) {
 #ifdef __AVX512F__
@@ -1801,20 +1876,43 @@ static void add_rms_norm_row(const void* x, const void* residual, const void* we
         return;
     }
 #endif
-    float h[8192], wf[8192];
-    load_row(x, r * hidden, dtype, h, hidden);
-    if (residual) {
-        float res[8192];
-        load_row(residual, r * hidden, dtype, res, hidden);
-        for (int64_t i = 0; i < hidden; i++) h[i] = round_to(dtype, h[i] + res[i]);
-        if (residual_out) store_row(residual_out, r * hidden, dtype, h, hidden);
-    }
+    // Any hidden size, NORM_CHUNK elements at a time through local buffers, the old whole-row
+    // loops per chunk: the sum of squares is one vectorised loop of known alignment (the same
+    // order wherever the row lives; for rows up to NORM_CHUNK, a whole-row buffer's), and the
+    // products are formed in the buffer, then stored (the same loop whether or not out aliases
+    // x). Without residual_out, h is recomputed from x and residual for the second pass.
+    const int64_t base = r * hidden;
+    float h[NORM_CHUNK] __attribute__((aligned(64)));
+    float other[NORM_CHUNK] __attribute__((aligned(64)));  // residual, then weight
     float sum_sq = 0.0f;
-    for (int64_t i = 0; i < hidden; i++) sum_sq += h[i] * h[i];
-    float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
-    load_row(weight, 0, dtype, wf, hidden);
-    for (int64_t i = 0; i < hidden; i++) h[i] = wf[i] * round_to(dtype, h[i] * inv_rms);
-    store_row(out, r * hidden, dtype, h, hidden);
+    for (int64_t c0 = 0; c0 < hidden; c0 += NORM_CHUNK) {
+        const int64_t n = hidden - c0 < NORM_CHUNK ? hidden - c0 : NORM_CHUNK;
+        load_row(x, base + c0, dtype, h, n);
+        if (residual) {
+            load_row(residual, base + c0, dtype, other, n);
+            for (int64_t i = 0; i < n; i++) h[i] = round_to(dtype, h[i] + other[i]);
+            if (residual_out) store_row(residual_out, base + c0, dtype, h, n);
+        }
+        float chunk_sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) chunk_sum += h[i] * h[i];
+        sum_sq += chunk_sum;
+    }
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+    for (int64_t c0 = 0; c0 < hidden; c0 += NORM_CHUNK) {
+        const int64_t n = hidden - c0 < NORM_CHUNK ? hidden - c0 : NORM_CHUNK;
+        if (residual && residual_out) {
+            load_row(residual_out, base + c0, dtype, h, n);
+        } else {
+            load_row(x, base + c0, dtype, h, n);
+            if (residual) {
+                load_row(residual, base + c0, dtype, other, n);
+                for (int64_t i = 0; i < n; i++) h[i] = round_to(dtype, h[i] + other[i]);
+            }
+        }
+        load_row(weight, c0, dtype, other, n);
+        for (int64_t i = 0; i < n; i++) h[i] = other[i] * round_to(dtype, h[i] * inv_rms);
+        store_row(out, base + c0, dtype, h, n);
+    }
 }
 
 void minisgl_add_rms_norm(const void* x, const void* residual, const void* weight, void* out,
@@ -2053,14 +2151,22 @@ static void select_first(candidate* buf, int64_t n, int64_t k) {
 // first column first among equals), and their columns. One pass: a column is kept when it
 // beats the weakest of the best k so far (16 compared at a time); when 2k are kept, the best k
 // are selected and the bar rises. torch.topk took ~17 ms for 1,024 of 151,936 columns x 64
-// rows here; a heap of the best k, ~15.
-void minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k,
-                            float* values, int64_t* indices, int nthreads) {
+// rows here; a heap of the best k, ~15. Returns MINISGL_OK, MINISGL_ERR_SHAPE (k outside
+// [1, cols]) or MINISGL_ERR_NOMEM.
+int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k, float* values,
+                           int64_t* indices, int nthreads) {
+    if (k <= 0 || k > cols || rows < 0) return MINISGL_ERR_SHAPE;
+    int status = MINISGL_OK;
 #pragma omp parallel num_threads(nthreads)
     {
-        candidate* kept = (candidate*)malloc((size_t)(2 * k) * sizeof(candidate));
+        candidate* kept = (candidate*)kernel_alloc((size_t)(2 * k) * sizeof(candidate));
+        if (!kept) {
+#pragma omp atomic write
+            status = MINISGL_ERR_NOMEM;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            if (!kept) continue;  // this thread's rows are lost: the call reports the failure
             const float* row = x + r * cols;
             int64_t count = 0;
             float bar = -INFINITY;  // every kept value beats it; -inf: fewer than k kept so far
@@ -2089,10 +2195,19 @@ void minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t 
         }
         free(kept);
     }
+    return status;
 }
 
-// One token's heads of minisgl_rotary: x + base holds them dim apart; cos/sin its rows.
-static void rotary_token(void* x, int64_t base, int64_t heads, int64_t dim, const float* cos,
+// Whether every position has its row in rotary tables of max_positions rows.
+static int positions_fit(const int64_t* positions, int64_t tokens, int64_t max_positions) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return 0;
+    return 1;
+}
+
+// One token's heads of minisgl_rotary: x + base holds them dim apart; cos/sin its rows. Never
+// inlined, as add_rms_norm_row (one compiled form for minisgl_rotary and the attention blocks).
+static __attribute__((noinline)) void rotary_token(void* x, int64_t base, int64_t heads, int64_t dim, const float* cos,
                          const float* sin, int dtype) {
     const int64_t half = dim / 2;
     for (int64_t h = 0; h < heads; h++, base += dim) {
@@ -2132,14 +2247,17 @@ static void rotary_token(void* x, int64_t base, int64_t heads, int64_t dim, cons
 // Rotary embedding (neox layout: rotate halves), in place on x viewed as [tokens, heads, dim]
 // with `token_stride` elements between tokens (q or k inside the fused qkv rows). cos/sin are
 // float32 [max_positions, dim] tables; as transformers does, they are rounded to the dtype and
-// every product and the sum are rounded too.
-void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim,
-                    const int64_t* positions, const float* cos_table, const float* sin_table,
-                    int dtype, int nthreads) {
+// every product and the sum are rounded too. Returns MINISGL_OK or, x untouched, with a position
+// outside [0, max_positions), MINISGL_ERR_POSITION.
+int minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim,
+                   const int64_t* positions, const float* cos_table, const float* sin_table,
+                   int64_t max_positions, int dtype, int nthreads) {
+    if (!positions_fit(positions, tokens, max_positions)) return MINISGL_ERR_POSITION;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens * heads > 64)
     for (int64_t t = 0; t < tokens; t++)
         rotary_token(x, t * token_stride, heads, dim, cos_table + positions[t] * dim,
                      sin_table + positions[t] * dim, dtype);
+    return MINISGL_OK;
 }
 
 // ------------------------------------------------------------------ decode attention block
@@ -2150,11 +2268,15 @@ void minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads
 // then the norms and rotary in place there, a token at a time (its rows are in L1): the same
 // per-row kernels as the module path's norm and rotary calls, so the same results bit for bit,
 // without writing the projection back (that traffic was a third of these inputs' time).
-static void attention_inputs(const void* qkv, void* q_buf, const void* q_norm, const void* k_norm,
-                             float eps, void* k_cache, void* v_cache, const int64_t* out_loc,
-                             const int64_t* positions, const float* cos, const float* sin,
-                             int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                             int dtype, int nthreads) {
+// Returns MINISGL_OK or, before writing anything, MINISGL_ERR_POSITION (a position outside the
+// rotary tables' max_positions rows; 0: the caller vouches for them).
+static int attention_inputs(const void* qkv, void* q_buf, const void* q_norm, const void* k_norm,
+                            float eps, void* k_cache, void* v_cache, const int64_t* out_loc,
+                            const int64_t* positions, const float* cos, const float* sin,
+                            int64_t max_positions, int64_t tokens, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t dim, int dtype, int nthreads) {
+    if (max_positions > 0 && !positions_fit(positions, tokens, max_positions))
+        return MINISGL_ERR_POSITION;
     const int64_t q_width = num_heads * dim, kv_width = num_kv_heads * dim;
     const int64_t qkv_width = q_width + 2 * kv_width;
     const size_t elem = dtype == 0 ? 4 : 2;
@@ -2177,38 +2299,52 @@ static void attention_inputs(const void* qkv, void* q_buf, const void* q_norm, c
         rotary_token(q, 0, num_heads, dim, cos_row, sin_row, dtype);
         rotary_token(k, 0, num_kv_heads, dim, cos_row, sin_row, dtype);
     }
+    return MINISGL_OK;
 }
 
-void minisgl_decode_attention_block(const void* qkv, void* q_buf, void* out, const void* q_norm,
-                                    const void* k_norm, float eps, void* k_cache, void* v_cache,
-                                    const int64_t* out_loc, const int64_t* positions,
-                                    const float* cos, const float* sin, const int32_t* page_table,
-                                    int64_t table_stride, const int64_t* rows,
-                                    const int64_t* kv_lens, int64_t tokens, int64_t num_heads,
-                                    int64_t num_kv_heads, int64_t dim, float scale,
-                                    int64_t window, int dtype, int nthreads) {
-    attention_inputs(qkv, q_buf, q_norm, k_norm, eps, k_cache, v_cache, out_loc, positions, cos,
-                     sin, tokens, num_heads, num_kv_heads, dim, dtype, nthreads);
-    minisgl_decode_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
-                             kv_lens, NULL, NULL, NULL, tokens, num_heads, num_kv_heads, dim,
-                             scale, window, dtype, nthreads);
+// Returns attention_inputs' status, then minisgl_decode_attention's.
+int minisgl_decode_attention_block(const void* qkv, void* q_buf, void* out, const void* q_norm,
+                                   const void* k_norm, float eps, void* k_cache, void* v_cache,
+                                   const int64_t* out_loc, const int64_t* positions,
+                                   const float* cos, const float* sin, int64_t max_positions,
+                                   const int32_t* page_table, int64_t table_stride,
+                                   const int64_t* rows, const int64_t* kv_lens, int64_t tokens,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                                   float scale, int64_t window, int dtype, int nthreads) {
+    if (!heads_fit(num_heads, num_kv_heads) || dim <= 0 || dim > ATTN_MAX_DIM)
+        return MINISGL_ERR_SHAPE;
+    const int status = attention_inputs(qkv, q_buf, q_norm, k_norm, eps, k_cache, v_cache,
+                                        out_loc, positions, cos, sin, max_positions, tokens,
+                                        num_heads, num_kv_heads, dim, dtype, nthreads);
+    if (status != MINISGL_OK) return status;
+    return minisgl_decode_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
+                                    kv_lens, NULL, NULL, NULL, tokens, num_heads, num_kv_heads,
+                                    dim, scale, window, dtype, nthreads);
 }
 
 // The same for a prefill batch (bf16): inputs as above, then minisgl_prefill_attention over
-// the new tokens of each request (rows/cached_lens/extend_lens as it takes them). Returns its
-// result: 0 when the attention could not run (q_buf then holds the queries, the pool the new
-// keys and values, normed and rotated).
+// the new tokens of each request (rows/cached_lens/extend_lens as it takes them). Returns
+// attention_inputs' status, then the attention's (on its error q_buf holds the queries, the pool
+// the new keys and values, normed and rotated).
 int minisgl_prefill_attention_block(const void* qkv, bf16_t* q_buf, bf16_t* out, const void* q_norm,
                                     const void* k_norm, float eps, bf16_t* k_cache,
                                     bf16_t* v_cache, const int64_t* out_loc,
                                     const int64_t* positions, const float* cos, const float* sin,
-                                    const int32_t* page_table, int64_t table_stride,
-                                    const int64_t* rows, const int64_t* cached_lens,
-                                    const int64_t* extend_lens, int64_t num_reqs, int64_t tokens,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                                    float scale, int64_t window, int use_tiles, int nthreads) {
-    attention_inputs(qkv, q_buf, q_norm, k_norm, eps, k_cache, v_cache, out_loc, positions, cos,
-                     sin, tokens, num_heads, num_kv_heads, dim, 1, nthreads);
+                                    int64_t max_positions, const int32_t* page_table,
+                                    int64_t table_stride, const int64_t* rows,
+                                    const int64_t* cached_lens, const int64_t* extend_lens,
+                                    int64_t num_reqs, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t dim, float scale,
+                                    int64_t window, int use_tiles, int nthreads) {
+    if (!heads_fit(num_heads, num_kv_heads) || dim % 32 != 0 || dim <= 0 || dim > ATTN_MAX_DIM)
+        return MINISGL_ERR_SHAPE;
+#ifndef HAVE_AVX512_BF16
+    return MINISGL_ERR_UNSUPPORTED;  // before the inputs: nothing written
+#endif
+    const int status = attention_inputs(qkv, q_buf, q_norm, k_norm, eps, k_cache, v_cache,
+                                        out_loc, positions, cos, sin, max_positions, tokens,
+                                        num_heads, num_kv_heads, dim, 1, nthreads);
+    if (status != MINISGL_OK) return status;
     return minisgl_prefill_attention(q_buf, k_cache, v_cache, out, page_table, table_stride, rows,
                                      cached_lens, extend_lens, num_reqs, num_heads, num_kv_heads,
                                      dim, scale, window, use_tiles, nthreads);
@@ -2218,8 +2354,10 @@ int minisgl_prefill_attention_block(const void* qkv, bf16_t* q_buf, bf16_t* out,
 // A whole decoder layer for a decode batch (one token per request) in one call, built from the
 // kernels above in the order the PyTorch modules run them, so the result is the same bit for
 // bit: at batch 1 the layer is ~10 short kernels, and Python's cost between them was as large
-// as the weights' read time. Projections take the GEMV up to gemv_max_rows tokens, the packed
-// matmul above (tiles or vdpbf16ps, as layers/linear.py's CpuProjection picks).
+// as the weights' read time. Projections read their packed (tile-layout) copies, the only copy
+// the model keeps: with vdpbf16ps up to gemv_max_rows tokens, above on the AMX tiles where
+// use_tiles (as layers/linear.py's CpuProjection picks); the row-major weight through the GEMV
+// only where a projection has no packed copy.
 
 typedef struct {
     const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
@@ -2237,16 +2375,19 @@ typedef struct {
     const int32_t* page_table;
     int64_t table_stride;
     int64_t gemv_max_rows;
-    int64_t use_tiles;  // the packed matmuls on the AMX tiles, else vdpbf16ps
+    int64_t use_tiles;      // the packed matmuls on the AMX tiles, else vdpbf16ps
+    int64_t max_positions;  // rows of cos/sin (0: unchecked)
 } decode_model;
 
-static void layer_matmul(const decode_model* m, const bf16_t* x, const bf16_t* w,
-                         const bf16_t* tiles, const bf16_t* bias, bf16_t* y, int64_t tokens,
-                         int64_t N, int64_t K, int nthreads) {
+// Status: the packed matmul's (the GEMV cannot fail).
+static int layer_matmul(const decode_model* m, const bf16_t* x, const bf16_t* w,
+                        const bf16_t* tiles, const bf16_t* bias, bf16_t* y, int64_t tokens,
+                        int64_t N, int64_t K, int nthreads) {
     if (tiles && tokens > m->gemv_max_rows)
-        minisgl_packed_linear(x, tiles, bias, y, tokens, N, K, 0, (int)m->use_tiles, nthreads);
-    else
-        minisgl_gemv_bf16(x, w, bias, y, tokens, N, K, nthreads);
+        return minisgl_packed_linear(x, tiles, bias, y, tokens, N, K, 0, (int)m->use_tiles,
+                                     nthreads);
+    minisgl_gemv_bf16(x, w, bias, y, tokens, N, K, nthreads);
+    return MINISGL_OK;
 }
 
 // Scratch elements (bf16) minisgl_decode_layer needs for `tokens` tokens.
@@ -2279,8 +2420,9 @@ static layer_scratch carve_scratch(const decode_model* m, bf16_t* scratch, int64
 }
 
 // First half of a layer: the input norm (x + residual -> residual), the qkv projection, q/k
-// norms and rotary, the new keys/values into the pool, the queries into the scratch.
-void minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, const bf16_t* x,
+// norms and rotary, the new keys/values into the pool, the queries into the scratch. Returns
+// MINISGL_OK or the first failing step's status.
+int minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, const bf16_t* x,
                                 bf16_t* residual, int has_residual, bf16_t* scratch,
                                 int64_t tokens, const int64_t* positions, const int64_t* out_loc,
                                 int nthreads) {
@@ -2295,39 +2437,45 @@ void minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, co
         minisgl_add_rms_norm(x, NULL, L->input_norm, s.normed, NULL, tokens, hidden, m->eps, 1,
                              nthreads);
     }
-    layer_matmul(m, s.normed, L->qkv_w, L->qkv_t, L->qkv_b, s.qkv, tokens, qkv_width, hidden,
-                 nthreads);
-    attention_inputs(s.qkv, s.q, L->q_norm, L->k_norm, m->eps, L->k_cache, L->v_cache, out_loc,
-                     positions, m->cos, m->sin, tokens, m->num_heads, m->num_kv_heads, dim, 1,
-                     nthreads);
+    const int status = layer_matmul(m, s.normed, L->qkv_w, L->qkv_t, L->qkv_b, s.qkv, tokens,
+                                    qkv_width, hidden, nthreads);
+    if (status != MINISGL_OK) return status;
+    return attention_inputs(s.qkv, s.q, L->q_norm, L->k_norm, m->eps, L->k_cache, L->v_cache,
+                            out_loc, positions, m->cos, m->sin, m->max_positions, tokens,
+                            m->num_heads, m->num_kv_heads, dim, 1, nthreads);
 }
 
 // Second half: paged attention over each request's positions (continuing from a prefix state
 // when kv_starts is set, see minisgl_decode_attention), the o projection, the post-attention
-// norm and the MLP into out.
-void minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_t* residual,
+// norm and the MLP into out. Returns MINISGL_OK or the first failing step's status.
+int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_t* residual,
                               bf16_t* out, bf16_t* scratch, int64_t tokens, const int64_t* rows,
                               const int64_t* kv_lens, const int64_t* kv_starts,
                               const float* prefix_out, const float* prefix_lse, int nthreads) {
     const int64_t hidden = m->hidden, q_width = m->num_heads * m->head_dim;
     layer_scratch s = carve_scratch(m, scratch, tokens);
-    minisgl_decode_attention(s.q, L->k_cache, L->v_cache, s.attn, m->page_table, m->table_stride,
-                             rows, kv_lens, kv_starts, prefix_out, prefix_lse, tokens,
-                             m->num_heads, m->num_kv_heads, m->head_dim, m->scale, L->window, 1,
-                             nthreads);
-    layer_matmul(m, s.attn, L->o_w, L->o_t, L->o_b, s.proj, tokens, hidden, q_width, nthreads);
+    int status = minisgl_decode_attention(s.q, L->k_cache, L->v_cache, s.attn, m->page_table,
+                                          m->table_stride, rows, kv_lens, kv_starts, prefix_out,
+                                          prefix_lse, tokens, m->num_heads, m->num_kv_heads,
+                                          m->head_dim, m->scale, L->window, 1, nthreads);
+    if (status != MINISGL_OK) return status;
+    status = layer_matmul(m, s.attn, L->o_w, L->o_t, L->o_b, s.proj, tokens, hidden, q_width,
+                          nthreads);
+    if (status != MINISGL_OK) return status;
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
     if (L->gate_up_t && tokens > m->gemv_max_rows) {
-        minisgl_packed_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens, m->inter,
-                                  hidden, (int)m->use_tiles, nthreads);
+        status = minisgl_packed_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens,
+                                           m->inter, hidden, (int)m->use_tiles, nthreads);
     } else {
-        layer_matmul(m, s.normed, L->gate_up_w, NULL, L->gate_up_b, s.gate_up, tokens,
-                     2 * m->inter, hidden, nthreads);
-        minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
+        status = layer_matmul(m, s.normed, L->gate_up_w, NULL, L->gate_up_b, s.gate_up, tokens,
+                              2 * m->inter, hidden, nthreads);
+        if (status == MINISGL_OK)
+            minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
     }
-    layer_matmul(m, s.act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
-                 nthreads);
+    if (status != MINISGL_OK) return status;
+    return layer_matmul(m, s.act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
+                        nthreads);
 }
 
 // Every layer of a decode step with no shared prefix, in one call: at batch 1 the Python and
@@ -2336,14 +2484,19 @@ void minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16
 // output, the next layer's input (a layer has read all of its input, into the residual and the
 // normed scratch, before its down projection writes out). rows/kv_lens: the requests'
 // page-table rows and lengths (new token included); out_loc: the new tokens' KV slots.
-void minisgl_decode_layers(const decode_layer* layers, int64_t num_layers, const decode_model* m,
-                           const bf16_t* x, bf16_t* residual, bf16_t* out, bf16_t* scratch,
-                           int64_t tokens, const int64_t* positions, const int64_t* rows,
-                           const int64_t* kv_lens, const int64_t* out_loc, int nthreads) {
+// Returns MINISGL_OK or the first failing layer's status (the later layers not run).
+int minisgl_decode_layers(const decode_layer* layers, int64_t num_layers, const decode_model* m,
+                          const bf16_t* x, bf16_t* residual, bf16_t* out, bf16_t* scratch,
+                          int64_t tokens, const int64_t* positions, const int64_t* rows,
+                          const int64_t* kv_lens, const int64_t* out_loc, int nthreads) {
     for (int64_t i = 0; i < num_layers; i++) {
-        minisgl_decode_layer_begin(&layers[i], m, i == 0 ? x : out, residual, i > 0, scratch,
-                                   tokens, positions, out_loc, nthreads);
-        minisgl_decode_layer_end(&layers[i], m, residual, out, scratch, tokens, rows, kv_lens,
-                                 NULL, NULL, NULL, nthreads);
+        int status = minisgl_decode_layer_begin(&layers[i], m, i == 0 ? x : out, residual, i > 0,
+                                                scratch, tokens, positions, out_loc, nthreads);
+        if (status == MINISGL_OK)
+            status = minisgl_decode_layer_end(&layers[i], m, residual, out, scratch, tokens, rows,
+                                              kv_lens, NULL, NULL, NULL, nthreads);
+        if (status != MINISGL_OK) return status;
     }
+    return MINISGL_OK;
 }
+

@@ -1,0 +1,100 @@
+"""gcc builds of `csrc/cpu_kernels.c`: the machine's own (-march=native) and fixed instruction-set
+targets (the portable and AVX-512-without-bf16 forms every machine can build and test), each
+cached by source, flags and compiler."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from minisgl.utils.hf import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+# -ffast-math lets gcc vectorise the float reductions and expf; it is given to the compile step
+# only, because linking with it would flush denormals process-wide. Infinities and NaNs stay.
+COMMON_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
+NATIVE_FLAGS = ("-march=native",)
+# -Bsymbolic: the kernels that call each other (the fused layer, the attention blocks) call
+# their own build's copy when several builds are loaded in one process.
+LINK_FLAGS = ("-shared", "-fopenmp", "-lm", "-Wl,-Bsymbolic")
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    """An instruction-set target: its gcc flags and the /proc/cpuinfo flags that run the build."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+
+_AVX2 = frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Every non-native form of the kernels: SSE2 only and AVX2 (the portable C everywhere), AVX-512
+# without bf16 (the vector attention and elementwise kernels, float32 dots), and avx512_bf16 with
+# the AMX tiles compiled in (used only where the OS grants them, else vdpbf16ps).
+TARGETS = (
+    KernelTarget("x86-64", ("-march=x86-64",), frozenset()),
+    KernelTarget("x86-64-v3", ("-march=x86-64-v3",), _AVX2),
+    KernelTarget("avx512-no-bf16", ("-march=x86-64-v4", "-mno-avx512bf16"), _AVX512),
+    KernelTarget(
+        "avx512-bf16-amx",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        _AVX512 | {"avx512_bf16"},
+    ),
+)
+
+
+def machine_cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def can_run(target: KernelTarget) -> bool:
+    """Whether this machine executes `target`'s build (it can build every target)."""
+    on_x86 = platform.machine() in ("x86_64", "AMD64")
+    return on_x86 and target.cpu_flags <= machine_cpu_flags()
+
+
+def _library_tag(flags: tuple[str, ...]) -> str:
+    """What a build depends on: source, flags, compiler, and for -march=native this CPU."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(COMMON_FLAGS + flags + LINK_FLAGS).encode())
+    digest.update(subprocess.run(["gcc", "--version"], capture_output=True).stdout)
+    if "-march=native" in flags:
+        cpu = " ".join(sorted(machine_cpu_flags())) or platform.processor()
+        digest.update(cpu.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_library(flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
+    """The shared library built with these target flags (built once, then cached)."""
+    out = cache_dir() / "kernels" / f"cpu_kernels-{_library_tag(flags)}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            ["gcc", *COMMON_FLAGS, *flags, "-c", str(SOURCE), "-o", str(obj)],
+            ["gcc", str(obj), "-o", str(lib), *LINK_FLAGS],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+        os.replace(lib, out)  # atomic: concurrent builders each publish a complete file
+    logger.info("built CPU kernels (%s) into %s", " ".join(flags), out)
+    return out
