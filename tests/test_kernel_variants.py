@@ -1,0 +1,262 @@
+"""Every form of the C kernels, built on this machine: SSE2-only and AVX2-only builds (the portable
+C), AVX-512 without bf16, avx512_bf16 with the AMX tiles compiled in (its vdpbf16ps form), and the
+machine's own -march=native build. Each target is built wherever the tests run (cached per flags);
+each one the CPU can execute is compared kernel by kernel against float64 PyTorch references
+(here the products, elementwise and sampling kernels; attention in test_kernel_attention.py, error
+paths in test_kernel_errors.py, which share this module's helpers).
+
+Tolerances are bounds, not fits: float32 accumulation in any order (n terms: n * 2^-24 of the sum
+of their magnitudes), each rounding to bf16 (2^-8 relative) or float32 (2^-24), exp within 4 ulps
+(libmvec's bound), so they hold on every x86 class whatever order its kernels sum in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.env import ENV
+from minisgl.kernel.build import TARGETS, build_library, can_run
+from minisgl.kernel.cpu import CpuKernels, cpu_kernels
+from minisgl.layers.linear import interleave_gate_up
+from minisgl.layers.rotary import _rotate
+
+ONLY_WHERE_BUILT = pytest.mark.skipif(
+    platform.system() != "Linux"
+    or platform.machine() not in ("x86_64", "AMD64")
+    or shutil.which("gcc") is None
+    or not ENV.CPU_KERNELS.value,
+    reason="the kernels are only built with gcc on x86-64 Linux",
+)
+pytestmark = ONLY_WHERE_BUILT
+
+U32, UBF16 = 2.0**-24, 2.0**-8  # unit roundoffs of float32 and bfloat16
+EXP_ULPS = 8  # relative error of a float32 exp, in units of U32 (4 ulps)
+DTYPES = [torch.float32, torch.bfloat16]
+RUNNABLE = [t.name for t in TARGETS if can_run(t)] + ["native"]
+BF16_FORMS = {"avx512-bf16-amx", "native"}  # the variants built with avx512_bf16
+
+
+@functools.cache
+def libraries() -> dict[str, Path]:
+    """Every target's library, built side by side (gcc runs outside the GIL)."""
+    with ThreadPoolExecutor(len(TARGETS)) as pool:
+        paths = list(pool.map(lambda target: build_library(target.flags), TARGETS))
+    return {target.name: path for target, path in zip(TARGETS, paths)}
+
+
+@functools.cache
+def variant(name: str) -> CpuKernels:
+    """The kernels of a RUNNABLE target (its library loaded once per process)."""
+    if name == "native":
+        kernels = cpu_kernels()
+        assert kernels is not None
+        return kernels
+    kernels = CpuKernels(ctypes.CDLL(str(libraries()[name])))
+    # The tile form is the native build's here (tests/test_cpu_kernels.py); this is the form a
+    # CPU without tiles runs.
+    kernels.has_amx = False
+    return kernels
+
+
+def on_two_threads(name: str) -> Iterator[CpuKernels]:
+    """A module fixture's body: the variant, on two threads while the module's tests run (so
+    the attention kernels split batches of 1 and 3 by position and 5 by request everywhere)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield variant(name)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=RUNNABLE)
+def kernels(request: pytest.FixtureRequest) -> Iterator[CpuKernels]:
+    yield from on_two_threads(request.param)
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    err = (got.double() - want).abs()
+    worst = int((err - bound).argmax()) if err.numel() else 0
+    assert bool((err <= bound).all()), (
+        f"{what}: error {err.flatten()[worst]:.3g} over its bound {bound.flatten()[worst]:.3g} "
+        f"(value {want.flatten()[worst]:.4g})"
+    )
+
+
+def test_every_target_builds_and_reports_its_instructions():
+    """The targets this CPU cannot execute are built too (a compile error fails here)."""
+    assert set(libraries()) == {t.name for t in TARGETS}
+    for name in RUNNABLE:
+        kernels = variant(name)
+        if name != "native":
+            assert kernels.has_avx512_bf16 == (name in BF16_FORMS), name
+            assert not kernels.has_amx
+
+
+# ------------------------------------------------------------------------- matrix products
+def _product_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, unit_out: float):
+    """float64 x @ w^T + bias (the products are exact: bf16 x bf16 fits float32) and the bound
+    on a float32 sum of those terms in any order, rounded once to the output dtype (unit_out)."""
+    bias64 = torch.zeros(w.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    want = x.double() @ w.double().T + bias64
+    magnitude = x.double().abs() @ w.double().abs().T + bias64.abs()
+    terms = x.shape[1] + 1
+    return want, unit_out * want.abs() + (1 + unit_out) * terms * U32 * magnitude
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize("out_features,in_features", [(37, 100), (96, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_within_float32_accumulation_of_the_products(
+    kernels, rows, out_features, in_features, bias
+):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    want, bound = _product_bound(x, w, b, UBF16)
+    assert_within(kernels.gemv_bf16(x, w, b), want, bound, "gemv")
+
+
+@pytest.mark.parametrize("rows", [0, 3, 9, 40, 300])  # the packed GEMV's rows, then the matmul's
+@pytest.mark.parametrize("out_features,in_features", [(37, 100), (70, 1100)])
+def test_packed_matmul_within_float32_accumulation_or_unsupported(
+    kernels, rows, out_features, in_features
+):
+    """Without avx512_bf16 a packed matmul is an error, never an unwritten output."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    gate_up = torch.randn(64, in_features, generator=gen).bfloat16()
+    packed, gated = kernels.pack_weight(w), kernels.pack_weight(interleave_gate_up(gate_up))
+    if not kernels.has_avx512_bf16:
+        with pytest.raises(RuntimeError, match="packed_linear"):
+            kernels.packed_linear(x, packed, out_features, b)
+        with pytest.raises(RuntimeError, match="packed_gated_silu"):
+            kernels.packed_gated_silu(x, gated, 32, None)
+        return
+    want, bound = _product_bound(x, w, b, UBF16)
+    assert_within(kernels.packed_linear(x, packed, out_features, b), want, bound, "bf16 out")
+    logits = kernels.packed_linear(x, packed, out_features, b, float_out=True)
+    want, bound = _product_bound(x, w, b, U32)
+    assert_within(logits, want, bound, "float32 out")
+    # The SiLU epilogue: bit for bit the unfused matmul and silu_and_mul of this build.
+    fused = kernels.packed_gated_silu(x, gated, 32, None)
+    unfused = kernels.silu_and_mul(kernels.packed_linear(x, kernels.pack_weight(gate_up), 64, None))
+    assert torch.equal(fused, unfused)
+
+
+# ----------------------------------------------------------------------- elementwise kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [40, 576, 8200])  # scalar tail, a model row, past 8192
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_within_its_roundings(kernels, dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    residual = torch.randn(5, hidden, generator=gen).to(dtype) if with_residual else None
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    out, new_residual = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    h = x if residual is None else x + residual  # one rounding to the dtype, as in C
+    assert torch.equal(new_residual, h)
+    h64 = h.double()
+    inv_rms = (h64.square().mean(-1, keepdim=True) + 1e-5).rsqrt()
+    want = weight.double() * (h64 * inv_rms)
+    # The mean of squares in float32 (hidden terms), the sqrt and division, then two roundings
+    # to the dtype (h * inv_rms, then the weight's product).
+    unit = U32 if dtype == torch.float32 else UBF16
+    bound = want.abs() * ((hidden + 8) * U32 + 2 * unit + unit**2)
+    assert_within(out, want, bound, "rms norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [40, 1536])  # scalar tail, vector body
+def test_silu_and_mul_within_its_roundings(kernels, dtype, inter):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(9, 2 * inter, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = gate * torch.sigmoid(gate) * up
+    # silu in float32 (exp, 1 + e, division), rounded to the dtype, times up, rounded again.
+    unit = U32 if dtype == torch.float32 else UBF16
+    bound = want.abs() * ((EXP_ULPS + 4) * U32 + 2 * unit + unit**2)
+    assert_within(kernels.silu_and_mul(gate_up), want, bound, "silu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 128])  # 20: the scalar tail alone
+def test_rotary_matches_torch_in_place(kernels, dtype, head_dim):
+    """bf16: every product and the sum rounded where torch rounds them, so bit for bit; float32
+    within the roundings of two products and a sum (or one fused multiply-add)."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, max_pos = 11, 3, 50
+    angles = torch.rand(max_pos, head_dim // 2, generator=gen) * 7
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    fused = torch.randn(tokens, 2 * heads * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    q = fused[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided rows, as in qkv
+    untouched = fused[:, heads * head_dim :].clone()
+    x64, c64, s64 = q.double(), cos[positions, None].double(), sin[positions, None].double()
+    rotated = torch.cat((-x64[..., head_dim // 2 :], x64[..., : head_dim // 2]), dim=-1)
+    tables = (cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+    want_bf16 = _rotate(q.clone(), *tables)
+    kernels.rotary_(q, positions, cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q, want_bf16)
+    else:
+        bound = 3 * U32 * ((x64 * c64).abs() + (rotated * s64).abs())
+        assert_within(q, x64 * c64 + rotated * s64, bound, "rotary")
+    assert torch.equal(fused[:, heads * head_dim :], untouched)
+
+
+# -------------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 15, 16, 1000])
+def test_argmax_equals_torch_max_with_ties_and_nans(kernels, dtype, cols):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randint(-3, 4, (7, cols), generator=gen).to(dtype)  # many ties: the first wins
+    if cols > 20:
+        x[1, 5] = x[1, cols - 3] = float("nan")  # the first NaN wins
+        x[2, cols - 1] = 100.0
+        x[3] = float("-inf")
+    assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
+    assert kernels.argmax(x[:0]).shape == (0,)
+
+
+def test_sampling_draws_the_inverse_distribution(kernels):
+    """Weights that float32 sums exactly (small integers): the draw is exactly the first column
+    whose running sum exceeds u x total. From logits: the draw's interval of the float64
+    distribution holds u, up to the float32 sums' and exps' error."""
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randint(0, 4, (6, 300), generator=gen).float()
+    weights[:, :10] = 0  # no draw lands on a zero weight
+    uniforms = torch.rand(6, dtype=torch.float64, generator=gen)
+    cumulative = weights.double().cumsum(-1)
+    want = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None], right=True)
+    assert torch.equal(kernels.sample_rows(weights, uniforms), want[:, 0])
+    logits = torch.randn(6, 1000, generator=gen) * 3
+    temperatures = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3, 3.0])
+    tokens = kernels.sample_rows(logits, uniforms, temperatures)
+    probs = (logits.double() / temperatures.double()[:, None]).softmax(-1)
+    upper = probs.cumsum(-1).gather(1, tokens[:, None])[:, 0]
+    lower = upper - probs.gather(1, tokens[:, None])[:, 0]
+    # Each weight exp((x - top) / T) within (3 |z| + EXP_ULPS) U32 (three rounded operations
+    # on its argument z, then exp), the running sums within a float32 sum of every column.
+    z_max = 2 * logits.abs().amax(-1).double() / temperatures.double()
+    slack = U32 * (logits.shape[1] + 3 * z_max + EXP_ULPS + 4)
+    assert bool(((lower - slack <= uniforms) & (uniforms < upper + slack)).all())
+
+
+@pytest.mark.parametrize("k", [1, 7, 300])
+def test_top_candidates_equal_a_stable_sort(kernels, k):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randint(-20, 20, (5, 300), generator=gen).float()  # ties: the first column first
+    values, indices = kernels.top_candidates(x, k)
+    want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])
