@@ -95,6 +95,26 @@ def packed_case(
     return label, "oneDNN packed", seconds(baseline, 5), seconds(kernel, 5)
 
 
+def streamed_case(kernels: CpuKernels, weights: list[torch.Tensor], rows: int) -> Row:
+    """`rows` input rows through every weight as the engine multiplies a few rows: vdpbf16ps
+    streaming the tile copy (the weight's only copy) vs the C GEMV over the row-major weight
+    (what it ran while it kept both)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
+    tiles = [kernels.pack_weight(w) for w in weights]
+
+    def kernel() -> None:
+        for w, t in zip(weights, tiles):
+            kernels.packed_linear(xs[w.shape[1]], t, w.shape[0], None, tiles=False)
+
+    def baseline() -> None:
+        for w in weights:
+            kernels.gemv_bf16(xs[w.shape[1]], w, None)
+
+    mbytes = sum(w.numel() * 2 for w in weights) / 1e6
+    label = f"tile copy streamed (vdpbf16ps) {rows} row(s), {mbytes:.0f} MB of weights"
+    return label, "C GEMV, row-major", seconds(baseline, 5), seconds(kernel, 5)
+
+
 def float32_case(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int) -> Row:
     """float32 projections, `rows` input rows through every weight: oneDNN's packed copy (what
     layers/linear.py runs for float32) vs F.linear (MKL's sgemm, a generic path on AMD)."""
@@ -377,6 +397,7 @@ def main() -> None:
         onednn = [onednn_pack(w) for w in weights]
         packed = None if any(p is None for p in onednn) else [p for p in onednn if p is not None]
         rows += [gemv_case(kernels, weights, packed, n) for n in (1, 2, 4)]
+        rows += [streamed_case(kernels, weights, n) for n in (1, 2, 4, 8)]
         if packed is not None:
             rows += [packed_case(kernels, weights, packed, n) for n in (16, 32, 64, 256, 2048)]
     weights32 = [torch.randn(n, k) * 0.02 for _ in range(args.layers) for n, k in shapes]

@@ -129,13 +129,14 @@ def test_output_head_writes_float_logits_into_its_reused_buffer(matmul_kernels):
     next step), equal to a fresh call's; plain calls return tensors of their own."""
     gen = torch.Generator().manual_seed(5)
     head = LMHead(300, 96, tied=None)
-    head.weight.data = torch.randn(300, 96, generator=gen).bfloat16()
-    head.prepare_for_cpu(matmul_kernels)
+    weight = torch.randn(300, 96, generator=gen).bfloat16()
+    head.weight.data = weight.clone()
+    head.prepare_for_cpu(matmul_kernels)  # its packed copy replaces the weight
     x = torch.randn(7, 96, generator=gen).bfloat16()
     fresh = head(x)
     first = head(x, reuse_output=True)
     assert first.dtype == torch.float32 and torch.equal(first, fresh)
-    want = x.float() @ head.weight.float().T
+    want = x.float() @ weight.float().T
     torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-5)
     second = head(x[:3], reuse_output=True)  # fewer rows: the same buffer
     assert second.data_ptr() == first.data_ptr() and torch.equal(second, fresh[:3])
@@ -168,9 +169,11 @@ def test_gated_projection_fuses_silu_into_the_packed_matmul(matmul_kernels, rows
     plain = gated(x, weight, b)
     want = x.float() @ weight.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(plain.float(), want, atol=1e-3, rtol=2**-8)
-    assert (
-        CpuProjection(weight, matmul_kernels, gated=True).silu_and_mul(x[:4]) is None
-    )  # the GEMV's
+    # At the GEMV's row counts too (vdpbf16ps on the same copy).
+    few = CpuProjection(weight, matmul_kernels, gated=True, bias=b).silu_and_mul(x[:4])
+    assert torch.equal(
+        few, matmul_kernels.silu_and_mul(CpuProjection(weight, matmul_kernels)(x[:4], weight, b))
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

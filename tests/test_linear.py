@@ -1,17 +1,26 @@
-"""Projections on the CPU without the C kernels: float32 (and any dtype the kernels do not take)
-multiplies through oneDNN's packed copy of the weight instead of F.linear."""
+"""Projections on the CPU, each holding one copy of its weight: float32 (and any dtype the C
+kernels do not take) through oneDNN's packed copy instead of F.linear, bf16 with avx512_bf16
+through the C kernels' tile copy at every row count; a tied embedding reads its rows from the
+head's copy."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers.embedding import LMHead, VocabEmbedding
 from minisgl.layers.linear import Linear, onednn_pack
 
+KERNELS = cpu_kernels()
 needs_onednn = pytest.mark.skipif(
     onednn_pack(torch.zeros(8, 8)) is None, reason="oneDNN cannot pack float32 here"
+)
+needs_tiles = pytest.mark.skipif(
+    KERNELS is None or not KERNELS.has_avx512_bf16, reason="the C matmuls need avx512_bf16"
 )
 
 
@@ -37,16 +46,78 @@ def test_float32_linear_runs_on_the_onednn_packed_weight(rows, bias):
 
 
 @needs_onednn
-def test_float32_tied_head_keeps_the_embedding_for_lookups():
+def test_float32_tied_head_multiplies_the_embeddings_own_weight():
+    """Tied without the C kernels: no packed copy beside the weight the lookups read; oneDNN
+    multiplies that weight as it lies."""
     gen = torch.Generator().manual_seed(1)
     embed = VocabEmbedding(300, 64)
     embed.weight.data = torch.randn(300, 64, generator=gen)
+    weight = embed.weight.data
     head = LMHead(300, 64, tied=embed)
     head.prepare_for_cpu(None)
-    assert head.cpu_projection is not None and embed.weight.shape == (300, 64)
+    assert head.cpu_projection is None and embed.weight.data_ptr() == weight.data_ptr()
     ids = torch.tensor([0, 7, 299])
     hidden = embed(ids)
     logits = head(hidden, reuse_output=True)
     assert logits.dtype == torch.float32 and logits.shape == (3, 300)
-    torch.testing.assert_close(logits, hidden @ embed.weight.T, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(logits, hidden @ weight.T, atol=1e-4, rtol=1e-5)
     assert logits.argmax(-1).tolist() == [0, 7, 299]
+
+
+def _kernel_paths() -> list:
+    """The C kernels as the engine runs them, and (where there are AMX tiles) without the tiles,
+    so that vdpbf16ps takes every row count there too."""
+    if KERNELS is None or not KERNELS.has_avx512_bf16:
+        return []
+    paths = [pytest.param(KERNELS, id="amx" if KERNELS.has_amx else "vdpbf16ps")]
+    if KERNELS.has_amx:
+        vector = copy.copy(KERNELS)
+        vector.has_amx = False
+        paths.append(pytest.param(vector, id="vdpbf16ps"))
+    return paths
+
+
+@needs_tiles
+@pytest.mark.parametrize("kernels", _kernel_paths())
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 64])
+@pytest.mark.parametrize("shape", [(64, 96), (37, 101), (96, 1100)])  # k padded; odd k
+@pytest.mark.parametrize("gated", [False, True])
+def test_bf16_linear_keeps_only_its_tile_copy(kernels, rows, shape, gated):
+    """With avx512_bf16 every row count reads the tile copy, which replaces the weight: up to
+    the GEMV's rows a GEMV on that copy, above the packed matmul (AMX tiles or vdpbf16ps)."""
+    out_features, in_features = shape
+    gated = gated and out_features % 32 == 0
+    gen = torch.Generator().manual_seed(3)
+    linear = Linear(in_features, out_features, bias=True, gated=gated)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    linear.bias.data = torch.randn(out_features, generator=gen).bfloat16()
+    linear.weight.data = weight.clone()
+    linear.prepare_for_cpu(kernels)
+    assert linear.weight.numel() == 0 and linear.cpu_projection.tiles is not None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    want = x.float() @ weight.float().T + linear.bias.float()
+    out = linear(x)
+    # Only the final rounding to bf16 and float32 summation order differ.
+    torch.testing.assert_close(out.float(), want, atol=1e-3 * in_features**0.5, rtol=2**-8)
+    assert torch.equal(linear(x.view(1, rows, in_features)), out.view(1, rows, out_features))
+    if gated:  # SiLU in the matmul's epilogue at every row count: the same products
+        assert torch.equal(linear.silu_and_mul(x), kernels.silu_and_mul(out))
+
+
+@needs_tiles
+def test_bf16_tied_embedding_reads_rows_from_the_heads_tile_copy():
+    gen = torch.Generator().manual_seed(4)
+    embed = VocabEmbedding(300, 72)  # k padded to whole tiles in the copy
+    weight = torch.randn(300, 72, generator=gen).bfloat16()
+    embed.weight.data = weight.clone()
+    head = LMHead(300, 72, tied=embed)
+    head.prepare_for_cpu(KERNELS)
+    assert embed.weight.numel() == 0 and embed.rows_from is head.cpu_projection
+    ids = torch.tensor([[0, 31, 32], [299, 17, 16]])
+    assert torch.equal(embed(ids), weight[ids])
+    with pytest.raises(IndexError, match="300"):
+        embed(torch.tensor([300]))
+    hidden = torch.randn(5, 72, generator=gen).bfloat16()
+    torch.testing.assert_close(
+        head(hidden), hidden.float() @ weight.float().T, atol=1e-3, rtol=1e-4
+    )

@@ -56,6 +56,7 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer_begin": [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _int],
     "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_int],
+    "minisgl_packed_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
 }
 # None: void. The int results of the kernels that can fail are status codes (`check_status`).
 RESTYPES: dict[str, type | None] = {
@@ -83,6 +84,7 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_prefill_attention": _int,
     "minisgl_decode_layer_begin": _int,
     "minisgl_decode_layer_end": _int,
+    "minisgl_packed_rows": _int,
 }
 
 

@@ -94,10 +94,24 @@ class CpuKernels:
         )
         return out
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bf16 weight [N, K] in the tile layout `packed_linear` takes (zero-padded)."""
+    def packed_elems(self, out_features: int, in_features: int) -> int:
+        """Elements of a [out_features, in_features] weight's packed copy (`pack_weight`)."""
+        return int(self.lib.minisgl_packed_elems(out_features, in_features))
+
+    def pack_weight(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A bf16 weight [N, K] in the tile layout `packed_linear` takes (zero-padded), into
+        `out` (contiguous, `packed_elems(N, K)` bf16 elements) when given."""
         out_features, in_features = weight.shape
-        packed = weight.new_empty(self.lib.minisgl_packed_elems(out_features, in_features))
+        elems = self.packed_elems(out_features, in_features)
+        require(
+            weight.dtype == torch.bfloat16 and weight.is_contiguous(),
+            f"pack_weight: weight must be contiguous bfloat16, got {weight.dtype}",
+        )
+        packed = weight.new_empty(elems) if out is None else out
+        require(
+            packed.numel() == elems and packed.dtype == torch.bfloat16 and packed.is_contiguous(),
+            f"pack_weight: out of {packed.numel()} {packed.dtype} elements for {elems} bfloat16",
+        )
         self.lib.minisgl_pack_weight(
             weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads()
         )
@@ -117,10 +131,12 @@ class CpuKernels:
         bias: torch.Tensor | None,
         float_out: bool = False,
         out: torch.Tensor | None = None,
+        tiles: bool = True,
     ) -> torch.Tensor:
         """x [M, K] @ W^T (+ bias), W packed by `pack_weight`; bfloat16 in, bfloat16 out (float32
         with float_out: the sums unrounded), into `out` when given. On the AMX tiles where the
-        CPU has them, else with vdpbf16ps (RuntimeError in a build without avx512_bf16)."""
+        CPU has them and `tiles` asks, else with vdpbf16ps (RuntimeError in a build without
+        avx512_bf16)."""
         rows, in_features = x.shape
         if not (x.is_contiguous() and (bias is None or bias.is_contiguous())):
             raise_not_contiguous("packed_linear", x=x, bias=bias)
@@ -142,17 +158,23 @@ class CpuKernels:
             out_features,
             in_features,
             int(float_out),
-            int(self.has_amx),
+            int(self.has_amx and tiles),
             torch.get_num_threads(),
         )
         check_status("packed_linear", status)
         return out
 
     def packed_gated_silu(
-        self, x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        inter: int,
+        bias: torch.Tensor | None,
+        tiles: bool = True,
     ) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) [M, inter] from a gate_up weight packed by
-        `pack_weight` with its gate and up rows interleaved in 16s (`interleave_gate_up`)."""
+        `pack_weight` with its gate and up rows interleaved in 16s (`interleave_gate_up`); on
+        the tiles as `packed_linear`."""
         rows, in_features = x.shape
         require(inter % 16 == 0, f"packed_gated_silu: inter {inter} is not a multiple of 16")
         if not (x.is_contiguous() and (bias is None or bias.is_contiguous())):
@@ -167,10 +189,32 @@ class CpuKernels:
             rows,
             inter,
             in_features,
-            int(self.has_amx),
+            int(self.has_amx and tiles),
             torch.get_num_threads(),
         )
         check_status("packed_gated_silu", status)
+        return out
+
+    def packed_rows(
+        self, packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_features: int
+    ) -> torch.Tensor:
+        """Rows `ids` [count] of a bf16 weight [out_features, in_features] read from its packed
+        copy: [count, in_features], equal to indexing the weight."""
+        self._check_packed("packed_rows", packed, out_features, in_features)
+        ids = ids.to(torch.int64).contiguous()
+        out = packed.new_empty(ids.numel(), in_features)
+        status = self.lib.minisgl_packed_rows(
+            packed.data_ptr(),
+            ids.data_ptr(),
+            out.data_ptr(),
+            ids.numel(),
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            bad = ids[(ids < 0) | (ids >= out_features)]
+            raise IndexError(f"packed_rows: row {int(bad[0])} outside [0, {out_features})")
         return out
 
     def decode_attention(

@@ -8,16 +8,40 @@ from torch import nn
 
 from minisgl.kernel.cpu import CpuKernels
 
-from .linear import CPU_PROJECTION_DTYPES, CpuProjection
+from .linear import (
+    CPU_PROJECTION_DTYPES,
+    CpuProjection,
+    onednn_packing_available,
+    tile_copy_elems,
+)
 
 
 class VocabEmbedding(nn.Module):
+    """Token ids to rows of the weight; where a tied output head's packed copy is the weight's
+    only copy, the rows are read from it (`read_rows_from`)."""
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.rows_from: CpuProjection | None = None
+
+    def read_rows_from(self, projection: CpuProjection) -> None:
+        """Look rows up in `projection`'s tile copy of this weight, which replaces the weight."""
+        if projection.kernels is None or projection.tiles is None:
+            raise ValueError("read_rows_from needs a projection holding a tile-layout copy")
+        self.rows_from = projection
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        source = self.rows_from
+        if source is None:
+            return F.embedding(input_ids, self.weight)
+        assert source.kernels is not None and source.tiles is not None
+        rows = source.kernels.packed_rows(
+            source.tiles, input_ids.reshape(-1), self.vocab_size, self.hidden_size
+        )
+        return rows.view(*input_ids.shape, self.hidden_size)
 
 
 class LMHead(nn.Module):
@@ -29,17 +53,47 @@ class LMHead(nn.Module):
         if tied is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.cpu_projection: CpuProjection | None = None
+        # A tied float32 head without the C kernels: oneDNN reads the embedding's weight as it
+        # lies (Qwen3-0.6B's head at 8 rows: 76 ms, 62 on a packed copy of its own, F.linear 170).
+        self._onednn_on_weight = False
         self._logits_buffer: torch.Tensor | None = None
 
     def _weight(self) -> torch.Tensor:
         return self.tied.weight if self.tied is not None else self.weight
 
-    def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
-        """Pick the CPU matmul path (see layers.linear); a tied weight is kept for the lookup.
-        Where the C packed matmul computes the head, logits come out float32."""
-        weight = self._weight()
-        if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
-            self.cpu_projection = CpuProjection(weight.data, kernels, float_out=True)
+    def prepare_for_cpu(
+        self,
+        kernels: CpuKernels | None,
+        tiles_out: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+    ) -> None:
+        """Pick the CPU matmul path (see layers.linear), holding the weight once: untied, a
+        packed copy replaces the weight; tied, the C kernels' tile copy (into `tiles_out` where
+        given) replaces the embedding's weight too (its lookups read the copy), and other paths
+        multiply the embedding's weight itself. weight: the loaded weight where the parameter
+        does not hold it (e.g. is on the meta device). Where the C packed matmul computes the
+        head, logits come out float32."""
+        handed_over = weight is not None
+        weight = self._weight().data if weight is None else weight
+        if weight.device.type != "cpu" or weight.dtype not in CPU_PROJECTION_DTYPES:
+            return
+        if self.tied is None:
+            self.cpu_projection = CpuProjection(
+                weight, kernels, float_out=True, tiles_out=tiles_out
+            )
+            if not self.cpu_projection.needs_weight:
+                self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+            elif handed_over:
+                self.weight = nn.Parameter(weight.clone(), requires_grad=False)
+            return
+        if tile_copy_elems(*weight.shape, weight.dtype, kernels) is None:
+            # oneDNN's packed copy would sit beside the rows the lookups need.
+            if handed_over:
+                self.tied.weight = nn.Parameter(weight.clone(), requires_grad=False)
+            self._onednn_on_weight = weight.dtype == torch.float32 and onednn_packing_available()
+            return
+        self.cpu_projection = CpuProjection(weight, kernels, float_out=True, tiles_out=tiles_out)
+        self.tied.read_rows_from(self.cpu_projection)
 
     def forward(self, hidden: torch.Tensor, reuse_output: bool = False) -> torch.Tensor:
         """Logits [rows, vocab]. reuse_output: on the C matmul's path they are written into a
@@ -47,6 +101,10 @@ class LMHead(nn.Module):
         block over 32 MB afresh, so e.g. Qwen3's 64 x 151,936 float32 logits page-faulted
         10 ms of a 23 ms head each decode step."""
         if self.cpu_projection is None:
+            if self._onednn_on_weight:
+                return torch.ops.mkldnn._linear_pointwise(
+                    hidden.contiguous(), self._weight(), None, "none", [], ""
+                )
             return F.linear(hidden, self._weight())
         out = None
         if reuse_output and self.cpu_projection.float_out and hidden.dim() == 2:

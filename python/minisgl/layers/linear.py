@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,14 +12,16 @@ from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
 
-# Rows per call decide the CPU matmul (benchmark/kernels.py, offline.py --decode-batch-sizes):
-# the C GEMV for a few rows (bandwidth-bound at 1-4 rows, ~1.2-3x oneDNN's bf16 there; at 5-8
-# level with the packed matmul without tiles, so it keeps up to GEMV_MAX_ROWS there), then the C
-# packed matmul: on the AMX tiles 1.3-1.6x oneDNN at 5-64 rows, 1.5x the GEMV at 5-8, 1.3x at
-# 1,024; with vdpbf16ps (Zen 5) level with oneDNN on Qwen3's shapes and 1.1-1.3x on SmolLM2's at
-# 16-128 rows, within 5% at 2,048. It also fuses SiLU into gate_up and lets the C decode layer
-# take any batch. Other dtypes and CPUs: oneDNN's packed layout (float32 included: PyTorch's
-# F.linear runs MKL's sgemm, which on AMD CPUs takes a generic path 2-3x slower than oneDNN).
+# Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
+# (benchmark/kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
+# AMX_GEMV_MAX_ROWS) the C GEMV on that copy, which streams it once with vdpbf16ps (level with
+# the row-major GEMV the model kept beside it before at 1 row, up to 1.4x faster at 2-8; that one
+# was ~1.2-3x oneDNN's bf16 at 1-4 rows), then the C packed matmul: on the AMX tiles 1.3-1.6x
+# oneDNN at 5-64 rows, 1.3x at 1,024; with vdpbf16ps (Zen 5) level with oneDNN on Qwen3's shapes
+# and 1.1-1.3x on SmolLM2's at 16-128 rows, within 5% at 2,048. It also fuses SiLU into gate_up
+# and lets the C decode layer take any batch. Other dtypes and CPUs: oneDNN's packed layout
+# (float32 included: PyTorch's F.linear runs MKL's sgemm, which on AMD CPUs takes a generic
+# path 2-3x slower than oneDNN).
 GEMV_MAX_ROWS = 8
 AMX_GEMV_MAX_ROWS = 4
 CPU_PROJECTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,18 +52,48 @@ def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
     return rows[torch.stack((blocks, blocks + inter), dim=1).flatten()]
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of this dtype on this CPU (decided before any is loaded)."""
+    return onednn_pack(torch.zeros(32, 32, dtype=dtype)) is not None
+
+
+def c_matmuls_take(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
+    """Whether the C matmuls multiply weights of this dtype (through a tile-layout copy): bf16
+    on CPUs with avx512_bf16, where they beat oneDNN."""
+    return kernels is not None and kernels.has_avx512_bf16 and dtype == torch.bfloat16
+
+
+def tile_copy_elems(
+    out_features: int, in_features: int, dtype: torch.dtype, kernels: CpuKernels | None
+) -> int | None:
+    """Elements of the tile-layout copy a CpuProjection of this weight would make (the only
+    copy it keeps), or None where it takes another path."""
+    if not c_matmuls_take(dtype, kernels):
+        return None
+    assert kernels is not None
+    return kernels.packed_elems(out_features, in_features)
+
+
+def keeps_weight(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
+    """Whether a CpuProjection of a weight of this dtype multiplies the weight itself (F.linear:
+    neither the C kernels nor oneDNN pack it), so that it must stay."""
+    return not c_matmuls_take(dtype, kernels) and not onednn_packs(dtype)
+
+
 class CpuProjection:
-    """How a weight is multiplied on the CPU, by rows per call: with avx512_bf16 and a bf16
-    weight, the C GEMV for a few rows and above them the C packed matmul over a copy in the
-    tile layout (on the AMX tiles where the CPU has them, else vdpbf16ps); otherwise (float32,
-    float16, CPUs without avx512_bf16) oneDNN's packed copy, or F.linear where oneDNN cannot
-    pack the dtype. Without the GEMV only the packed copy is kept.
+    """How a weight is multiplied on the CPU, holding its only copy: with avx512_bf16 and a bf16
+    weight, a copy in the tile layout that the C packed matmul reads at every row count (a few
+    rows with vdpbf16ps, which streams it once at memory speed, as a GEMV; more on the AMX tiles
+    where the CPU has them); otherwise (float32, float16, CPUs without avx512_bf16) oneDNN's
+    packed copy, or, where oneDNN cannot pack the dtype, F.linear on the weight, which then
+    stays with its module (`needs_weight`).
 
     gated (a gate_up projection): the tile copy holds gate and up interleaved, for
-    `silu_and_mul`, which then runs every call above the GEMV's rows with SiLU in the matmul's
-    epilogue; plain calls take the GEMV or F.linear. float_out (an output head): every call
-    takes the packed matmul and returns its float32 sums unrounded, so logits a bf16 rounding
-    would tie keep their order."""
+    `silu_and_mul`, which runs with SiLU in the matmul's epilogue; plain calls get their columns
+    back in order. float_out (an output head): the C matmul returns its float32 sums unrounded,
+    so logits a bf16 rounding would tie keep their order. tiles_out: where the tile copy goes
+    (`tile_copy_elems` bf16 elements), e.g. a slot of the model's buffer on huge pages."""
 
     def __init__(
         self,
@@ -68,27 +102,26 @@ class CpuProjection:
         gated: bool = False,
         bias: torch.Tensor | None = None,
         float_out: bool = False,
+        tiles_out: torch.Tensor | None = None,
     ) -> None:
-        bf16 = weight.dtype == torch.bfloat16
-        # Only with the bf16 dot-product instructions do the C matmuls beat oneDNN.
-        usable = kernels is not None and kernels.has_avx512_bf16 and bf16
-        self.kernels = kernels if usable else None
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.kernels = kernels if c_matmuls_take(weight.dtype, kernels) else None
         on_tiles = self.kernels is not None and self.kernels.has_amx
         self.float_out = float_out and self.kernels is not None
+        # Rows up to which the GEMV streams the copy (above: the tiles, where there are any).
         self.gemv_max_rows = AMX_GEMV_MAX_ROWS if on_tiles else GEMV_MAX_ROWS
         if self.float_out:
             self.gemv_max_rows = 0
-        self.packed: torch.Tensor | None = None
-        self.gated = gated and self.kernels is not None and weight.shape[0] % 32 == 0
+        self.gated = gated and self.kernels is not None and self.out_features % 32 == 0
         self.gated_bias: torch.Tensor | None = None
+        self.packed: torch.Tensor | None
         if self.kernels is None:
             self.packed = onednn_pack(weight)
         elif self.gated:
-            self.packed = self.kernels.pack_weight(interleave_gate_up(weight))
+            self.packed = self.kernels.pack_weight(interleave_gate_up(weight), tiles_out)
             self.gated_bias = None if bias is None else interleave_gate_up(bias).contiguous()
         else:
-            self.packed = self.kernels.pack_weight(weight)
+            self.packed = self.kernels.pack_weight(weight.contiguous(), tiles_out)
 
     @property
     def tiles(self) -> torch.Tensor | None:
@@ -97,7 +130,16 @@ class CpuProjection:
 
     @property
     def needs_weight(self) -> bool:
-        return self.kernels is not None or self.packed is None
+        """Whether calls multiply the module's weight itself (no packed copy replaces it)."""
+        return self.packed is None
+
+    def _on_tiles(self, rows: int) -> bool:
+        return rows > self.gemv_max_rows
+
+    @functools.cached_property
+    def _column_order(self) -> torch.Tensor:
+        """Where each [gate | up] column sits in a gated copy's interleaved output."""
+        return interleave_gate_up(torch.arange(self.out_features)).argsort()
 
     def __call__(
         self,
@@ -106,32 +148,39 @@ class CpuProjection:
         bias: torch.Tensor | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x @ weight^T (+ bias); `out` [rows, out_features] takes the result where the C packed
-        matmul computes it (else a new tensor is returned)."""
-        rows = x.shape[0] if x.dim() == 2 else -1
-        if self.kernels is not None and 0 <= rows <= self.gemv_max_rows:
-            return self.kernels.gemv_bf16(x.contiguous(), weight, bias)
-        if self.gated:  # the tile copy is interleaved: only silu_and_mul reads it
-            return F.linear(x, weight, bias)
-        if self.kernels is not None and self.packed is not None and rows >= 0:
-            return self.kernels.packed_linear(
-                x.contiguous(), self.packed, self.out_features, bias, self.float_out, out
-            )
-        if self.kernels is None and self.packed is not None:  # oneDNN's copy takes any shape
+        """x @ weight^T (+ bias); `weight` is read only where `needs_weight`. `out` [rows,
+        out_features] takes the result where the C packed matmul computes it (else a new tensor
+        is returned)."""
+        if self.kernels is not None and self.packed is not None:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            tiles = self._on_tiles(rows.shape[0])
+            if self.gated:  # interleaved columns, put back in order
+                y = self.kernels.packed_linear(
+                    rows, self.packed, self.out_features, self.gated_bias, tiles=tiles
+                )[:, self._column_order]
+            else:
+                y = self.kernels.packed_linear(
+                    rows, self.packed, self.out_features, bias, self.float_out, out, tiles
+                )
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.packed is not None:  # oneDNN's copy takes any leading dims
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )
         return F.linear(x, weight, bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The gated activation straight from the packed matmul, where this projection has it
-        for this many rows; else None."""
-        if not self.gated or x.dim() != 2 or x.shape[0] <= self.gemv_max_rows:
+        """The gated activation straight from the packed matmul, where this projection has it;
+        else None."""
+        if not self.gated:
             return None
         assert self.kernels is not None and self.packed is not None
-        return self.kernels.packed_gated_silu(
-            x.contiguous(), self.packed, self.out_features // 2, self.gated_bias
+        rows = x.reshape(-1, self.in_features).contiguous()
+        inter = self.out_features // 2
+        act = self.kernels.packed_gated_silu(
+            rows, self.packed, inter, self.gated_bias, self._on_tiles(rows.shape[0])
         )
+        return act.view(*x.shape[:-1], inter)
 
 
 class Linear(nn.Module):
@@ -147,13 +196,26 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.cpu_projection: CpuProjection | None = None
 
-    def prepare_for_cpu(self, kernels: CpuKernels | None) -> None:
-        """Pick the CPU matmul path for the weight (after loading)."""
-        if self.weight.device.type == "cpu" and self.weight.dtype in CPU_PROJECTION_DTYPES:
+    def prepare_for_cpu(
+        self,
+        kernels: CpuKernels | None,
+        tiles_out: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+    ) -> None:
+        """Pick the CPU matmul path for the weight (after loading); a packed copy (into
+        `tiles_out` where given, see CpuProjection) replaces the weight. weight: the loaded
+        weight where the module's own parameter does not hold it (e.g. is on the meta device)."""
+        handed_over = weight is not None
+        weight = self.weight.data if weight is None else weight
+        if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
             bias = None if self.bias is None else self.bias.data
-            self.cpu_projection = CpuProjection(self.weight.data, kernels, self.gated, bias)
-            if not self.cpu_projection.needs_weight:  # the packed copy replaces the weight
-                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            self.cpu_projection = CpuProjection(
+                weight, kernels, self.gated, bias, tiles_out=tiles_out
+            )
+            if not self.cpu_projection.needs_weight:
+                self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+            elif handed_over:  # F.linear multiplies it: the module keeps it
+                self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_projection is not None:

@@ -2,8 +2,9 @@
 
 At batch 1 a layer is ~10 short kernels and the Python between them cost as much as reading
 the weights; `minisgl_decode_layers` runs the same kernels in the same order from C, so its
-output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py). Batches up to
-the GEMV's row limit take the GEMV; larger ones the packed matmul (AMX tiles or vdpbf16ps).
+output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py). Projections
+read their packed copies, the weights' only ones: batches up to the GEMV's row limit with
+vdpbf16ps, larger ones on the AMX tiles where the CPU has them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ TILES_MAX_TOKENS = 1023
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
+    return None if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
 
 def _projection(linear: Linear) -> CpuProjection:
@@ -64,9 +65,7 @@ class FusedDecode:
         self.kv_cache, self.page_table = ctx.kv_cache, ctx.page_table
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         gemv_max_rows = min(_projection(m).gemv_max_rows for m in linears)
-        with_tiles = all(_tiles(m) is not None for m in linears)
-        # Rows past the GEMV's need every projection's packed (tile-layout) copy.
-        self.max_tokens = TILES_MAX_TOKENS if with_tiles else gemv_max_rows
+        self.max_tokens = TILES_MAX_TOKENS
         self.model_params = DecodeModelParams(
             hidden=config.hidden_size,
             inter=config.intermediate_size,
@@ -121,7 +120,8 @@ class FusedDecode:
         if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
             return None
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        if not all(m.cpu_projection and m.cpu_projection.kernels for m in linears):
+        # Every projection's tile copy (a gate_up's interleaved), the only copy of its weight.
+        if not all(m.cpu_projection and _tiles(m) is not None for m in linears):
             return None
         fits = (
             config.head_dim <= MAX_HEAD_DIM

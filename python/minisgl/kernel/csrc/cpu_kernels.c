@@ -730,13 +730,28 @@ static int packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bi
 #endif
 }
 
+// Up to PACKED_GEMV_ROWS rows without the tiles: packed_gemv (at the end of this file), which
+// streams the packed copy as minisgl_gemv_bf16 streams a row-major weight.
+#define PACKED_GEMV_ROWS 8
+static int packed_gemv(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                       int64_t M, int64_t N, int64_t K, int epilogue, int nthreads);
+
+static inline int packed_gemv_takes(int64_t M, int use_tiles) {
+#ifndef HAVE_AMX
+    use_tiles = 0;
+#endif
+    return M <= PACKED_GEMV_ROWS && !tiles_usable(use_tiles);
+}
+
 // use_tiles: the AMX tiles (where compiled in), else vdpbf16ps on the same packed layout.
 // out_f32: y is float32 (the sums unrounded, e.g. logits), else bf16. Status: packed_matmul's.
 int minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
                           int64_t M, int64_t N, int64_t K, int out_f32, int use_tiles,
                           int nthreads) {
-    return packed_matmul(x, packed, bias, y, M, N, K, out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16,
-                         use_tiles, nthreads);
+    const int epilogue = out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16;
+    if (packed_gemv_takes(M, use_tiles))
+        return packed_gemv(x, packed, bias, y, M, N, K, epilogue, nthreads);
+    return packed_matmul(x, packed, bias, y, M, N, K, epilogue, use_tiles, nthreads);
 }
 
 // silu(gate) * up straight from a gate_up weight packed with its gate and up rows interleaved
@@ -744,6 +759,8 @@ int minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* b
 int minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
                               bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
                               int nthreads) {
+    if (packed_gemv_takes(M, use_tiles))
+        return packed_gemv(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, nthreads);
     return packed_matmul(x, packed, bias, y, M, 2 * inter, K, EPILOGUE_GATED, use_tiles,
                          nthreads);
 }
@@ -2379,12 +2396,18 @@ typedef struct {
     int64_t max_positions;  // rows of cos/sin (0: unchecked)
 } decode_model;
 
+// Whether a projection of this many tokens runs on the AMX tiles (else vdpbf16ps, which at a
+// few rows streams the packed weight once at memory speed, as the GEMV does).
+static inline int layer_tiles(const decode_model* m, int64_t tokens) {
+    return m->use_tiles && tokens > m->gemv_max_rows;
+}
+
 // Status: the packed matmul's (the GEMV cannot fail).
 static int layer_matmul(const decode_model* m, const bf16_t* x, const bf16_t* w,
                         const bf16_t* tiles, const bf16_t* bias, bf16_t* y, int64_t tokens,
                         int64_t N, int64_t K, int nthreads) {
-    if (tiles && tokens > m->gemv_max_rows)
-        return minisgl_packed_linear(x, tiles, bias, y, tokens, N, K, 0, (int)m->use_tiles,
+    if (tiles)
+        return minisgl_packed_linear(x, tiles, bias, y, tokens, N, K, 0, layer_tiles(m, tokens),
                                      nthreads);
     minisgl_gemv_bf16(x, w, bias, y, tokens, N, K, nthreads);
     return MINISGL_OK;
@@ -2464,9 +2487,9 @@ int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_
     if (status != MINISGL_OK) return status;
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
-    if (L->gate_up_t && tokens > m->gemv_max_rows) {
+    if (L->gate_up_t) {
         status = minisgl_packed_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens,
-                                           m->inter, hidden, (int)m->use_tiles, nthreads);
+                                           m->inter, hidden, layer_tiles(m, tokens), nthreads);
     } else {
         status = layer_matmul(m, s.normed, L->gate_up_w, NULL, L->gate_up_b, s.gate_up, tokens,
                               2 * m->inter, hidden, nthreads);
@@ -2500,3 +2523,128 @@ int minisgl_decode_layers(const decode_layer* layers, int64_t num_layers, const 
     return MINISGL_OK;
 }
 
+// ------------------------------------------------------------------ rows of a packed weight
+// out[i] = w[ids[i]] ([count, K] bf16) from the packed (tile-layout) copy of a weight w [N, K]:
+// a tied embedding looked up in its output head's copy, which is then the only one. Row n is
+// column n % 16 of tile (n % 32) / 16 of block n / 32: one 4-byte k-pair every 64 bytes. Returns
+// MINISGL_ERR_SHAPE (nothing written) for an id outside [0, N).
+int minisgl_packed_rows(const bf16_t* packed, const int64_t* ids, bf16_t* out, int64_t count,
+                        int64_t N, int64_t K, int nthreads) {
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= N) return MINISGL_ERR_SHAPE;
+    const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP;
+    const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (count * K >= (1 << 16))
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n = ids[i];
+        const bf16_t* column = packed + n / 32 * block_elems + n % 32 / 16 * 512 + n % 16 * 2;
+        bf16_t* row = out + i * K;
+        for (int64_t k = 0; k + 1 < K; k += 2)
+            memcpy(row + k, column + k / 32 * 1024 + k % 32 * 16, 2 * sizeof(bf16_t));
+        if (K % 2) row[K - 1] = column[(K - 1) / 32 * 1024 + (K - 1) % 32 * 16];
+    }
+    return MINISGL_OK;
+}
+
+// ------------------------------------------------------------------ GEMV on the packed copy
+// y = x w^T (+ bias) for M <= PACKED_GEMV_ROWS rows of x from the packed (tile-layout) copy of
+// w, which the model keeps instead of the row-major weight: a task is one 32-column block (its
+// 2 KB k-steps read in order), tasks in guided runs as in minisgl_gemv_bf16. Blocks, not the
+// vdpbf16ps matmul's pairs of them: SmolLM2's 576-row projections make 18 tasks, which two
+// threads share evenly (9 pairs left one idle a ninth of the time). Each thread's run of blocks
+// is one stream, fetched into L2 PACKED_GEMV_AHEAD bytes ahead: fetched into L1 (prefetcht0),
+// which holds a few lines in flight, the 1-row GEMV ran ~5% behind the row-major one; into L2,
+// level with it at 1 row and 1.1-1.4x ahead at 2-8 (benchmark/kernels.py).
+#define PACKED_GEMV_AHEAD (64 << 10)
+
+#ifdef HAVE_AVX512_BF16
+// The k-pair (k, k + 1) of a row of x broadcast, zero past its K elements.
+static inline __m512bh pair_within(const bf16_t* row, int64_t k, int64_t K) {
+    if (k + 1 < K) return broadcast_pair(row + k);
+    const bf16_t pair[2] = {k < K ? row[k] : (bf16_t)0, 0};
+    return broadcast_pair(pair);
+}
+
+// ROWS rows of x (stride K) times one block, summed over k into left (columns 0-15) and right
+// (16-31): an accumulator per row and tile, and for one or two rows one per parity of the pair
+// too (a longer dependency chain would bound them). The fetch ahead may pass the copy's end.
+static inline __attribute__((always_inline)) void packed_gemv_block(
+    const bf16_t* x, int64_t K, const bf16_t* block, int64_t ksteps, float (*left)[16],
+    float (*right)[16], const int ROWS) {
+    const int64_t step = AMX_NBLOCK * AMX_KSTEP, whole = K / AMX_KSTEP;
+    const int split = ROWS <= 2 ? 2 : 1;
+    __m512 acc[PACKED_GEMV_ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < 2 * split; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < ksteps; kb++) {
+        const bf16_t* w = block + kb * step;
+        const int64_t k0 = kb * AMX_KSTEP;
+        for (int p = 0; p < 16; p++) {
+            const char* ahead = (const char*)(w + 64 * p) + PACKED_GEMV_AHEAD;
+            __builtin_prefetch(ahead, 0, 1);
+            __builtin_prefetch(ahead + 64, 0, 1);
+            const __m512bh w0 = (__m512bh)_mm512_load_si512(w + 32 * p);
+            const __m512bh w1 = (__m512bh)_mm512_load_si512(w + 512 + 32 * p);
+            const int c = 2 * (p % split);
+            for (int r = 0; r < ROWS; r++) {
+                const bf16_t* row = x + r * K;
+                const int64_t k = k0 + 2 * p;
+                const __m512bh xv = kb < whole ? broadcast_pair(row + k) : pair_within(row, k, K);
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w0);
+                acc[r][c + 1] = _mm512_dpbf16_ps(acc[r][c + 1], xv, w1);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        __m512 sum_left = acc[r][0], sum_right = acc[r][1];
+        if (split == 2) {
+            sum_left = _mm512_add_ps(sum_left, acc[r][2]);
+            sum_right = _mm512_add_ps(sum_right, acc[r][3]);
+        }
+        _mm512_store_ps(left[r], sum_left);
+        _mm512_store_ps(right[r], sum_right);
+    }
+}
+#endif
+
+// Returns MINISGL_OK, MINISGL_ERR_SHAPE (M outside 0..PACKED_GEMV_ROWS) or, built without
+// avx512_bf16, MINISGL_ERR_UNSUPPORTED.
+static int packed_gemv(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                       int64_t M, int64_t N, int64_t K, int epilogue, int nthreads) {
+#ifdef HAVE_AVX512_BF16
+    if (M < 0 || M > PACKED_GEMV_ROWS) return MINISGL_ERR_SHAPE;
+    if (M == 0 || N == 0) return MINISGL_OK;
+    const int64_t ksteps = (K + AMX_KSTEP - 1) / AMX_KSTEP;
+    const int64_t block_elems = ksteps * AMX_NBLOCK * AMX_KSTEP;
+    const int64_t nblocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(guided)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        float left[PACKED_GEMV_ROWS][16] __attribute__((aligned(64)));
+        float right[PACKED_GEMV_ROWS][16] __attribute__((aligned(64)));
+        const bf16_t* block = packed + nb * block_elems;
+#define PACKED_GEMV_CASE(n)                                           \
+    case n:                                                           \
+        packed_gemv_block(x, K, block, ksteps, left, right, n); \
+        break;
+        switch (M) {
+            PACKED_GEMV_CASE(8)
+            PACKED_GEMV_CASE(7)
+            PACKED_GEMV_CASE(6)
+            PACKED_GEMV_CASE(5)
+            PACKED_GEMV_CASE(4)
+            PACKED_GEMV_CASE(3)
+            PACKED_GEMV_CASE(2)
+            default:
+            PACKED_GEMV_CASE(1)
+        }
+#undef PACKED_GEMV_CASE
+        packed_store((const float(*)[16])left, (const float(*)[16])right, bias, y, N, 0, M,
+                     nb * AMX_NBLOCK, epilogue);
+    }
+    return MINISGL_OK;
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)epilogue;
+    (void)nthreads;
+    return MINISGL_ERR_UNSUPPORTED;
+#endif
+}
