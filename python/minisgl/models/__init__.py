@@ -5,13 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from minisgl.kernel.cpu import cpu_kernels
+from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers import Linear, LMHead
-from minisgl.utils.memory import empty_on_huge_pages
+from minisgl.layers.linear import keeps_weight, tile_copy_elems
+from minisgl.utils.memory import (
+    empty_on_huge_pages,
+    freed_memory_returned,
+    release_freed_memory,
+)
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .decoder import CausalLM
+from .decoder import CausalLM, rotary_for
 from .weight import load_weights
 
 
@@ -28,49 +34,82 @@ def create_model(
     device: torch.device,
     max_positions: int,
 ) -> CausalLM:
-    """Build the model on `device`, load its checkpoint and cast to `dtype`."""
-    with torch.device("cpu"):
-        model = CausalLM(config, max_positions)
-    load_weights(model, Path(model_dir))
-    # Only parameters take the model dtype: rotary tables stay float32 like transformers'.
-    for param in model.parameters():
-        param.data = param.data.to(device=device, dtype=dtype)
-    for module in model.modules():
-        for name, buf in module.named_buffers(recurse=False):
-            setattr(module, name, buf.to(device))
-    if device.type == "cpu":
-        kernels = cpu_kernels()
-        for module in model.modules():
-            if isinstance(module, (Linear, LMHead)):
-                module.prepare_for_cpu(kernels)
-        _gather_weights_on_huge_pages(model)
+    """Build the model on `device` in `dtype` and load its checkpoint into it tensor by tensor,
+    each weight resident once: on the CPU every parameter and packed copy in one buffer on
+    huge pages, a projection's packed copy in place of its weight (see `_CpuPlacement`)."""
+    # Rotary tables are computed, not loaded: on the CPU in float32, like transformers'.
+    rotary = rotary_for(config, max_positions).to(device)
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions, rotary)
+    if device.type != "cpu":
+        for name, param in list(model.named_parameters()):
+            _replace_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
+        load_weights(model, Path(model_dir), dtype)
+        return model.eval()
+    with freed_memory_returned():
+        placement = _CpuPlacement(model, dtype, cpu_kernels())
+        load_weights(model, Path(model_dir), dtype, placement.take_packed)
+        placement.finish()
+    release_freed_memory()
     return model.eval()
 
 
-def _gather_weights_on_huge_pages(model: CausalLM) -> None:
-    """Every parameter and every tile-layout packed copy into one buffer on huge pages, one at a
-    time (each original freed as its copy lands); before the first forward, which is when the
-    fused decode layer takes raw pointers."""
-    params = [p for p in model.parameters() if p.numel() > 0]
-    projections = [
-        m.cpu_projection
-        for m in model.modules()
-        if isinstance(m, (Linear, LMHead)) and m.cpu_projection is not None
-    ]
-    # oneDNN's packed copy is an opaque mkldnn tensor: it stays where oneDNN put it.
-    packed = [
-        pr for pr in projections if pr.packed is not None and pr.packed.layout == torch.strided
-    ]
-    specs = [(p.shape, p.dtype) for p in params]
-    for projection in packed:
-        assert projection.packed is not None
-        specs.append((projection.packed.shape, projection.packed.dtype))
-    slots = empty_on_huge_pages(specs)
-    for param, slot in zip(params, slots):
-        param.data = slot.copy_(param.data)
-    for projection, slot in zip(packed, slots[len(params) :]):
-        assert projection.packed is not None
-        projection.packed = slot.copy_(projection.packed)
+def _replace_param(model: CausalLM, name: str, tensor: torch.Tensor) -> None:
+    """The parameter `name` becomes `tensor` (a meta parameter's data cannot be swapped)."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+class _CpuPlacement:
+    """Where each weight of a CPU model lives. A projection whose weight the kernels multiply
+    through a packed copy gets only that copy (in the C tile layout, a slot here; oneDNN's
+    opaque one, where oneDNN puts it): its weight stays on the meta device until the loader
+    hands it over (`take_packed`). Every other parameter and tile copy has a slot in one
+    buffer on huge pages (see `empty_on_huge_pages`), laid out before anything is read; its
+    pages are only taken as the loader fills them, so memory grows by each weight as it lands.
+    The fused decode layer takes raw pointers into it at the first forward."""
+
+    def __init__(self, model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | None) -> None:
+        self.kernels, self.dtype = kernels, dtype
+        params = dict(model.named_parameters())
+        # Parameter name -> the module whose packed copy replaces it, and that copy's elements
+        # in the tile layout (None: oneDNN's copy).
+        self.packed: dict[str, tuple[Linear | LMHead, int | None]] = {}
+        if not keeps_weight(dtype, kernels):
+            for name, module in model.named_modules():
+                untied_head = isinstance(module, LMHead) and module.tied is None
+                if isinstance(module, Linear) or untied_head:
+                    self.packed[f"{name}.weight"] = (module, self._tile_elems(module.weight))
+        head, embed = model.lm_head, model.model.embed_tokens
+        tied_elems = self._tile_elems(embed.weight)
+        if head.tied is not None and tied_elems is not None:
+            self.packed["model.embed_tokens.weight"] = (head, tied_elems)
+        stays = [name for name in params if name not in self.packed]
+        tiles = [(name, elems) for name, (_, elems) in self.packed.items() if elems is not None]
+        specs = [(params[name].shape, dtype) for name in stays]
+        specs += [(torch.Size([elems]), torch.bfloat16) for _, elems in tiles]
+        slots = empty_on_huge_pages(specs)
+        for name, slot in zip(stays, slots):
+            _replace_param(model, name, slot)
+        self.tile_slots = {name: slot for (name, _), slot in zip(tiles, slots[len(stays) :])}
+        self.prepared: set[Linear | LMHead] = set()
+        self.modules = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
+
+    def _tile_elems(self, weight: torch.Tensor) -> int | None:
+        out_features, in_features = weight.shape
+        return tile_copy_elems(out_features, in_features, self.dtype, self.kernels)
+
+    def take_packed(self, name: str, weight: torch.Tensor) -> None:
+        """The loader's hand-over of a weight that a packed copy replaces."""
+        module, _ = self.packed[name]
+        module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight)
+        self.prepared.add(module)
+
+    def finish(self) -> None:
+        """Pick the matmul path of every projection whose weight stayed where it was loaded."""
+        for module in self.modules:
+            if module not in self.prepared:
+                module.prepare_for_cpu(self.kernels)
 
 
 __all__ = [

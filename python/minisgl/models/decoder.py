@@ -73,12 +73,22 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def rotary_for(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+    """The model's rotary tables for positions [0, max_positions)."""
+    inv_freq, scaling = config.rope_inv_freq()
+    return RotaryEmbedding(inv_freq, scaling, max_positions)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    """rotary: its tables, when built elsewhere (the loader builds the model on the meta
+    device, where computing them would only make meta tensors)."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, rotary: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        inv_freq, scaling = config.rope_inv_freq()
-        self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.rotary = rotary_for(config, max_positions) if rotary is None else rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
@@ -113,12 +123,14 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns logits only for the rows asked for: float32 where
     the CPU's packed matmul computes the head (bf16 weights, avx512_bf16), else in the model's
-    dtype."""
+    dtype. rotary: see DecoderModel."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, rotary: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions)
+        self.model = DecoderModel(config, max_positions, rotary)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
 
