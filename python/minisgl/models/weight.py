@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import torch
+from safetensors import safe_open
+
+from minisgl.utils.memory import drop_pages
 
 from .decoder import CausalLM
 
@@ -34,19 +35,6 @@ _RENAMES = (
     (".self_attn.k_norm.", ".self_attn.attn.k_norm."),
 )
 _PROJ = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-# The safetensors format's dtype names.
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -62,80 +50,45 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor lies in a checkpoint: file, byte range, dtype and shape."""
+    """Where one checkpoint tensor lies (its file) and its shape."""
 
     file: int
-    start: int
-    end: int
-    dtype: torch.dtype
     shape: tuple[int, ...]
 
 
 class MappedCheckpoint:
-    """Every tensor of a safetensors checkpoint as a view of its memory-mapped file, read only
-    when touched; `release` lets go of a tensor's pages once it has been copied (they stay in
-    the page cache, not in this process). Use as a context manager: no view may outlive it."""
+    """Every tensor of a safetensors checkpoint as safetensors maps it: a view of the
+    memory-mapped file, read only when touched; `release` lets go of a tensor's pages once it
+    has been copied (they stay in the page cache, not in this process). Use as a context
+    manager: no view may outlive it."""
 
     def __init__(self, model_dir: Path) -> None:
         self.entries: dict[str, TensorEntry] = {}
-        self._maps: list[mmap.mmap] = []
-        for index, file in enumerate(safetensors_files(model_dir)):
-            with open(file, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
-                # Copy-on-write: torch wants a writable buffer; nothing is ever written.
-                self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-            base = 8 + header_len
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if info["dtype"] not in _DTYPES:
-                    raise ValueError(
-                        f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}"
-                    )
-                start, end = info["data_offsets"]
-                shape = tuple(info["shape"])
-                self.entries[name] = TensorEntry(
-                    index, base + start, base + end, _DTYPES[info["dtype"]], shape
-                )
+        self._files = [safe_open(str(f), framework="pt") for f in safetensors_files(model_dir)]
+        # Metadata only: safetensors reads pages around each tensor it makes a view of.
+        for index, handle in enumerate(self._files):
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shape = tuple(handle.get_slice(name).get_shape())
+                self.entries[name] = TensorEntry(index, shape)
+        self._viewed: dict[str, tuple[int, int]] = {}  # name -> (address, bytes) in its mapping
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor as it lies in the file (a view of the mapping)."""
-        e = self.entries[name]
-        count = math.prod(e.shape)
-        if count == 0:
-            return torch.empty(e.shape, dtype=e.dtype)
-        flat = torch.frombuffer(self._maps[e.file], dtype=e.dtype, count=count, offset=e.start)
-        return flat.view(e.shape)
+        view = self._files[self.entries[name].file].get_tensor(name)
+        self._viewed[name] = (view.data_ptr(), view.numel() * view.element_size())
+        return view
 
     def release(self, name: str) -> None:
-        """Drop the tensor's pages from this process (a later read maps them again)."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        e = self.entries[name]
-        first = e.start - e.start % mmap.PAGESIZE
-        if e.end > first:
-            self._maps[e.file].madvise(mmap.MADV_DONTNEED, first, e.end - first)
-
-    def close(self) -> None:
-        """Unmap the files; raises BufferError while a view of them is still referenced."""
-        while self._maps:
-            self._maps[-1].close()
-            self._maps.pop()
+        """Drop the pages of a tensor read through `tensor` (a later read maps them again)."""
+        if name in self._viewed:
+            drop_pages(*self._viewed.pop(name))
 
     def __enter__(self) -> MappedCheckpoint:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if kind is None:
-            self.close()
-        else:  # the frames of the error may still hold views: unmapped when they go
-            self._maps.clear()
+    def __exit__(self, *exc_info: object) -> None:
+        # The files are unmapped once the last view of them is gone.
+        self._files.clear()
 
 
 def _model_name(checkpoint_name: str) -> str:
@@ -214,9 +167,8 @@ def load_weights(
     with MappedCheckpoint(Path(model_dir)) as checkpoint:
         sources = _sources(checkpoint, model)
 
-        def file_order(target: str) -> tuple[bool, int, int]:
-            first = checkpoint.entries[sources[target][0][0]]
-            return params[target].is_meta, first.file, first.start
+        def file_order(target: str) -> tuple[bool, int]:
+            return params[target].is_meta, checkpoint.entries[sources[target][0][0]].file
 
         for target in sorted(sources, key=file_order):
             param, parts = params[target], sources[target]
@@ -224,9 +176,8 @@ def load_weights(
                 _copy_rows(checkpoint, parts, param.data)
                 continue
             assert on_loaded is not None, f"{target} is on the meta device and nothing takes it"
-            if len(parts) == 1 and checkpoint.entries[parts[0][0]].dtype == dtype:
-                whole = checkpoint.tensor(parts[0][0])
-            else:
+            whole = checkpoint.tensor(parts[0][0]) if len(parts) == 1 else None
+            if whole is None or whole.dtype != dtype:  # converted or fused: a temporary
                 whole = torch.empty(param.shape, dtype=dtype)
                 _copy_rows(checkpoint, parts, whole)
             on_loaded(target, whole)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import mmap
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,17 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(first, length, _MADV_HUGEPAGE) == 0
+
+
+def drop_pages(address: int, nbytes: int) -> bool:
+    """Let go of the pages of a file mapping's byte range that this process has read (they stay
+    in the page cache; touching them again maps them back). Returns whether it was asked."""
+    if nbytes <= 0 or not sys.platform.startswith("linux"):
+        return False
+    first = align_down(address, mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(first, address + nbytes - first, mmap.MADV_DONTNEED) == 0
 
 
 def empty_on_huge_pages(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
