@@ -80,6 +80,7 @@ class FusedDecode:
             table_stride=ctx.page_table.stride(0),
             gemv_max_rows=gemv_max_rows,
             use_tiles=int(kernels.has_amx),
+            max_positions=model.rotary.cos.shape[0],  # positions past the tables are refused
         )
         self.layer_params = []
         for i, layer in enumerate(model.layers):
