@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -392,6 +393,8 @@ class RunResult:
     decode_s: float | None = None
     # Requests whose output length differed from max_tokens (should be 0).
     bad_lengths: int = 0
+    # Busy-loop processes spinning beside the engine during this run (benchmark/contention.py).
+    contention: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -702,11 +705,14 @@ def run_vllm_peer(
     threads: int | None = None,
     timeout_s: float = 3600.0,
     log: Callable[[str], None] = print,
+    after_run: Callable[[int], None] | None = None,
 ) -> list[RunResult] | None:
     """Run the workloads through vLLM's CPU backend in `.peers/vllm`; None when unavailable.
 
     One engine serves every run (its ~60 s start-up is not timed). Run names become the
-    results' workload names; repeats of a name are separate runs.
+    results' workload names; repeats of a name are separate runs. `after_run(i)` is called on
+    a reader thread when the peer reports that runs[i] ended; the peer does not wait for it, so
+    runs[i + 1] sees its effect within the thread's wake-up (about a millisecond).
     """
     python = vllm_python()
     if python is None:
@@ -740,16 +746,23 @@ def run_vllm_peer(
             proc = subprocess.Popen(
                 [str(python), str(VLLM_RUNNER), str(spec_path), str(result_path)],
                 env=env,
-                stdout=log_file,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
                 start_new_session=True,
             )
+            reader = threading.Thread(
+                target=_follow_peer, args=(proc, log_file, runs, after_run), daemon=True
+            )
+            reader.start()
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 rc = -1
             finally:
                 stop_process_group(proc)
+                reader.join(timeout=10.0)
         if rc != 0 or not result_path.exists():
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             log(f"vLLM peer: FAILED (exit {rc}); last lines of {log_path}:")
@@ -779,6 +792,25 @@ def run_vllm_peer(
             )
         )
     return out
+
+
+def _follow_peer(
+    proc: subprocess.Popen[str],
+    log_file: Any,
+    runs: Sequence[PeerRun],
+    after_run: Callable[[int], None] | None,
+) -> None:
+    """Copy the peer's output into its log; call `after_run(i)` on run i's progress line
+    (`NAME #REPEAT: S s`, printed by vllm_offline.py as each run ends, in order)."""
+    assert proc.stdout is not None
+    done = 0
+    for line in proc.stdout:
+        log_file.write(line)
+        log_file.flush()
+        if done < len(runs) and line.startswith(f"{runs[done].name} #{runs[done].repeat}: "):
+            if after_run is not None:
+                after_run(done)
+            done += 1
 
 
 # ---------------------------------------------------------------------------- output

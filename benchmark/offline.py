@@ -16,16 +16,28 @@ the median over both sessions (the slower middle run for an even count), so a ma
 speed drifts during the invocation favours neither side (--no-bracket: once, first). Prints a Markdown
 table and writes a PNG and a JSON under benchmark/out/. Figures only: nothing is asserted.
 
+With --contention N every engine (minisgl, HF, vLLM) runs its timed runs quiet and then again
+with N busy-loop processes spinning on the last N CPUs (benchmark/contention.py), on ids of
+their own (the same for every engine, so that minisgl's radix cache cannot serve them from the
+quiet runs). The loops spin during the contended timed runs only, never during loading or
+warm-ups; for vLLM, which runs everything in one subprocess, they wait stopped (SIGSTOP) and
+are let go when its last quiet run of a shape reports its end. minisgl's contended runs are
+bracketed like its quiet ones. A second table gives each engine's quiet and contended wall
+time, its slowdown (contended / quiet) and minisgl's speed against it, quiet and contended;
+the JSON marks contended runs with `contention: N`.
+
     python benchmark/offline.py                      # W1 on the default model (SmolLM2-135M)
     python benchmark/offline.py --workload W1,W2 --peer vllm --repeat 3
     python benchmark/offline.py --model qwen3-0.6b-random --decode-batch-sizes 1,8,32
     python benchmark/offline.py --quick              # a smoke test, < 1 minute
+    python benchmark/offline.py --peer vllm --contention 1   # W1, quiet and one CPU busy
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +73,14 @@ from common import (  # noqa: E402
     stamp,
     total_kv_tokens,
 )
+from contention import BusyLoops, add_contention_option, check_contention, slowdown  # noqa: E402
 
 from minisgl.llm.llm import parse_dtype  # noqa: E402
 
 DECODE_INPUT_LEN = 16
 DECODE_OUTPUT_LEN = 128
+# Name prefix of the vLLM peer's contended runs (its results come back by run name).
+CONTENDED = "contended:"
 
 
 @dataclass(frozen=True)
@@ -171,8 +186,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run minisgl once, first (default: also again after HF / vLLM, median of both)",
     )
+    add_contention_option(p, "run every engine's timed runs")
     add_run_options(p)
-    return parse_run_args(p, argv)
+    args = parse_run_args(p, argv)
+    check_contention(p, args.contention)
+    if args.contention and args.decode_batch_sizes:
+        p.error("--contention measures the throughput workloads, not --decode-batch-sizes")
+    return args
 
 
 def pick_shapes(args: argparse.Namespace) -> list[Shape]:
@@ -209,22 +229,52 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def contended_phases(shape: Shape, tokens: TokenSource, repeat: int) -> Phases:
+    """A contended run's workload: the shape's, on ids of its own."""
+    return shape.phases(tokens, "contended", repeat)
+
+
+def describe_walls(runs: list[RunResult]) -> str:
+    """`3.31, 3.35 s` or, with contended runs, `3.31 s quiet, 7.02 s with 1 busy`."""
+    parts = []
+    for level in sorted({r.contention for r in runs}):
+        walls = ", ".join(f"{r.wall_s:.2f}" for r in runs if r.contention == level)
+        parts.append(f"{walls} s" + (f" with {level} busy" if level else ""))
+    return parts[0] if len(parts) == 1 else f"{parts[0]} quiet, " + ", ".join(parts[1:])
+
+
 def timed_runs(
     runner: MinisglRunner | HFRunner,
     shapes: list[Shape],
     tokens: TokenSource,
     args: argparse.Namespace,
 ) -> list[list[RunResult]]:
-    """Warm up, then --repeat timed runs per shape."""
+    """Warm up, then --repeat timed runs per shape; with --contention N as many again with N
+    busy loops spinning (those runs marked with `contention`)."""
     per_shape = []
     for shape in shapes:
         runner.run(shape.warmup(tokens, args.full_warmup), "warmup")
         runs = [runner.run(shape.phases(tokens, r), shape.describe()) for r in range(args.repeat)]
+        if args.contention:
+            with BusyLoops(args.contention):
+                contended = [
+                    runner.run(contended_phases(shape, tokens, r), shape.describe())
+                    for r in range(args.repeat)
+                ]
+            for run in contended:
+                run.contention = args.contention
+            runs += contended
         for run in runs:
             run.extra.pop("outputs", None)
-        log(f"  {runner.name} {shape.describe()}: {', '.join(f'{r.wall_s:.2f}' for r in runs)} s")
+        log(f"  {runner.name} {shape.describe()}: {describe_walls(runs)}")
         per_shape.append(runs)
     return per_shape
+
+
+def medians(runs: list[RunResult], upper: bool = False) -> list[RunResult]:
+    """The median run of each contention level among `runs`, quiet first."""
+    levels = sorted({r.contention for r in runs})
+    return [median_run([r for r in runs if r.contention == level], upper) for level in levels]
 
 
 def run_engine(
@@ -233,35 +283,52 @@ def run_engine(
     tokens: TokenSource,
     args: argparse.Namespace,
 ) -> list[RunResult]:
-    """Warm up, then the median of --repeat timed runs per shape."""
-    return [median_run(runs) for runs in timed_runs(runner, shapes, tokens, args)]
+    """Warm up, then the median of --repeat timed runs per shape (and contention level)."""
+    return [m for runs in timed_runs(runner, shapes, tokens, args) for m in medians(runs)]
 
 
 def run_vllm(
     model: Path, shapes: list[Shape], tokens: TokenSource, args: argparse.Namespace
 ) -> list[RunResult]:
-    runs = [
-        PeerRun(shape.describe(), shape.phases(tokens, r), r)
-        for shape in shapes
-        for r in range(args.repeat)
-    ]
+    runs = []
+    for shape in shapes:
+        runs += [PeerRun(shape.describe(), shape.phases(tokens, r), r) for r in range(args.repeat)]
+        if args.contention:
+            runs += [
+                PeerRun(CONTENDED + shape.describe(), contended_phases(shape, tokens, r), r)
+                for r in range(args.repeat)
+            ]
     # Every shape's warm-up, one after the other (a phase list runs in order).
     warmup = [phase for s in shapes for phase in s.warmup(tokens, args.full_warmup)]
     longest = max(max_seq_len(run.phases) for run in runs)
-    results = run_vllm_peer(
-        model,
-        args.dtype,
-        runs,
-        warmup,
-        max_model_len=max(1024, longest),
-        enable_prefix_caching=False,
-        kv_gb=args.vllm_kv_gb,
-        threads=args.threads,
-        log=log,
-    )
+    # Stopped through the peer's start-up and warm-up: its first run is a quiet one.
+    busy = BusyLoops(args.contention, paused=True) if args.contention else None
+
+    def spin_for_next(done: int) -> None:
+        """Run `done` has ended: spin while the next one runs if it is a contended one."""
+        assert busy is not None
+        busy.set_spinning(done + 1 < len(runs) and runs[done + 1].name.startswith(CONTENDED))
+
+    with busy or nullcontext():
+        results = run_vllm_peer(
+            model,
+            args.dtype,
+            runs,
+            warmup,
+            max_model_len=max(1024, longest),
+            enable_prefix_caching=False,
+            kv_gb=args.vllm_kv_gb,
+            threads=args.threads,
+            log=log,
+            after_run=spin_for_next if busy else None,
+        )
     if results is None:
         return []
-    return [median_run([r for r in results if r.workload == s.describe()]) for s in shapes]
+    for r in results:
+        if r.workload.startswith(CONTENDED):
+            r.workload = r.workload.removeprefix(CONTENDED)
+            r.contention = args.contention
+    return [m for s in shapes for m in medians([r for r in results if r.workload == s.describe()])]
 
 
 def run_all(
@@ -300,8 +367,8 @@ def run_all(
         log("minisgl: again, after the others (the machine's speed drifts)")
         ours = [first + again for first, again in zip(ours, minisgl_session())]
         # An even count of runs: the slower middle one, never the flattering one.
-        return [median_run(runs, upper=True) for runs in ours] + results
-    return [median_run(runs) for runs in ours] + results
+        return [m for runs in ours for m in medians(runs, upper=True)] + results
+    return [m for runs in ours for m in medians(runs)] + results
 
 
 def report_throughput(
@@ -312,10 +379,11 @@ def report_throughput(
     machine: Machine,
 ) -> None:
     rows = []
+    quiet = [r for r in results if not r.contention]
     for shape in shapes:
         name = shape.describe()
-        ours = next(r for r in results if r.workload == name and r.engine == "minisgl")
-        for r in (r for r in results if r.workload == name):
+        ours = next(r for r in quiet if r.workload == name and r.engine == "minisgl")
+        for r in (r for r in quiet if r.workload == name):
             ratio = ours.output_tps / r.output_tps
             rows.append(
                 [
@@ -340,7 +408,7 @@ def report_throughput(
     print(format_table(headers, rows))
     cost = model_cost(model, parse_dtype(args.dtype))
     for shape in shapes:
-        ours = next(r for r in results if r.workload == shape.describe() and r.engine == "minisgl")
+        ours = next(r for r in quiet if r.workload == shape.describe() and r.engine == "minisgl")
         # Prompt tokens served from the prefix cache pass no matmul.
         computed = ours.prompt_tokens - ours.cached_tokens
         floor = cost.matmul_seconds(computed, shape.num_prompts, ours.output_tokens, machine)
@@ -349,25 +417,64 @@ def report_throughput(
             f"{machine.matmul_tflops:.2f} TFLOP/s ({machine.source}); minisgl's wall time is "
             f"{ours.wall_s / floor:.2f}x that"
         )
+    if len(quiet) < len(results):
+        report_contention(results, shapes)
     for r in results:
         if r.cached_tokens:
             print(
                 f"note: {r.engine} served {r.cached_tokens} prompt tokens of {r.workload} from cache"
+                + (f" ({r.contention} busy)" if r.contention else "")
             )
-    engines = list(dict.fromkeys(r.engine for r in results))
+
+    def series_name(r: RunResult) -> str:
+        return r.engine + (f", {r.contention} busy" if r.contention else "")
+
     groups = [s.describe() for s in shapes]
     series = {
         e: [
-            next((r.output_tps for r in results if r.engine == e and r.workload == g), None)
+            next((r.output_tps for r in results if series_name(r) == e and r.workload == g), None)
             for g in groups
         ]
-        for e in engines
+        for e in dict.fromkeys(series_name(r) for r in results)
     }
     png = args.out / f"offline-{model_label(model)}-{stamp()}.png"
     title = f"{model_label(model)} {args.dtype}: output tok/s (higher is better)"
     if bar_chart(png, title, [Panel(groups, series, "output tokens / s")]):
         print(f"plot: {png}")
     save_json(png.with_suffix(".json"), [r.to_json() for r in results])
+
+
+def report_contention(results: list[RunResult], shapes: list[Shape]) -> None:
+    """Per workload and engine: quiet and contended wall time, slowdown, minisgl against it."""
+    rows = []
+    for shape in shapes:
+        # engine -> (quiet run, contended run)
+        pairs: dict[str, list[RunResult | None]] = {}
+        for r in (r for r in results if r.workload == shape.describe()):
+            pairs.setdefault(r.engine, [None, None])[bool(r.contention)] = r
+        ours = pairs["minisgl"]
+        for engine, runs in pairs.items():
+            walls = [None if r is None else r.wall_s for r in runs]
+            # minisgl's output tok/s over this engine's, quiet and contended.
+            speedups = [
+                None
+                if mine is None or theirs is None
+                else f"{mine.output_tps / theirs.output_tps:.2f}x"
+                for mine, theirs in zip(ours, runs)
+            ]
+            rows.append([shape.describe(), engine, *walls, slowdown(*walls), *speedups])
+    level = max(r.contention for r in results)
+    headers = [
+        "workload",
+        "engine",
+        "quiet s",
+        f"{level} busy s",
+        "slowdown",
+        "minisgl/this quiet",
+        f"minisgl/this {level} busy",
+    ]
+    print(f"contention: {BusyLoops(level).describe()} during each engine's contended runs")
+    print(format_table(headers, rows))
 
 
 def report_decode(

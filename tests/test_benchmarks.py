@@ -1,34 +1,120 @@
-"""The benchmark scripts still run against the engine (a smoke run; speed is not checked)."""
+"""The benchmark scripts still run against the engine (a smoke run; speed is not checked), and
+benchmark/contention.py's busy loops start pinned, pause, and never outlive their owner."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmark"))
+
+from contention import BusyLoops  # noqa: E402
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def proc_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, T, Z...), None once it is reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def settle(pid: int, wanted: tuple[str | None, ...], deadline_s: float = 10.0) -> str | None:
+    """The process's state once it is one of `wanted` (signals land asynchronously), or the
+    last state seen when the deadline passes."""
+    end = time.monotonic() + deadline_s
+    state = proc_state(pid)
+    while state not in wanted and time.monotonic() < end:
+        time.sleep(0.01)
+        state = proc_state(pid)
+    return state
 
 
 def test_offline_benchmark_quick_run(tmp_path: Path) -> None:
     env = {**os.environ, "MINISGL_LOG_LEVEL": "WARNING"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmark" / "offline.py"),
-            "--quick",
-            "--skip-hf",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    )
-    row = next(line for line in result.stdout.splitlines() if "| minisgl |" in line)
+    # With a second CPU, a contended pass too (1 busy loop beside the engine).
+    contention = ["--contention", "1"] if len(CPUS) > 1 else []
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmark" / "offline.py"),
+        "--quick",
+        "--skip-hf",
+        *contention,
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    row = next(line for line in stdout.splitlines() if "| minisgl |" in line)
     out_tok_s = float(row.split("|")[3].replace(",", ""))
     assert out_tok_s > 0
     assert not re.search(r"\|\s*\d+\s*\|\s*$", row), f"requests of the wrong length: {row}"
+    if contention:
+        table = stdout.split(f"contention: 1 busy-loop process on CPU {CPUS[-1]}")[1]
+        cells = next(line for line in table.splitlines() if "| minisgl |" in line).split("|")
+        quiet_s, busy_s, slowdown = float(cells[3]), float(cells[4]), cells[5].strip()
+        assert quiet_s > 0 and busy_s > 0 and float(slowdown.removesuffix("x")) > 0
+        # None of its spinners outlives the benchmark (their argv names their parent).
+        leftover = subprocess.run(
+            ["pgrep", "-f", f"contention.py --spin [0-9]+ {proc.pid}$"], capture_output=True
+        )
+        assert leftover.stdout == b""
+
+
+def test_busy_loops_pin_pause_and_stop() -> None:
+    with pytest.raises(ValueError, match=f"busy-loop count {len(CPUS)}"):
+        BusyLoops(len(CPUS))  # the engine must keep a CPU
+    if len(CPUS) < 2:
+        return  # nothing else can be taken from a single CPU
+    with BusyLoops(1) as busy:
+        (proc,) = busy.procs
+        assert busy.cpus == [CPUS[-1]]
+        assert os.sched_getaffinity(proc.pid) == {CPUS[-1]}
+        assert settle(proc.pid, ("R",)) == "R"  # spinning, never sleeping
+        busy.pause()
+        assert settle(proc.pid, ("T",)) == "T"
+        busy.resume()
+        assert settle(proc.pid, ("R",)) == "R"
+    assert proc_state(proc.pid) is None  # killed and reaped
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_busy_loops_die_with_their_owner(paused: bool) -> None:
+    """SIGKILL of the process that started them (no cleanup runs) takes the spinners along,
+    stopped ones too."""
+    if len(CPUS) < 2:
+        return  # BusyLoops(1) is rejected on one CPU (checked above)
+    owner = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT / "benchmark")!r})
+        from contention import BusyLoops
+        busy = BusyLoops(1, paused={paused}).__enter__()
+        print(busy.procs[0].pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        spinner = int(proc.stdout.readline())
+        state = "T" if paused else "R"
+        assert settle(spinner, (state,)) == state
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # A zombie is dead: the process that adopted it has yet to reap it.
+    assert settle(spinner, (None, "Z")) in (None, "Z")
