@@ -22,10 +22,17 @@ offline step measured just before and after it (the median over both, the faster
 for an even count, so drift never flatters the server), and the median of those ratios is
 printed (issue 6, acceptance 4). Figures only: nothing is asserted.
 
+With --contention N the --rounds quiet rounds are followed by as many rounds (fresh prompts)
+with N busy-loop processes spinning on the last N CPUs of this process's affinity set
+(benchmark/contention.py); the loops run during those rounds only (the server's start-up and
+the warm-up are quiet). It prints their latency table too and a table of TTFT, TPOT, ITL, E2E
+and throughput quiet against contended, with the ratio; the JSON holds both.
+
     python benchmark/serving.py --quick                      # smoke test, < 1 minute
     python benchmark/serving.py --max-concurrency 8 --num-prompts 32 --compare-offline
     python benchmark/serving.py --request-rate 4             # Poisson arrivals, 4 req/s
     python benchmark/serving.py --url http://127.0.0.1:1919  # a server that is running
+    python benchmark/serving.py --max-concurrency 8 --num-prompts 32 --contention 1
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ from common import (  # noqa: E402
     single_phase,
     stamp,
     stop_process_group,
+)
+from contention import (  # noqa: E402
+    BusyLoops,
+    add_contention_option,
+    busy_cpus,
+    check_contention,
+    slowdown_rows,
 )
 
 PERCENTILES = (50, 90, 99)
@@ -149,7 +163,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="smoke test: 8 requests of 32 tokens, 16 new tokens each, < 1 minute",
     )
     p.add_argument("--out", type=Path, default=OUT_DIR, help="where the PNG, JSON and log go")
+    add_contention_option(p, "run the --rounds timed rounds")
     args = p.parse_args(argv)
+    check_contention(p, args.contention)
+    if args.contention and args.compare_offline:
+        p.error("--contention and --compare-offline: run them separately")
     # --quick only changes what the user did not set.
     quick = (8, 32, 16) if args.quick else (64, 128, 64)
     for name, default in zip(("num_prompts", "input_len", "output_len"), quick):
@@ -668,19 +686,72 @@ def timed_run(
     args: argparse.Namespace,
     headers: dict[str, str],
     round_index: int,
+    contended: bool = False,
 ) -> tuple[list[RequestResult], float]:
-    """One timed run of the load (fresh prompts each round); (results, wall s)."""
-    stream = () if round_index == 0 else (round_index,)
+    """One timed run of the load (fresh prompts each round, contended or not); (results, wall s)."""
+    stream: tuple[int | str, ...] = () if round_index == 0 else (round_index,)
+    if contended:
+        stream = ("contended", round_index)
     rng = tokens.rng("serving", args.num_prompts, args.input_len, *stream)
     prompts = [tokens.draw(rng, args.input_len) for _ in range(args.num_prompts)]
     offsets = arrival_offsets(args.num_prompts, args.request_rate, tokens.rng("arrivals", *stream))
-    label = f"timed run {round_index + 1}/{args.rounds}" if args.rounds > 1 else "timed run"
+    label = "contended run" if contended else "timed run"
+    if args.rounds > 1:
+        label += f" {round_index + 1}/{args.rounds}"
     log(f"{label}: {describe_load(args)}")
     results, wall = run_async(
         run_load(url, model_name, prompts, args.output_len, offsets, args.max_concurrency, headers)
     )
     log(f"{label}: {wall:.2f} s")
     return results, wall
+
+
+def contention_table(quiet: Summary, busy: Summary, level: int) -> str:
+    """Latencies and throughput quiet against contended, with the ratio."""
+    metrics = [
+        (
+            f"{metric} {'mean' if q is None else f'p{q}'} ms",
+            quiet.stat(metric, q),
+            busy.stat(metric, q),
+        )
+        for metric, q in (
+            ("TTFT", 50),
+            ("TPOT", 50),
+            ("TPOT", None),
+            ("ITL", 50),
+            ("ITL", 90),
+            ("E2E", 50),
+        )
+    ]
+    metrics += [
+        ("output tok/s", quiet.output_throughput, busy.output_throughput),
+        ("requests/s", quiet.request_throughput, busy.request_throughput),
+    ]
+    headers = ["metric", "quiet", f"{level} busy", "contended / quiet"]
+    return format_table(headers, slowdown_rows(metrics))
+
+
+def describe_summary(summary: Summary) -> str:
+    """Completed and failed requests, throughput, mean in flight, chunks: one line."""
+    return (
+        f"requests: {summary.completed} done, {summary.failed} failed in {summary.wall_s:.2f} s; "
+        f"{summary.request_throughput:.2f} req/s; output {summary.output_throughput:,.1f} tok/s, "
+        f"total {summary.total_throughput:,.1f} tok/s; mean in flight "
+        f"{summary.mean_in_flight:.1f}; {summary.output_tokens} output tokens in "
+        f"{summary.chunks} text chunks"
+    ) + (f"\nfirst error: {summary.first_error}" if summary.first_error else "")
+
+
+def summary_json(summary: Summary) -> dict[str, Any]:
+    """A summary's counts, throughput and latency statistics (not its samples)."""
+    return {k: v for k, v in asdict(summary).items() if k != "samples_ms"} | {
+        "request_throughput": summary.request_throughput,
+        "output_throughput": summary.output_throughput,
+        "stats_ms": {
+            m: {"mean": summary.stat(m)} | {f"p{q}": summary.stat(m, q) for q in PERCENTILES}
+            for m in summary.samples_ms
+        },
+    }
 
 
 def offline_comparison(
@@ -744,6 +815,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare_offline and args.url is None:
         measure_offline(0, "before the server")
     runs: list[tuple[list[RequestResult], float]] = []
+    contended_runs: list[tuple[list[RequestResult], float]] = []
     try:
         if args.url is None:
             assert model is not None
@@ -772,6 +844,13 @@ def main(argv: list[str] | None = None) -> None:
             if args.compare_offline and k + 1 < args.rounds:
                 # The machine's speed drifts over minutes: each round gets its own neighbours.
                 measure_offline(k + 1, "between rounds (the server idles)")
+        if args.contention:
+            with BusyLoops(args.contention) as busy:
+                log(f"contention: {busy.describe()}")
+                for k in range(args.rounds):
+                    contended_runs.append(
+                        timed_run(url, model_name, tokens, args, headers, k, contended=True)
+                    )
     except (RuntimeError, httpx.HTTPError) as exc:  # the server failed: say why, no traceback
         sys.exit(f"error: {exc}")
     finally:
@@ -790,15 +869,15 @@ def main(argv: list[str] | None = None) -> None:
     all_results = [r for results, _ in runs for r in results]
     summary = summarize(all_results, sum(wall for _, wall in runs), tokenizer)
     print(latency_table(summary))
-    print(
-        f"requests: {summary.completed} done, {summary.failed} failed in {summary.wall_s:.2f} s; "
-        f"{summary.request_throughput:.2f} req/s; output {summary.output_throughput:,.1f} tok/s, "
-        f"total {summary.total_throughput:,.1f} tok/s; mean in flight "
-        f"{summary.mean_in_flight:.1f}; {summary.output_tokens} output tokens in "
-        f"{summary.chunks} text chunks"
-    )
-    if summary.first_error:
-        print(f"first error: {summary.first_error}")
+    print(describe_summary(summary))
+    busy_results = [r for results, _ in contended_runs for r in results]
+    busy_summary = None
+    if contended_runs:
+        busy_summary = summarize(busy_results, sum(wall for _, wall in contended_runs), tokenizer)
+        print(f"\n## contended: {BusyLoops(args.contention).describe()}")
+        print(latency_table(busy_summary))
+        print(describe_summary(busy_summary))
+        print(contention_table(summary, busy_summary, args.contention))
 
     offline: OfflineStep | None = None
     ratio: float | None = None
@@ -825,21 +904,25 @@ def main(argv: list[str] | None = None) -> None:
         png.with_suffix(".json"),
         {
             "args": {k: str(v) for k, v in vars(args).items()},
-            "summary": {k: v for k, v in asdict(summary).items() if k != "samples_ms"}
-            | {
-                "request_throughput": summary.request_throughput,
-                "output_throughput": summary.output_throughput,
-                "stats_ms": {
-                    m: {"mean": summary.stat(m)}
-                    | {f"p{q}": summary.stat(m, q) for q in PERCENTILES}
-                    for m in summary.samples_ms
-                },
-            },
+            "summary": summary_json(summary),
             "rounds_tpot_p50_ms": [s.stat("TPOT", 50) for s in summaries],
             "offline": None if offline is None else asdict(offline),
             "offline_by_position": {str(i): asdict(step) for i, step in offline_at.items()},
             "tpot_p50_over_step": ratio,
             "requests": [asdict(r) for r in all_results],
+            # The rounds with busy loops spinning on `cpus` (None without --contention).
+            "contended": None
+            if busy_summary is None
+            else {
+                "contention": args.contention,
+                "cpus": busy_cpus(args.contention),
+                "summary": summary_json(busy_summary),
+                "rounds_tpot_p50_ms": [
+                    summarize(results, wall, tokenizer).stat("TPOT", 50)
+                    for results, wall in contended_runs
+                ],
+                "requests": [asdict(r) for r in busy_results],
+            },
         },
     )
 
