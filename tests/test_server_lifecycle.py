@@ -125,8 +125,10 @@ def test_zz_engine_failure_ends_open_requests_and_exits(faulty):
     """Runs last on this server: the scheduler process raises outside any request's handling
     (the "crash" fault site) while a stream is open."""
     children = psutil.Process(faulty.proc.pid).children(recursive=True)
+    # 16 samples of 1,000 tokens: seconds of work, so the stream is still open when the crash
+    # request gets through (one sample of the tiny model once finished first).
     long = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
-    stream = Stream(faulty.url, long)
+    stream = Stream(faulty.url, {**long, "n": 16, "temperature": 1.0})
     stream.start()
     assert stream.started.wait(60)
     r = httpx.post(f"{faulty.url}/v1/completions", json={**long, "stop": ["@@crash@@"]}, timeout=60)

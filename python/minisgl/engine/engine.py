@@ -17,6 +17,7 @@ from minisgl.utils import div_ceil, init_logger
 from minisgl.utils.memory import keep_freed_memory
 
 from .config import EngineConfig
+from .cpu_threads import CpuThreads
 from .sample import SampleArgs, Sampler
 
 logger = init_logger(__name__)
@@ -51,13 +52,6 @@ class ForwardOutput:
         return self
 
 
-def configure_cpu_threads() -> int:
-    """Use one thread per available core unless MINISGL_NUM_THREADS says otherwise."""
-    threads = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    return threads
-
-
 def flag_non_finite(
     logits: torch.Tensor, sampled: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +69,12 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
+        self.cpu_threads: CpuThreads | None = None
         if self.device.type == "cpu":
-            configure_cpu_threads()
+            # At most one thread per available core (MINISGL_NUM_THREADS: at most that many),
+            # fewer while other processes keep cores busy (MINISGL_ADAPTIVE_THREADS=0: never).
+            max_threads = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
+            self.cpu_threads = CpuThreads(max_threads, adaptive=ENV.ADAPTIVE_THREADS.value)
             keep_freed_memory()
         self.model_config = load_model_config(config.model_path)
         model_max = self.model_config.max_position_embeddings
@@ -154,6 +152,8 @@ class Engine:
     def forward(self, forward_input: ForwardInput) -> ForwardOutput:
         """Run the model on the batch, sample, and record the tokens in the token pool."""
         batch = forward_input.batch
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
         set_global_ctx(self.ctx)  # several engines may live in one process (tests, benchmarks)
         self.ctx.set_batch(batch)
         try:

@@ -42,8 +42,26 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "MAX_INTERMEDIATE", "MAX_NORM_HIDDEN"]
 __all__ += ["CpuKernels", "DecodeLayerParams", "DecodeModelParams", "cpu_kernels", "kernels_for"]
+__all__ += ["NO_CAP", "kernel_threads", "set_thread_cap"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# At most this many threads per C kernel call, whatever torch's count in the calling thread. The
+# engine's thread governor sets it from its sampling thread, so a step already running takes
+# fewer threads from its next kernel on when a core turns busy (torch's own count, a per-thread
+# OpenMP setting, only changes between steps).
+NO_CAP = 1 << 30
+_thread_cap = NO_CAP
+
+
+def set_thread_cap(threads: int) -> None:
+    """Cap the threads of every later C kernel call (any int >= 1)."""
+    global _thread_cap
+    _thread_cap = max(1, threads)
+
+
+def kernel_threads() -> int:
+    """Threads a C kernel call runs on: torch's count, capped by `set_thread_cap`."""
+    return min(torch.get_num_threads(), _thread_cap)
 
 
 # The machine's own build (tests/test_kernel_build.py builds it directly).
@@ -90,7 +108,7 @@ class CpuKernels:
             rows,
             weight.shape[0],
             in_features,
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         return out
 
@@ -113,7 +131,7 @@ class CpuKernels:
             f"pack_weight: out of {packed.numel()} {packed.dtype} elements for {elems} bfloat16",
         )
         self.lib.minisgl_pack_weight(
-            weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads()
+            weight.data_ptr(), packed.data_ptr(), out_features, in_features, kernel_threads()
         )
         return packed
 
@@ -159,7 +177,7 @@ class CpuKernels:
             in_features,
             int(float_out),
             int(self.has_amx and tiles),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("packed_linear", status)
         return out
@@ -190,7 +208,7 @@ class CpuKernels:
             inter,
             in_features,
             int(self.has_amx and tiles),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("packed_gated_silu", status)
         return out
@@ -210,7 +228,7 @@ class CpuKernels:
             ids.numel(),
             out_features,
             in_features,
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         if status != 0:
             bad = ids[(ids < 0) | (ids >= out_features)]
@@ -274,7 +292,7 @@ class CpuKernels:
             scale,
             window or 0,
             _DTYPE_CODES[q.dtype],
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         if status != OK:
             check_heads("decode_attention", num_heads, k_cache.shape[1], head_dim)
@@ -326,7 +344,7 @@ class CpuKernels:
             head_dim,
             scale,
             int(self.has_amx),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("shared_prefix_attention", status)
         return out, lse
@@ -375,7 +393,7 @@ class CpuKernels:
             scale,
             window or 0,
             int(self.has_amx),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("prefill_attention", status)
         return out
@@ -408,7 +426,7 @@ class CpuKernels:
             hidden,
             eps,
             _DTYPE_CODES[x.dtype],
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         return out, new_residual
 
@@ -425,7 +443,7 @@ class CpuKernels:
             rows,
             width // 2,
             _DTYPE_CODES[gate_up.dtype],
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         return out
 
@@ -441,7 +459,7 @@ class CpuKernels:
             x.shape[0],
             x.shape[1],
             _DTYPE_CODES[x.dtype],
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         return indices
 
@@ -475,7 +493,7 @@ class CpuKernels:
             tokens.data_ptr(),
             rows,
             cols,
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         return tokens
 
@@ -494,7 +512,7 @@ class CpuKernels:
             k,
             values.data_ptr(),
             indices.data_ptr(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("top_candidates", status)
         return values, indices
@@ -529,7 +547,7 @@ class CpuKernels:
             sin.data_ptr(),
             cos.shape[0],
             _DTYPE_CODES[x.dtype],
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("rotary", status, positions, cos.shape[0])
 
@@ -593,7 +611,7 @@ class CpuKernels:
             1.0 / math.sqrt(k_cache.shape[2]),
             window or 0,
             _DTYPE_CODES[qkv.dtype],
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("decode_attention_block", status, positions, rope_tables[0].shape[0])
         return out
@@ -637,7 +655,7 @@ class CpuKernels:
             1.0 / math.sqrt(k_cache.shape[2]),
             window or 0,
             int(self.has_amx),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("prefill_attention_block", status, positions, rope_tables[0].shape[0])
         return out
@@ -675,7 +693,7 @@ class CpuKernels:
             rows.data_ptr(),
             kv_lens.data_ptr(),
             out_loc.data_ptr(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("decode_layers", status, positions, model.max_positions)
         return out, residual
@@ -704,7 +722,7 @@ class CpuKernels:
             x.shape[0],
             positions.data_ptr(),
             out_loc.data_ptr(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("decode_layer_begin", status, positions, model.max_positions)
         return new_residual
@@ -745,7 +763,7 @@ class CpuKernels:
             None if starts is None else starts.data_ptr(),
             None if prefix_out is None else prefix_out.data_ptr(),
             None if prefix_lse is None else prefix_lse.data_ptr(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         check_status("decode_layer_end", status)
         return out, residual

@@ -357,3 +357,5 @@ class Scheduler:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.engine.cpu_threads is not None:
+            self.engine.cpu_threads.close()
