@@ -22,3 +22,16 @@ from minisgl.kernel import cpu as cpu_mod
 def test_cpu_kernels_build_on_x86_64_linux_with_gcc():
     cpu_mod._build()  # raises with the compiler's message on an error
     assert cpu_mod.cpu_kernels() is not None
+
+
+def test_cpu_target_names_a_build_target():
+    """MINISGL_CPU_TARGET picks the kernels' instruction set: native, or a kernel.build.TARGETS
+    name this CPU runs; any other name is refused naming the choices."""
+    from minisgl.kernel.build import NATIVE_FLAGS, TARGETS, can_run
+
+    assert cpu_mod.target_flags("native") == NATIVE_FLAGS
+    portable = next(t for t in TARGETS if t.name == "x86-64")
+    if can_run(portable):
+        assert cpu_mod.target_flags("x86-64") == portable.flags
+    with pytest.raises(ValueError, match="MINISGL_CPU_TARGET='avx9'.*x86-64-v3"):
+        cpu_mod.target_flags("avx9")

@@ -36,7 +36,7 @@ from minisgl.kernel.abi import (
     raise_not_contiguous,
     require,
 )
-from minisgl.kernel.build import build_library
+from minisgl.kernel.build import NATIVE_FLAGS, TARGETS, build_library, can_run
 
 logger = logging.getLogger(__name__)
 
@@ -781,10 +781,23 @@ def cpu_kernels() -> CpuKernels | None:
         logger.warning("CPU kernels: gcc not found; using the PyTorch fallbacks")
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build())))
+        return CpuKernels(ctypes.CDLL(str(_build(target_flags(ENV.CPU_TARGET.value)))))
     except (OSError, RuntimeError) as exc:
         logger.warning("CPU kernels unavailable, using the PyTorch fallbacks: %s", exc)
         return None
+
+
+def target_flags(name: str) -> tuple[str, ...]:
+    """gcc's target flags for MINISGL_CPU_TARGET: "native", or a build.TARGETS name this CPU runs."""
+    if name == "native":
+        return NATIVE_FLAGS
+    target = next((t for t in TARGETS if t.name == name), None)
+    if target is None:
+        names = ["native", *(t.name for t in TARGETS)]
+        raise ValueError(f"MINISGL_CPU_TARGET={name!r}: choose one of {names}")
+    if not can_run(target):
+        raise RuntimeError(f"MINISGL_CPU_TARGET={name!r}: this CPU cannot run that build")
+    return target.flags
 
 
 def kernels_for(x: torch.Tensor) -> CpuKernels | None:

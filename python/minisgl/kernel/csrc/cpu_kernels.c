@@ -657,28 +657,32 @@ static int packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bi
 #pragma omp parallel num_threads(nthreads)
         {
             amx_configure();
-            const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
-            const int64_t tiles = mpad / 16;  // this thread's share of whole 16-row tiles
-            const int64_t r0 = tiles * me / workers * 16, r1 = tiles * (me + 1) / workers * 16;
             // Long k (1,024 and up) in chunks that keep x's rows in L1; short k whole, block
             // by block (chunking it measured 2% slower there, 7% faster on Qwen3's shapes).
+            const int k_chunked = ksteps >= 4 * AMX_KCHUNK;
             float(*acc)[4][16][16] = NULL;
-            if (ksteps >= 4 * AMX_KCHUNK)
-                acc = (float(*)[4][16][16])kernel_alloc((size_t)panel * sizeof(*acc));
-            if (acc) {
-                for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
-                    for (int64_t m = r0; m < r1; m += 32)
-                        amx_panel_slice(a, ldx, packed, block_elems, bias, y, M, N, ksteps, m,
-                                        m + 32 < r1 ? m + 32 : r1, p0,
-                                        p0 + panel < nblocks ? p0 + panel : nblocks, epilogue,
-                                        m == r0, acc);
-            } else {
-                for (int64_t p0 = 0; p0 < nblocks; p0 += panel)
-                    for (int64_t m = r0; m < r1; m += AMX_PANEL_ROWS)
-                        for (int64_t nb = p0; nb < p0 + panel && nb < nblocks; nb++)
-                            amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m,
-                                     m + AMX_PANEL_ROWS < r1 ? m + AMX_PANEL_ROWS : r1,
-                                     nb * AMX_NBLOCK, epilogue);
+            if (k_chunked) acc = (float(*)[4][16][16])kernel_alloc((size_t)panel * sizeof(*acc));
+            // A task is a slice of rows against one panel, panel by panel, claimed one at a
+            // time: a thread slowed by another process takes fewer slices instead of keeping
+            // the other waiting at the end (each thread's own half of the rows, before). The
+            // first slices of a panel stream its weights from memory.
+            const int64_t slice_rows = k_chunked ? 32 : AMX_PANEL_ROWS;
+            const int64_t slices = (mpad + slice_rows - 1) / slice_rows;
+            const int64_t panels = (nblocks + panel - 1) / panel;
+            const int64_t workers = omp_get_num_threads();
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < panels * slices; task++) {
+                const int64_t p0 = task / slices * panel, slice = task % slices;
+                const int64_t p1 = p0 + panel < nblocks ? p0 + panel : nblocks;
+                const int64_t m = slice * slice_rows;
+                const int64_t m_end = m + slice_rows < mpad ? m + slice_rows : mpad;
+                if (acc)
+                    amx_panel_slice(a, ldx, packed, block_elems, bias, y, M, N, ksteps, m, m_end,
+                                    p0, p1, epilogue, slice < workers, acc);
+                else  // short k, or no memory for the sums: block by block
+                    for (int64_t nb = p0; nb < p1; nb++)
+                        amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m,
+                                 m_end, nb * AMX_NBLOCK, epilogue);
             }
             free(acc);
             _tile_release();
@@ -708,15 +712,18 @@ static int packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bi
 #pragma omp parallel num_threads(nthreads)
         {
             amx_configure();
-            // Consecutive tasks share a column block, so a thread's later row groups find its
-            // weights in cache.
-#pragma omp for schedule(static)
-            for (int64_t task = 0; task < nblocks * mgroups; task++) {
-                int64_t nb = task / mgroups, g = task % mgroups;
-                int64_t m0 = g * AMX_MGROUP, m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
-                amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
-                         nb * AMX_NBLOCK, epilogue);
-            }
+            // A task is a column block and all its row groups (so its weights are read once,
+            // then found in cache), claimed guided: a thread that the OS or another process
+            // slows takes fewer blocks. Static halves measured 10-15% slower at 32-64 rows on
+            // a 2-core VM (the other thread waited at the barrier), level at 128.
+#pragma omp for schedule(guided)
+            for (int64_t nb = 0; nb < nblocks; nb++)
+                for (int64_t g = 0; g < mgroups; g++) {
+                    int64_t m0 = g * AMX_MGROUP;
+                    int64_t m1 = m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad;
+                    amx_task(a, ldx, packed + nb * block_elems, bias, y, M, N, ksteps, m0, m1,
+                             nb * AMX_NBLOCK, epilogue);
+                }
             _tile_release();
         }
     }
@@ -837,6 +844,7 @@ static inline __m512 exp512(__m512 x) {
 // gcc 12 deems a helper that only prefetches side-effect free and deletes its calls.
 #define ATTN_PREFETCH 4
 #define ATTN_LOOKAHEAD 16
+#define ATTN_RUNS_PER_THREAD 4
 
 // The positions a thread reads after a range (the next request's), for the lookahead.
 typedef struct {
@@ -1253,23 +1261,25 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
         return MINISGL_OK;
     }
     // Otherwise a task is a whole request (each position's rows are read once for all its
-    // heads), and each thread takes a contiguous run of requests holding an equal share of the
-    // positions: one sweep along the slots when requests' slots follow each other.
-#pragma omp parallel num_threads(nthreads)
-    {
-        int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t total = 0, done = 0, lo = num_reqs, hi = num_reqs;
-        for (int64_t b = 0; b < num_reqs; b++) total += kv_lens[b] - attn_start(&a, b);
-        for (int64_t b = 0; b < num_reqs; b++) {
-            int64_t owner = total > 0 ? done * workers / total : 0;  // where b's work begins
-            if (owner == me && lo == num_reqs) lo = b;
-            if (owner > me) {
-                hi = b;
-                break;
-            }
-            done += kv_lens[b] - attn_start(&a, b);
-        }
-        for (int64_t b = lo; b < hi; b++) {
+    // heads), and a run of consecutive requests holding an equal share of the positions is read
+    // as one sweep along the slots (consecutive when requests' slots follow each other). Runs
+    // are claimed one at a time, ATTN_RUNS_PER_THREAD of them a thread: one per thread left the
+    // other waiting whenever the OS or another process slowed one.
+    int64_t runs = nthreads * ATTN_RUNS_PER_THREAD;
+    runs = runs < num_reqs ? runs : num_reqs;
+    int64_t* run_first = (int64_t*)kernel_alloc((size_t)(runs + 1) * sizeof(int64_t));
+    if (!run_first) return MINISGL_ERR_NOMEM;
+    int64_t total = 0, done = 0;
+    for (int64_t b = 0; b < num_reqs; b++) total += kv_lens[b] - attn_start(&a, b);
+    for (int64_t r = 0, b = 0; r < runs; r++) {  // run r: the requests whose work begins in it
+        while (b < num_reqs && done * runs < r * total) done += kv_lens[b] - attn_start(&a, b++);
+        run_first[r] = b;
+    }
+    run_first[runs] = num_reqs;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < runs; r++) {
+        const int64_t hi = run_first[r + 1];
+        for (int64_t b = run_first[r]; b < hi; b++) {
             attn_next next = {NULL, 0};
             if (b + 1 < hi) {
                 const int64_t next_start = attn_start(&a, b + 1);
@@ -1279,6 +1289,7 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
             attn_task_avx512(&a, b, 0, num_kv_heads, &next);
         }
     }
+    free(run_first);
 #endif
     return MINISGL_OK;
 }
@@ -1679,6 +1690,20 @@ static inline void prefill_tile_bounds(prefill_tile* t, int64_t row0, int64_t ro
 // use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps. Returns MINISGL_OK,
 // MINISGL_ERR_SHAPE (head_dim not a multiple of 32 up to ATTN_MAX_DIM), MINISGL_ERR_NOMEM, or
 // without avx512_bf16 MINISGL_ERR_UNSUPPORTED; nothing written on an error.
+// The first task i (of `tasks`, cumulative costs cost_first[0..tasks]) with
+// cost_first[i] * runs >= target, or `tasks`: where a run of 1 / runs of the cost begins.
+static int64_t first_task_from(const int64_t* cost_first, int64_t tasks, int64_t target,
+                               int64_t runs) {
+    int64_t lo = 0, hi = tasks;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (cost_first[mid] * runs >= target) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+#define PREFILL_RUNS_PER_THREAD 4
 int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                               bf16_t* out, const int32_t* page_table, int64_t table_stride,
                               const int64_t* rows, const int64_t* cached_lens,
@@ -1752,12 +1777,10 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
                                   k_cache, v_cache, at, dim);
         }  // the implicit barrier: every layout is done before any task reads it
         attend_begin(use_tiles);
+        // Tasks go in PREFILL_RUNS_PER_THREAD runs a thread of equal cost, claimed one at a
+        // time (a run per thread left the other waiting whenever one was slowed).
         const int64_t workers = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t total = cost_first[tasks];
-        int64_t first = 0, end = 0;  // tasks whose cost starts in this thread's share
-        while (first < tasks && cost_first[first] * workers < total * me) first++;
-        end = first;
-        while (end < tasks && cost_first[end] * workers < total * (me + 1)) end++;
+        const int64_t total = cost_first[tasks], runs = workers * PREFILL_RUNS_PER_THREAD;
         char* mine = buffer + 8 * kv_words + (size_t)me * thread_bytes;
         float* scores = (float*)mine;
         bf16_t* probs = (bf16_t*)(mine + 16 * max_padded * 4);
@@ -1765,7 +1788,12 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
         float acc[ATTN_MAX_DIM / 16][16][16] __attribute__((aligned(64)));
         float maxes[16], sums[16];
         b = 0;
-        for (int64_t i = first; i < end; i++) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t run = 0; run < runs; run++) {
+          // the tasks whose cost starts in this run's share
+          const int64_t first = first_task_from(cost_first, tasks, total * run, runs);
+          const int64_t end = first_task_from(cost_first, tasks, total * (run + 1), runs);
+          for (int64_t i = first; i < end; i++) {
             while (task_first[b + 1] <= i) b++;
             const int64_t tiles = (task_first[b + 1] - task_first[b]) / num_kv_heads;
             const int64_t h = (i - task_first[b]) / tiles, row0 = (i - task_first[b]) % tiles * 16;
@@ -1786,6 +1814,7 @@ int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16
                                         (__m256i)_mm512_cvtneps_pbh(
                                             _mm512_mul_ps(_mm512_load_ps(acc[d][n]), inv)));
             }
+          }
         }
         attend_end(use_tiles);
     }
