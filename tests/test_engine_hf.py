@@ -70,9 +70,16 @@ def test_default_model_says_paris(dtype: torch.dtype) -> None:
     llm.shutdown()
 
 
-def test_bf16_prefill_top1_agrees_with_hf_fp32() -> None:
+@pytest.mark.parametrize("matmuls", ["native", "float32"])
+def test_bf16_prefill_top1_agrees_with_hf_fp32(matmuls: str, monkeypatch) -> None:
+    """float32: the projections of a CPU where neither the C kernels nor oneDNN multiply bf16
+    (AVX2 only), which multiply the bf16 weights in float32."""
     from minisgl.core import set_global_ctx
+    from minisgl.layers import linear as linear_mod
 
+    if matmuls == "float32":
+        monkeypatch.setattr(linear_mod, "c_matmuls_take", lambda dtype, kernels: False)
+        monkeypatch.setattr(linear_mod, "onednn_packs", lambda dtype: dtype == torch.float32)
     llm = build_llm("smollm2", dtype=torch.bfloat16, cache_type="naive", overlap_schedule=False)
     all_logits = []
     orig = llm._forward
@@ -95,4 +102,6 @@ def test_bf16_prefill_top1_agrees_with_hf_fp32() -> None:
     assert len(ours) == len(want)
     agreement = (ours == want).float().mean().item()
     assert agreement >= 0.95, f"bf16 top-1 agrees with fp32 HF at {agreement:.1%} of positions"
+    projection = llm.engine.model.model.layers[0].mlp.down_proj.cpu_projection
+    assert projection is not None and projection.in_float32 == (matmuls == "float32")
     llm.shutdown()

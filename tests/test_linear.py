@@ -64,6 +64,58 @@ def test_float32_tied_head_multiplies_the_embeddings_own_weight():
     assert logits.argmax(-1).tolist() == [0, 7, 299]
 
 
+@pytest.fixture
+def bf16_only_in_float32(monkeypatch):
+    """A CPU where neither the C matmuls nor oneDNN take bf16 (AVX2 only): oneDNN packs
+    float32 only."""
+    from minisgl.layers import linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "onednn_packs", lambda dtype: dtype == torch.float32)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_half_weights_multiply_in_float32_where_nothing_packs_them(
+    bf16_only_in_float32, dtype, rows
+):
+    """There, a bf16/fp16 weight is held once as oneDNN's float32 copy (F.linear on it runs
+    PyTorch's ~7x slower reference loop): the float32 product of the same values, back in the
+    input's dtype."""
+    gen = torch.Generator().manual_seed(2)
+    linear = Linear(96, 40, bias=True)
+    linear.weight.data = torch.randn(40, 96, generator=gen).to(dtype)
+    linear.bias.data = torch.randn(40, generator=gen).to(dtype)
+    weight, bias = linear.weight.data.float(), linear.bias.data.float()
+    linear.prepare_for_cpu(None)
+    assert linear.cpu_projection is not None and linear.cpu_projection.in_float32
+    assert linear.weight.numel() == 0
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    out = linear(x)
+    assert out.dtype == dtype
+    want = F.linear(x.float(), weight, bias)
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@needs_onednn
+def test_tied_bf16_head_multiplies_in_float32_where_nothing_packs_bf16(bf16_only_in_float32):
+    """A tied bf16 head there: float32 logits from a float32 copy, the embedding's own bf16
+    weight left for the lookups."""
+    gen = torch.Generator().manual_seed(3)
+    embed = VocabEmbedding(300, 64)
+    embed.weight.data = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
+    weight = embed.weight.data
+    head = LMHead(300, 64, tied=embed)
+    head.prepare_for_cpu(None)
+    assert head.cpu_projection is not None and head.cpu_projection.in_float32
+    assert embed.weight.data_ptr() == weight.data_ptr()
+    hidden = embed(torch.tensor([0, 7, 299]))
+    logits = head(hidden, reuse_output=True)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 300)
+    torch.testing.assert_close(logits, hidden.float() @ weight.float().T, atol=1e-4, rtol=1e-5)
+    assert logits.argmax(-1).tolist() == [0, 7, 299]
+
+
 def _kernel_paths() -> list:
     """The C kernels as the engine runs them, and (where there are AMX tiles) without the tiles,
     so that vdpbf16ps takes every row count there too."""

@@ -11,6 +11,7 @@ from minisgl.kernel.cpu import CpuKernels
 from .linear import (
     CPU_PROJECTION_DTYPES,
     CpuProjection,
+    computes_in_float32,
     onednn_packing_available,
     tile_copy_elems,
 )
@@ -87,9 +88,12 @@ class LMHead(nn.Module):
                 self.weight = nn.Parameter(weight.clone(), requires_grad=False)
             return
         if tile_copy_elems(*weight.shape, weight.dtype, kernels) is None:
-            # oneDNN's packed copy would sit beside the rows the lookups need.
+            # oneDNN's packed copy would sit beside the rows the lookups need; where bf16/fp16
+            # is multiplied in float32 it does (F.linear on them: ~7x slower, computes_in_float32).
             if handed_over:
                 self.tied.weight = nn.Parameter(weight.clone(), requires_grad=False)
+            if computes_in_float32(weight.dtype, kernels):
+                self.cpu_projection = CpuProjection(weight, kernels, float_out=True)
             self._onednn_on_weight = weight.dtype == torch.float32 and onednn_packing_available()
             return
         self.cpu_projection = CpuProjection(weight, kernels, float_out=True, tiles_out=tiles_out)

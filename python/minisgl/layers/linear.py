@@ -75,10 +75,28 @@ def tile_copy_elems(
     return kernels.packed_elems(out_features, in_features)
 
 
+def computes_in_float32(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
+    """Whether bf16/fp16 weights are multiplied in float32, through oneDNN's packed float32
+    copy: on CPUs where neither the C matmuls nor oneDNN take the dtype (oneDNN packs bf16 only
+    with AVX-512 or avx_ne_convert, fp16 with avx512_fp16 or avx_ne_convert). F.linear on such
+    weights runs PyTorch's reference loop: 0.02 TFLOP/s at 64-1,024 rows, oneDNN's float32 0.11-0.14
+    (this AMX machine forced to AVX2 with ONEDNN_MAX_CPU_ISA=AVX2)."""
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and not c_matmuls_take(dtype, kernels)
+        and not onednn_packs(dtype)
+        and onednn_packs(torch.float32)
+    )
+
+
 def keeps_weight(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
     """Whether a CpuProjection of a weight of this dtype multiplies the weight itself (F.linear:
     neither the C kernels nor oneDNN pack it), so that it must stay."""
-    return not c_matmuls_take(dtype, kernels) and not onednn_packs(dtype)
+    return (
+        not c_matmuls_take(dtype, kernels)
+        and not onednn_packs(dtype)
+        and not computes_in_float32(dtype, kernels)
+    )
 
 
 class CpuProjection:
@@ -86,14 +104,16 @@ class CpuProjection:
     weight, a copy in the tile layout that the C packed matmul reads at every row count (a few
     rows with vdpbf16ps, which streams it once at memory speed, as a GEMV; more on the AMX tiles
     where the CPU has them); otherwise (float32, float16, CPUs without avx512_bf16) oneDNN's
-    packed copy, or, where oneDNN cannot pack the dtype, F.linear on the weight, which then
-    stays with its module (`needs_weight`).
+    packed copy (a float32 one for bf16/fp16 where oneDNN packs only float32, see
+    `computes_in_float32`), or, where oneDNN cannot pack at all, F.linear on the weight, which
+    then stays with its module (`needs_weight`).
 
     gated (a gate_up projection): the tile copy holds gate and up interleaved, for
     `silu_and_mul`, which runs with SiLU in the matmul's epilogue; plain calls get their columns
     back in order. float_out (an output head): the C matmul returns its float32 sums unrounded,
     so logits a bf16 rounding would tie keep their order. tiles_out: where the tile copy goes
-    (`tile_copy_elems` bf16 elements), e.g. a slot of the model's buffer on huge pages."""
+    (`tile_copy_elems` bf16 elements), e.g. a slot of the model's buffer on huge pages. In
+    float32 the output is cast back to the input's dtype, except an output head's."""
 
     def __init__(
         self,
@@ -115,7 +135,12 @@ class CpuProjection:
         self.gated = gated and self.kernels is not None and self.out_features % 32 == 0
         self.gated_bias: torch.Tensor | None = None
         self.packed: torch.Tensor | None
-        if self.kernels is None:
+        self.in_float32 = computes_in_float32(weight.dtype, kernels)
+        self.float32_logits = float_out and self.in_float32
+        self.float32_bias = None if bias is None or not self.in_float32 else bias.float()
+        if self.in_float32:
+            self.packed = onednn_pack(weight.float())
+        elif self.kernels is None:
             self.packed = onednn_pack(weight)
         elif self.gated:
             self.packed = self.kernels.pack_weight(interleave_gate_up(weight), tiles_out)
@@ -163,6 +188,11 @@ class CpuProjection:
                     rows, self.packed, self.out_features, bias, self.float_out, out, tiles
                 )
             return y.view(*x.shape[:-1], self.out_features)
+        if self.packed is not None and self.in_float32:
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous().float(), self.packed, self.float32_bias, "none", [], ""
+            )
+            return y if self.float32_logits else y.to(x.dtype)
         if self.packed is not None:  # oneDNN's copy takes any leading dims
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
