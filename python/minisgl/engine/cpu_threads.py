@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minisgl.kernel.cpu import NO_CAP, set_thread_cap
+from minisgl.utils import init_logger
+
+logger = init_logger(__name__)
 
 # /proc/stat's per-CPU columns that count as busy: user, nice, system, irq, softirq, steal
 # (a core the hypervisor lends elsewhere is not ours either); idle and iowait are free.
@@ -115,6 +118,7 @@ class CpuThreads:
         others = max(0.0, (busy - last[1]) - (own - last[2])) / (now - last[0])
         count = max(1, min(self.max_threads, int(len(self.cpus) - others + 0.5)))
         if count < self.wanted or (count > self.wanted and count == self._candidate):
+            logger.debug("threads %d -> %d: others used %.2f CPUs", self.wanted, count, others)
             self.wanted = count
             set_thread_cap(count)
         self._candidate = count
