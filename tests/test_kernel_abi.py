@@ -1,6 +1,7 @@
 """The ctypes side of the C kernels against the C source: every exported function's arity,
-argument and result types, the parameter structs' fields, every allocation checked, and every
-status a kernel returns checked by its wrapper. Parses the source (no compiler needed)."""
+argument and result types (its one prototype in kernels.h, and its definition), the parameter
+structs' fields, every allocation checked, and every status a kernel returns checked by its
+wrapper. Parses the sources (no compiler needed)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minisgl.kernel import abi, cpu
-from minisgl.kernel.build import SOURCE
+from minisgl.kernel.build import HEADERS, SOURCES
 
 _CTYPE_CLASSES = {
     ctypes.c_void_p: "pointer",
@@ -24,10 +25,20 @@ _CTYPE_CLASSES = {
 _C_SCALARS = {"int64_t": "int64", "int": "int", "float": "float", "void": "void"}
 
 
-def _source_without_comments() -> str:
-    text = SOURCE.read_text()
+def _without_comments(text: str) -> str:
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     return re.sub(r"//[^\n]*", "", text)
+
+
+def _source_without_comments() -> str:
+    """Every source and header of the library, one after another."""
+    return "\n".join(_without_comments(path.read_text()) for path in SOURCES + HEADERS)
+
+
+def _interface_without_comments() -> str:
+    """kernels.h: the library's exports."""
+    (interface,) = [path for path in HEADERS if path.name == "kernels.h"]
+    return _without_comments(interface.read_text())
 
 
 def _type_class(declaration: str) -> str:
@@ -41,17 +52,31 @@ def _type_class(declaration: str) -> str:
     return _C_SCALARS[type_name]
 
 
-def _exported_functions() -> dict[str, tuple[str, list[str]]]:
-    """name -> (result class, argument classes) of every non-static minisgl_ definition."""
+def _functions(text: str, end: str) -> dict[str, tuple[str, list[str]]]:
+    """name -> (result class, argument classes) of every non-static minisgl_ function whose
+    parameter list is followed by `end` ("{": definitions, ";": prototypes)."""
     found = {}
-    pattern = r"^(?!static)([A-Za-z_][\w ]*?[\w*])\s*\b(minisgl_\w+)\s*\(([^)]*)\)\s*\{"
-    for match in re.finditer(pattern, _source_without_comments(), flags=re.M):
+    pattern = r"^(?!static)([A-Za-z_][\w ]*?[\w*])\s*\b(minisgl_\w+)\s*\(([^)]*)\)\s*" + end
+    for match in re.finditer(pattern, text, flags=re.M):
         result, name, params = match.groups()
         params = " ".join(params.split())
         args = [] if params in ("", "void") else [_type_class(p) for p in params.split(",")]
-        assert name not in found, f"{name} defined twice"
+        assert name not in found, f"{name} appears twice"
         found[name] = (_type_class(result), args)
     return found
+
+
+def _exported_functions() -> dict[str, tuple[str, list[str]]]:
+    """The prototypes of kernels.h, each the one declaration of a function some source defines
+    with the same types (and no source defines an exported function kernels.h lacks)."""
+    declared = _functions(_interface_without_comments(), ";")
+    defined: dict[str, tuple[str, list[str]]] = {}
+    for path in SOURCES:
+        for name, types in _functions(_without_comments(path.read_text()), r"\{").items():
+            assert name not in defined, f"{name} defined twice"
+            defined[name] = types
+    assert defined == declared
+    return declared
 
 
 def test_every_exported_function_matches_its_ctypes_prototype():
@@ -93,7 +118,7 @@ def test_every_allocation_goes_through_the_checked_allocator():
     """kernel_alloc is the one place memory is asked for: callers test its NULL, and the tests'
     failure hook reaches every allocation."""
     source = _source_without_comments()
-    start = source.index("static void* kernel_alloc(")
+    start = re.search(r"^void\* kernel_alloc\([^)]*\)\s*\{", source, flags=re.M).start()
     allocator = source[start : source.index("\n}\n", start)]
     calls = re.findall(r"\b(?:malloc|calloc|realloc|aligned_alloc)\s*\(", source)
     inside = re.findall(r"\b(?:malloc|calloc|realloc|aligned_alloc)\s*\(", allocator)
@@ -109,9 +134,10 @@ def test_every_status_a_kernel_returns_is_checked_by_its_wrapper():
         for name, restype in abi.RESTYPES.items()
         if restype is ctypes.c_int and not name.startswith("minisgl_has_")
     }
-    tree = ast.parse(Path(cpu.__file__).read_text())
+    wrappers = sorted(Path(cpu.__file__).parent.glob("*.py"))  # every part of CpuKernels
+    trees = [ast.parse(path.read_text()) for path in wrappers]
     checked, called = set(), set()
-    for function in ast.walk(tree):
+    for function in (node for tree in trees for node in ast.walk(tree)):
         if not isinstance(function, ast.FunctionDef):
             continue
         for node in ast.walk(function):
@@ -141,7 +167,7 @@ def test_every_status_a_kernel_returns_is_checked_by_its_wrapper():
 
 
 def test_status_codes_match_the_c_definitions():
-    defined = dict(re.findall(r"#define MINISGL_(OK|ERR_\w+) (\d+)", SOURCE.read_text()))
+    defined = dict(re.findall(r"#define MINISGL_(OK|ERR_\w+) (\d+)", _source_without_comments()))
     assert {name: int(code) for name, code in defined.items()} == {
         name: getattr(abi, name)
         for name in ("OK", "ERR_NOMEM", "ERR_SHAPE") + ("ERR_UNSUPPORTED", "ERR_POSITION")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import platform
 import shutil
+from pathlib import Path
 
 import pytest
 
 from minisgl.env import ENV
+from minisgl.kernel import build
 from minisgl.kernel import cpu as cpu_mod
 
 
@@ -35,3 +37,24 @@ def test_cpu_target_names_a_build_target():
         assert cpu_mod.target_flags("x86-64") == portable.flags
     with pytest.raises(ValueError, match="MINISGL_CPU_TARGET='avx9'.*x86-64-v3"):
         cpu_mod.target_flags("avx9")
+
+
+def test_the_build_compiles_every_source_and_rebuilds_on_any_change(tmp_path, monkeypatch):
+    """Every .c of csrc is compiled into the library and every file (sources and headers) is in
+    its cache tag: an edit to any one of them gives another tag, so it is rebuilt."""
+    csrc = Path(build.__file__).with_name("csrc")
+    assert list(build.SOURCES) == sorted(csrc.glob("*.c"))
+    assert list(build.HEADERS) == sorted(csrc.glob("*.h"))
+    copies = {}
+    for path in build.SOURCES + build.HEADERS:
+        copies[path.name] = tmp_path / path.name
+        copies[path.name].write_bytes(path.read_bytes())
+    monkeypatch.setattr(build, "SOURCES", tuple(copies[p.name] for p in build.SOURCES))
+    monkeypatch.setattr(build, "HEADERS", tuple(copies[p.name] for p in build.HEADERS))
+    tag = build._library_tag(build.NATIVE_FLAGS)
+    for copy in copies.values():
+        text = copy.read_bytes()
+        copy.write_bytes(text + b"\n")
+        assert build._library_tag(build.NATIVE_FLAGS) != tag, copy.name
+        copy.write_bytes(text)
+    assert build._library_tag(build.NATIVE_FLAGS) == tag

@@ -1,7 +1,7 @@
-"""The C kernels' interface: the ctypes prototype of every function `csrc/cpu_kernels.c` exports,
-its status codes and the exceptions they become, and the checks the wrappers in cpu.py make on
-what they send (a shape a kernel cannot take is a ValueError naming the value, never a read past
-a buffer)."""
+"""The C kernels' interface: the ctypes prototype of every function `csrc/kernels.h` declares
+(the library's exports), its status codes and the exceptions they become, and the checks the
+wrappers (gemm, attention, elementwise, sampling, fused_layer) make on what they send (a shape a
+kernel cannot take is a ValueError naming the value, never a read past a buffer)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ import torch
 # widest rows and GQA groups the callers send to them (the kernels take any).
 MAX_HEAD_DIM = 256
 MAX_NORM_HIDDEN, MAX_INTERMEDIATE, MAX_GROUP = 8192, 16384, 32
-# The kernels' status codes (MINISGL_OK, MINISGL_ERR_* in cpu_kernels.c).
+# The kernels' status codes (MINISGL_OK, MINISGL_ERR_* in kernels.h).
 OK, ERR_NOMEM, ERR_SHAPE, ERR_UNSUPPORTED, ERR_POSITION = 0, 1, 2, 3, 4
+# The dtypes the kernels take, by their C code (kernels.h: 0 float32, 1 bfloat16).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _int = ctypes.c_int
 _float = ctypes.c_float
-# Every exported function's argument types and (below) result type, as cpu_kernels.c declares
-# them (tests/test_kernel_abi.py checks both against the C source).
+# Every exported function's argument types and (below) result type, as kernels.h declares them
+# (tests/test_kernel_abi.py checks both against its prototypes and the definitions).
 SIGNATURES: dict[str, list[type]] = {
     "minisgl_fail_allocations": [_i64],
     "minisgl_has_avx512_bf16": [],

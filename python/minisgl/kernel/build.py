@@ -1,6 +1,6 @@
-"""gcc builds of `csrc/cpu_kernels.c`: the machine's own (-march=native) and fixed instruction-set
-targets (the portable and AVX-512-without-bf16 forms every machine can build and test), each
-cached by source, flags and compiler."""
+"""gcc builds of the C kernels (every `csrc/*.c`, linked into one shared library): the machine's
+own (-march=native) and fixed instruction-set targets (the portable and AVX-512-without-bf16 forms
+every machine can build and test), each cached by sources, flags and compiler."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,25 @@ from minisgl.utils.hf import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+# The library's translation units, one concept each, compiled with the same flags and linked into
+# one library, and the headers they include (kernels.h: the exports). Every file of both goes into
+# the cache tag: a change to any of them rebuilds.
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "attention_blocked.c",
+        "attention_decode.c",
+        "common.c",
+        "elementwise.c",
+        "fused_layer.c",
+        "gemv.c",
+        "matmul.c",
+        "packing.c",
+        "sampling.c",
+    )
+)
+HEADERS = tuple(CSRC / name for name in ("common.h", "internal.h", "kernels.h", "simd.h"))
 # -ffast-math lets gcc vectorise the float reductions and expf; it is given to the compile step
 # only, because linking with it would flush denormals process-wide. Infinities and NaNs stay.
 COMMON_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
@@ -70,14 +89,25 @@ def can_run(target: KernelTarget) -> bool:
 
 
 def _library_tag(flags: tuple[str, ...]) -> str:
-    """What a build depends on: source, flags, compiler, and for -march=native this CPU."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    """What a build depends on: sources and headers, flags, compiler, and for -march=native this
+    CPU."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        text = path.read_bytes()
+        digest.update(f"{path.name} {len(text)}\n".encode())
+        digest.update(text)
     digest.update(" ".join(COMMON_FLAGS + flags + LINK_FLAGS).encode())
     digest.update(subprocess.run(["gcc", "--version"], capture_output=True).stdout)
     if "-march=native" in flags:
         cpu = " ".join(sorted(machine_cpu_flags())) or platform.processor()
         digest.update(cpu.encode())
     return digest.hexdigest()[:16]
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
 
 
 def build_library(flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
@@ -87,14 +117,15 @@ def build_library(flags: tuple[str, ...] = NATIVE_FLAGS) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in (
-            ["gcc", *COMMON_FLAGS, *flags, "-c", str(SOURCE), "-o", str(obj)],
-            ["gcc", str(obj), "-o", str(lib), *LINK_FLAGS],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        compiles = [
+            ["gcc", *COMMON_FLAGS, *flags, "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(SOURCES, objects)
+        ]
+        with ThreadPoolExecutor(min(len(compiles), os.cpu_count() or 1)) as pool:
+            list(pool.map(_run, compiles))  # gcc runs outside the GIL; the first error raises
+        lib = Path(tmp) / "k.so"
+        _run(["gcc", *map(str, objects), "-o", str(lib), *LINK_FLAGS])
         os.replace(lib, out)  # atomic: concurrent builders each publish a complete file
     logger.info("built CPU kernels (%s) into %s", " ".join(flags), out)
     return out

@@ -1,0 +1,43 @@
+// The library's runtime: the tests' allocation-failure hook and the allocator every kernel
+// goes through, and the feature queries (what this build has, whether the OS grants the AMX
+// tiles).
+#include "common.h"
+
+// Allocations made through kernel_alloc fail while this is positive (the tests' hook, each
+// failure counting it down), so that every error path is exercised.
+static int64_t failing_allocations = 0;
+
+void minisgl_fail_allocations(int64_t count) {
+    __atomic_store_n(&failing_allocations, count, __ATOMIC_SEQ_CST);
+}
+
+// Every allocation of the kernels: 64-byte aligned (whole lines, as the AVX-512 loads and tile
+// rows want), rounded up to whole lines as aligned_alloc requires, never of 0 bytes. NULL on
+// failure: the caller returns MINISGL_ERR_NOMEM (or takes a path that needs no memory).
+void* kernel_alloc(size_t bytes) {
+    if (__atomic_load_n(&failing_allocations, __ATOMIC_RELAXED) > 0 &&
+        __atomic_sub_fetch(&failing_allocations, 1, __ATOMIC_SEQ_CST) >= 0)
+        return NULL;
+    return aligned_alloc(64, bytes == 0 ? 64 : (bytes + 63) / 64 * 64);
+}
+
+int amx_granted = 0;
+
+int minisgl_has_avx512_bf16(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int minisgl_has_amx(void) {
+#ifdef HAVE_AMX
+    // Linux hands out the tile state only to processes that ask (ARCH_REQ_XCOMP_PERM, 18 =
+    // XFEATURE_XTILEDATA); asking again is harmless.
+    amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,99 @@
+// What every kernel file shares: the system headers, what the target flags enable
+// (HAVE_AVX512_BF16, HAVE_AMX), the checked allocator, whether the tiles may be used, and the
+// scalar bf16 and exp helpers. Functions one file defines for others are hidden
+// (MINISGL_INTERNAL): the library exports only what kernels.h declares.
+#pragma once
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_AVX512_BF16 1
+#endif
+#if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "kernels.h"
+
+#define MINISGL_INTERNAL __attribute__((visibility("hidden")))
+
+// The one allocator of the kernels (common.c): 64-byte aligned, NULL on failure.
+MINISGL_INTERNAL void* kernel_alloc(size_t bytes);
+
+// Whether minisgl_has_amx got this process the tile state: the tiles are used only then (a
+// tile instruction without it kills the process), whatever a caller asks for.
+MINISGL_INTERNAL extern int amx_granted;
+
+static inline int tiles_usable(int use_tiles) { return use_tiles && amx_granted; }
+
+static inline float bf16_to_f32(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch does when it stores a float32 result as bfloat16.
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// exp(x) in plain float arithmetic, exp512's steps lane by lane (2^n * poly(r), x = n ln2 + r,
+// clamped to [-87, 88]): no libm call, so gcc vectorises the loops that use it on any target.
+// The portable SiLU and attention softmax called expf per element: 10% and most of the 20% of
+// an AVX2 build's W1 that they took.
+static inline float exp_portable(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504f);
+    float r = x - n * 0.693145752f;
+    r = r - n * 1.42860677e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline void load_row(const void* base, int64_t offset, int dtype, float* dst, int64_t n) {
+    if (dtype == 0) {
+        memcpy(dst, (const float*)base + offset, (size_t)n * sizeof(float));
+    } else {
+        const bf16_t* src = (const bf16_t*)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_row(void* base, int64_t offset, int dtype, const float* src, int64_t n) {
+    if (dtype == 0) {
+        memcpy((float*)base + offset, src, (size_t)n * sizeof(float));
+    } else {
+        bf16_t* dst = (bf16_t*)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+// Rounds a float32 value to the storage dtype and back (identity for float32).
+static inline float round_to(int dtype, float x) {
+    return dtype == 0 ? x : bf16_to_f32(f32_to_bf16(x));
+}

@@ -1,0 +1,28 @@
+// What one kernel file defines and others use: the packed weight's block shape, the
+// attention kernels' head limits, and the elementwise rows the fused attention inputs reuse.
+#pragma once
+
+#include "common.h"
+
+// The packed (tile-layout) weight's blocks: AMX_NBLOCK output columns by AMX_KSTEP-wide
+// k-steps (matmul.c describes the layout, packing.c writes it and reads rows back).
+#define AMX_KSTEP 32
+#define AMX_NBLOCK 32
+
+// The largest head_dim the attention kernels take (their per-head buffers; abi.MAX_HEAD_DIM).
+#define ATTN_MAX_DIM 256
+
+// Whether attention kernels can take these heads: a whole number of query heads per kv head.
+static inline int heads_fit(int64_t num_heads, int64_t num_kv_heads) {
+    return num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0;
+}
+
+// elementwise.c: a row of minisgl_add_rms_norm and a token's heads of minisgl_rotary (each
+// one compiled form, which the attention blocks share), and the rotary tables' bounds check.
+MINISGL_INTERNAL void add_rms_norm_row(const void* x, const void* residual, const void* weight,
+                                       void* out, void* residual_out, int64_t r, int64_t hidden,
+                                       float eps, int dtype);
+MINISGL_INTERNAL void rotary_token(void* x, int64_t base, int64_t heads, int64_t dim,
+                                   const float* cos, const float* sin, int dtype);
+MINISGL_INTERNAL int positions_fit(const int64_t* positions, int64_t tokens,
+                                   int64_t max_positions);

@@ -1,0 +1,148 @@
+// CPU kernels for the hot paths PyTorch's eager ops do badly on small batches: a bf16 GEMV
+// that streams weights at memory bandwidth, paged decode attention that reads the KV pool in
+// place, and fused elementwise ops (residual + RMSNorm, SiLU-and-mul, rotary) that round to the
+// storage dtype exactly where PyTorch's op-by-op version does, so results match bit for bit.
+//
+// Built once per machine by minisgl/kernel/build.py (gcc -O3 -march=native -fopenmp), every
+// .c file of this folder into one shared library, and called through ctypes with raw pointers
+// to contiguous tensors. It links the OpenMP runtime that torch already loaded, so both share
+// one thread pool. dtype codes: 0 float32, 1 bfloat16.
+//
+// This header is the library's interface: its status codes, the fused decode layer's
+// parameter structs and one prototype per exported function, by the file that defines it.
+// kernel/abi.py mirrors it for ctypes (tests/test_kernel_abi.py checks the two against each
+// other); every .c file includes it, so a definition that differs from its prototype does
+// not compile.
+#pragma once
+
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+// What the kernels that can fail return; the wrappers (kernel/abi.py's check_status) turn
+// every code but MINISGL_OK into an exception naming the kernel (nothing is written on an
+// error, unless it says otherwise).
+#define MINISGL_OK 0
+#define MINISGL_ERR_NOMEM 1        // an allocation failed
+#define MINISGL_ERR_SHAPE 2        // a shape this kernel cannot take (the wrappers check first)
+#define MINISGL_ERR_UNSUPPORTED 3  // built without the instructions this kernel needs
+#define MINISGL_ERR_POSITION 4     // a position outside the rotary tables
+
+// The fused decode layer's parameters (fused_layer.c; abi.DecodeLayerParams and
+// abi.DecodeModelParams): one layer's weights and KV pool, the model's shapes and tables.
+typedef struct {
+    const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
+    const bf16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const bf16_t *qkv_t, *o_t, *gate_up_t, *down_t;  // packed (tile layout) copies, or NULL
+    const bf16_t* gate_up_tb;  // gate_up's bias interleaved as gate_up_t is (gated), or NULL
+    bf16_t *k_cache, *v_cache;  // this layer's pool: [slots, kv_heads, head_dim]
+    int64_t window;             // 0: none
+} decode_layer;
+
+typedef struct {
+    int64_t hidden, inter, num_heads, num_kv_heads, head_dim;
+    float eps, scale;
+    const float *cos, *sin;  // rotary tables [max_positions, head_dim]
+    const int32_t* page_table;
+    int64_t table_stride;
+    int64_t gemv_max_rows;
+    int64_t use_tiles;      // the packed matmuls on the AMX tiles, else vdpbf16ps
+    int64_t max_positions;  // rows of cos/sin (0: unchecked)
+} decode_model;
+
+// common.c
+void minisgl_fail_allocations(int64_t count);
+int minisgl_has_avx512_bf16(void);
+int minisgl_has_amx(void);
+
+// gemv.c
+void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
+                       int64_t M, int64_t N, int64_t K, int nthreads);
+
+// packing.c
+int64_t minisgl_packed_elems(int64_t N, int64_t K);
+void minisgl_pack_weight(const bf16_t* w, bf16_t* packed, int64_t N, int64_t K, int nthreads);
+int minisgl_packed_rows(const bf16_t* packed, const int64_t* ids, bf16_t* out, int64_t count,
+                        int64_t N, int64_t K, int nthreads);
+
+// matmul.c
+int minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
+                          int64_t M, int64_t N, int64_t K, int out_f32, int use_tiles,
+                          int nthreads);
+int minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
+                              bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
+                              int nthreads);
+
+// attention_decode.c
+int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,
+                             const int32_t* page_table, int64_t table_stride,
+                             const int64_t* rows, const int64_t* kv_lens,
+                             const int64_t* kv_starts, const float* prefix_out,
+                             const float* prefix_lse, int64_t num_reqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
+                             int dtype, int nthreads);
+
+// attention_blocked.c
+int minisgl_shared_prefix_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                                    const int64_t* slots, int64_t prefix_len, float* out,
+                                    float* lse, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t dim, float scale, int use_tiles,
+                                    int nthreads);
+int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                              bf16_t* out, const int32_t* page_table, int64_t table_stride,
+                              const int64_t* rows, const int64_t* cached_lens,
+                              const int64_t* extend_lens, int64_t num_reqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t dim, float scale, int64_t window,
+                              int use_tiles, int nthreads);
+
+// elementwise.c
+void minisgl_add_rms_norm(const void* x, const void* residual, const void* weight, void* out,
+                          void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
+                          int nthreads);
+void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t inter,
+                          int dtype, int nthreads);
+int minisgl_rotary(void* x, int64_t tokens, int64_t token_stride, int64_t heads, int64_t dim,
+                   const int64_t* positions, const float* cos_table, const float* sin_table,
+                   int64_t max_positions, int dtype, int nthreads);
+
+// sampling.c
+void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols, int dtype,
+                    int nthreads);
+void minisgl_sample_rows(const float* x, const float* temperatures, const double* uniforms,
+                         int64_t* tokens, int64_t rows, int64_t cols, int nthreads);
+int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k, float* values,
+                           int64_t* indices, int nthreads);
+
+// fused_layer.c
+int minisgl_decode_attention_block(const void* qkv, void* q_buf, void* out, const void* q_norm,
+                                   const void* k_norm, float eps, void* k_cache, void* v_cache,
+                                   const int64_t* out_loc, const int64_t* positions,
+                                   const float* cos, const float* sin, int64_t max_positions,
+                                   const int32_t* page_table, int64_t table_stride,
+                                   const int64_t* rows, const int64_t* kv_lens, int64_t tokens,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                                   float scale, int64_t window, int dtype, int nthreads);
+int minisgl_prefill_attention_block(const void* qkv, bf16_t* q_buf, bf16_t* out, const void* q_norm,
+                                    const void* k_norm, float eps, bf16_t* k_cache,
+                                    bf16_t* v_cache, const int64_t* out_loc,
+                                    const int64_t* positions, const float* cos, const float* sin,
+                                    int64_t max_positions, const int32_t* page_table,
+                                    int64_t table_stride, const int64_t* rows,
+                                    const int64_t* cached_lens, const int64_t* extend_lens,
+                                    int64_t num_reqs, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t dim, float scale,
+                                    int64_t window, int use_tiles, int nthreads);
+int64_t minisgl_decode_layer_scratch(const decode_model* m, int64_t tokens);
+int64_t minisgl_decode_layer_q_offset(const decode_model* m, int64_t tokens);
+int minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, const bf16_t* x,
+                                bf16_t* residual, int has_residual, bf16_t* scratch,
+                                int64_t tokens, const int64_t* positions, const int64_t* out_loc,
+                                int nthreads);
+int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_t* residual,
+                              bf16_t* out, bf16_t* scratch, int64_t tokens, const int64_t* rows,
+                              const int64_t* kv_lens, const int64_t* kv_starts,
+                              const float* prefix_out, const float* prefix_lse, int nthreads);
+int minisgl_decode_layers(const decode_layer* layers, int64_t num_layers, const decode_model* m,
+                          const bf16_t* x, bf16_t* residual, bf16_t* out, bf16_t* scratch,
+                          int64_t tokens, const int64_t* positions, const int64_t* rows,
+                          const int64_t* kv_lens, const int64_t* out_loc, int nthreads);

@@ -1,0 +1,241 @@
+#include "common.h"
+#include "simd.h"
+
+// ---------------------------------------------------------------------------------- sampling
+// indices[r] = the first column of row r of x [rows, cols] (dtype code: float32 or bf16)
+// holding its largest value, or its first NaN (as torch.max(dim=-1) picks): greedy sampling
+// straight from the logits, bf16 ones widened exactly to float32 as they are read.
+void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols, int dtype,
+                    int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * cols;
+        int64_t c = 0, best = 0;
+        float best_value;
+        load_row(x, base, dtype, &best_value, 1);
+#ifdef __AVX512F__
+        if (cols >= 16) {
+            // Per lane: the largest value so far and its first column; a NaN stops the scan.
+            __m512 lane_max = load16(x, base, dtype);
+            __m512i lane_at =
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            __m512i at = lane_at;
+            const __m512i step = _mm512_set1_epi32(16);
+            int nan = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q) != 0;
+            for (c = 16; c + 16 <= cols && !nan; c += 16) {
+                at = _mm512_add_epi32(at, step);
+                const __m512 v = load16(x, base + c, dtype);
+                const __mmask16 higher = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+                lane_max = _mm512_mask_mov_ps(lane_max, higher, v);
+                lane_at = _mm512_mask_mov_epi32(lane_at, higher, at);
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+            }
+            if (nan) {  // the scalar scan below finds the first NaN
+                c = 0;
+            } else {
+                float values[16];
+                int32_t at_lane[16];
+                _mm512_storeu_ps(values, lane_max);
+                _mm512_storeu_si512(at_lane, lane_at);
+                best_value = values[0], best = at_lane[0];
+                for (int lane = 1; lane < 16; lane++)
+                    if (values[lane] > best_value ||
+                        (values[lane] == best_value && at_lane[lane] < best))
+                        best_value = values[lane], best = at_lane[lane];
+            }
+        }
+#endif
+        for (; c < cols; c++) {
+            float v;
+            load_row(x, base + c, dtype, &v, 1);
+            if (v != v) {
+                best = c;
+                break;
+            }
+            if (v > best_value) best_value = v, best = c;
+        }
+        indices[r] = best;
+    }
+}
+
+// The weights of a row's columns [0, n) into w, and their float32 sum (minisgl_sample_rows adds
+// these block sums in double): x itself, or for logits exp((x - top) * inv_temp), 0 below e^-87
+// (where exp underflows, and for -inf).
+#define SAMPLE_BLOCK 64
+static inline float block_weights(const float* x, int64_t n, int logits, float top,
+                                  float inv_temp, float* w) {
+#ifdef __AVX512F__
+    if (n == SAMPLE_BLOCK) {
+        __m512 total = _mm512_setzero_ps();
+        for (int i = 0; i < SAMPLE_BLOCK; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            if (logits) {
+                const __m512 z =
+                    _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(top)), _mm512_set1_ps(inv_temp));
+                const __mmask16 live = _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+                v = _mm512_maskz_mov_ps(live, exp512(z));
+            }
+            _mm512_storeu_ps(w + i, v);
+            total = _mm512_add_ps(total, v);
+        }
+        return _mm512_reduce_add_ps(total);
+    }
+#endif
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float z = (x[i] - top) * inv_temp;
+        w[i] = !logits ? x[i] : z >= -87.0f ? expf(z) : 0.0f;
+        sum += w[i];
+    }
+    return sum;
+}
+
+// tokens[r]: a draw from row r of x [rows, cols], by the inverse of its distribution function:
+// the first column whose running weight exceeds uniforms[r] (in [0, 1)) times the row's total.
+// The weights are x itself (>= 0, not all zero) or, given temperatures, softmax(x / T) up to
+// its normaliser, computed on the fly (no probability buffer). One uniform number per row, where
+// drawing one per column (an exponential race) cost 34 ms at 64 x 151,936.
+void minisgl_sample_rows(const float* x, const float* temperatures, const double* uniforms,
+                         int64_t* tokens, int64_t rows, int64_t cols, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* row = x + r * cols;
+        const int logits = temperatures != NULL;
+        float top = 0.0f, w[SAMPLE_BLOCK];
+        if (logits) {
+            int64_t c = 0;
+            top = row[0];
+#ifdef __AVX512F__
+            __m512 tops = _mm512_set1_ps(row[0]);
+            for (; c + 16 <= cols; c += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + c));
+            top = _mm512_reduce_max_ps(tops);
+#endif
+            for (; c < cols; c++) top = row[c] > top ? row[c] : top;
+        }
+        const float inv_temp = logits ? 1.0f / temperatures[r] : 1.0f;
+        double total = 0.0;
+        for (int64_t c = 0; c < cols; c += SAMPLE_BLOCK)
+            total += block_weights(row + c, cols - c < SAMPLE_BLOCK ? cols - c : SAMPLE_BLOCK,
+                                   logits, top, inv_temp, w);
+        const double target = uniforms[r] * total;
+        double running = 0.0;
+        int64_t token = -1, last = 0;  // last: the start of the last block with weight
+        for (int64_t c = 0; c < cols && token < 0; c += SAMPLE_BLOCK) {
+            const int64_t n = cols - c < SAMPLE_BLOCK ? cols - c : SAMPLE_BLOCK;
+            const float sum = block_weights(row + c, n, logits, top, inv_temp, w);
+            if (sum > 0.0f) last = c;
+            if (running + sum <= target) {
+                running += sum;
+                continue;
+            }
+            // The crossing is in this block, up to rounding (the element sums in double may
+            // fall short of the block's float sum): then the next column with weight after it.
+            double inside = running;
+            for (int64_t i = 0; i < n; i++) {
+                inside += w[i];
+                if (inside > target && w[i] > 0.0f) {
+                    token = c + i;
+                    break;
+                }
+            }
+            running += sum;
+        }
+        if (token < 0) {  // target at the very top (rounding): the last column with weight
+            const int64_t n = cols - last < SAMPLE_BLOCK ? cols - last : SAMPLE_BLOCK;
+            block_weights(row + last, n, logits, top, inv_temp, w);
+            for (token = n - 1; token > 0 && !(w[token] > 0.0f); token--) {
+            }
+            token += last;
+        }
+        tokens[r] = token;
+    }
+}
+
+// A candidate of minisgl_top_candidates; `a` ranks before `b` when larger, or equal and
+// further left (the first of equal values first, as a stable sort).
+typedef struct {
+    float value;
+    int64_t index;
+} candidate;
+
+static inline int ranks_before(candidate a, candidate b) {
+    return a.value > b.value || (a.value == b.value && a.index < b.index);
+}
+
+static int compare_candidates(const void* a, const void* b) {
+    return ranks_before(*(const candidate*)a, *(const candidate*)b) ? -1 : 1;
+}
+
+// Reorder buf[0, n) so that its k first-ranked come first, in no order (quickselect).
+static void select_first(candidate* buf, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const candidate pivot = buf[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (ranks_before(buf[i], pivot)) i++;
+            while (ranks_before(pivot, buf[j])) j--;
+            if (i <= j) {
+                const candidate swap = buf[i];
+                buf[i++] = buf[j], buf[j--] = swap;
+            }
+        }
+        if (k - 1 <= j)
+            hi = j;
+        else if (k - 1 >= i)
+            lo = i;
+        else
+            return;
+    }
+}
+
+// The k largest values of each row of x [rows, cols] (float32, k <= cols), largest first (the
+// first column first among equals), and their columns. One pass: a column is kept when it
+// beats the weakest of the best k so far (16 compared at a time); when 2k are kept, the best k
+// are selected and the bar rises. torch.topk took ~17 ms for 1,024 of 151,936 columns x 64
+// rows here; a heap of the best k, ~15. Returns MINISGL_OK, MINISGL_ERR_SHAPE (k outside
+// [1, cols]) or MINISGL_ERR_NOMEM.
+int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k, float* values,
+                           int64_t* indices, int nthreads) {
+    if (k <= 0 || k > cols || rows < 0) return MINISGL_ERR_SHAPE;
+    int status = MINISGL_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        candidate* kept = (candidate*)kernel_alloc((size_t)(2 * k) * sizeof(candidate));
+        if (!kept) {
+#pragma omp atomic write
+            status = MINISGL_ERR_NOMEM;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!kept) continue;  // this thread's rows are lost: the call reports the failure
+            const float* row = x + r * cols;
+            int64_t count = 0;
+            float bar = -INFINITY;  // every kept value beats it; -inf: fewer than k kept so far
+            for (int64_t c = 0; c < cols; c++) {
+#ifdef __AVX512F__
+                if (c % 16 == 0 && c + 16 <= cols &&
+                    !_mm512_cmp_ps_mask(_mm512_loadu_ps(row + c), _mm512_set1_ps(bar),
+                                        _CMP_GT_OQ)) {
+                    c += 15;  // none of these 16 beats the bar
+                    continue;
+                }
+#endif
+                if (!(row[c] > bar) && !(count < k && row[c] == bar)) continue;
+                kept[count++] = (candidate){row[c], c};
+                if (count == 2 * k) {
+                    select_first(kept, count, k);
+                    count = k;
+                    bar = kept[0].value;
+                    for (int64_t i = 1; i < k; i++) bar = kept[i].value < bar ? kept[i].value : bar;
+                }
+            }
+            if (count > k) select_first(kept, count, k);
+            qsort(kept, (size_t)k, sizeof(candidate), compare_candidates);
+            for (int64_t i = 0; i < k; i++)
+                values[r * k + i] = kept[i].value, indices[r * k + i] = kept[i].index;
+        }
+        free(kept);
+    }
+    return status;
+}

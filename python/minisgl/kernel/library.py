@@ -1,0 +1,28 @@
+"""The loaded C library, the base of every part of CpuKernels: each exported function's ctypes
+prototype bound (abi.py), and what this build and this CPU run."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from minisgl.env import ENV
+from minisgl.kernel.abi import DTYPE_CODES, RESTYPES, SIGNATURES
+
+
+class KernelLibrary:
+    """One build of the C kernels, loaded: `lib` with its prototypes set, and its features."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes in SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = RESTYPES[name]
+        self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
+        # Built with the tile instructions and granted the tile state by the kernel.
+        self.has_amx = ENV.CPU_AMX.value and bool(lib.minisgl_has_amx())
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        """Whether the kernels take tensors of this dtype (float32 and bfloat16)."""
+        return dtype in DTYPE_CODES

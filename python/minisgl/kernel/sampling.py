@@ -1,0 +1,84 @@
+"""The sampling kernels' wrappers (csrc/sampling.c): greedy argmax, one draw per row from weights
+or tempered logits, and the top-k candidates of each row."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.kernel.abi import DTYPE_CODES, check_status, require
+from minisgl.kernel.library import KernelLibrary
+from minisgl.kernel.threads import kernel_threads
+
+
+class SamplingKernels(KernelLibrary):
+    """Token choice straight from the logits: argmax, draws, top candidates."""
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of x [rows, cols] float32 or bf16 (first index on ties, a NaN wins),
+        int64."""
+        x = x.contiguous()
+        require(x.shape[1] > 0, "argmax: rows of 0 columns have no argmax")
+        indices = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.minisgl_argmax(
+            x.data_ptr(),
+            indices.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            DTYPE_CODES[x.dtype],
+            kernel_threads(),
+        )
+        return indices
+
+    def sample_rows(
+        self,
+        weights: torch.Tensor,
+        uniforms: torch.Tensor,
+        temperatures: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A draw from each row of weights [rows, cols] (float32, >= 0, not all zero): the first
+        column whose running sum exceeds uniforms [rows] (float64 in [0, 1)) times the row's
+        total. Given temperatures [rows] (float32, > 0), the rows are logits and the weights
+        softmax(row / temperature), computed on the fly. int64 [rows]."""
+        weights, uniforms = weights.contiguous(), uniforms.contiguous()
+        assert weights.dtype == torch.float32 and uniforms.dtype == torch.float64
+        rows, cols = weights.shape
+        require(cols > 0, "sample_rows: rows of 0 columns have nothing to draw")
+        if not (
+            uniforms.shape == (rows,) and (temperatures is None or temperatures.shape == (rows,))
+        ):
+            raise ValueError(
+                f"sample_rows: uniforms {tuple(uniforms.shape)} / temperatures for {rows} rows"
+            )
+        if temperatures is not None:
+            temperatures = temperatures.to(torch.float32).contiguous()
+        tokens = torch.empty(rows, dtype=torch.int64)
+        self.lib.minisgl_sample_rows(
+            weights.data_ptr(),
+            None if temperatures is None else temperatures.data_ptr(),
+            uniforms.data_ptr(),
+            tokens.data_ptr(),
+            rows,
+            cols,
+            kernel_threads(),
+        )
+        return tokens
+
+    def top_candidates(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest values of each row of x [rows, cols] (float32, k <= cols), largest
+        first (the first column first among equals), and their columns (int64)."""
+        x = x.contiguous()
+        assert x.dtype == torch.float32
+        require(0 < k <= x.shape[1], f"top_candidates: k {k} is outside 1..{x.shape[1]}")
+        values = torch.empty(x.shape[0], k, dtype=torch.float32)
+        indices = torch.empty(x.shape[0], k, dtype=torch.int64)
+        status = self.lib.minisgl_top_candidates(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            k,
+            values.data_ptr(),
+            indices.data_ptr(),
+            kernel_threads(),
+        )
+        check_status("top_candidates", status)
+        return values, indices
