@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from minisgl.engine import EngineConfig
 from minisgl.kvcache import PREFIX_CACHES
 
-# Chosen by measurement (benchmark/overlap.py, docs/performance.md): on a 2-core CPU the
+# Chosen by measurement (benchmark/overlap.py, docs/cpu-fast-path.md): on a 2-core CPU the
 # worker thread competes with the forward for the cores and W1 ran ~20% slower with overlap.
 OVERLAP_DEFAULT = {"cpu": False, "cuda": True}
 
