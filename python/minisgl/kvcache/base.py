@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -46,14 +45,17 @@ class SizeInfo(NamedTuple):
         return self.evictable_size + self.protected_size
 
 
-@dataclass(frozen=True)
-class MatchResult:
+class MatchResult(NamedTuple):
+    """The longest cached prefix of the query, as a handle (`handle, = cache.match_prefix(ids)`)."""
+
     cuda_handle: BaseCacheHandle
 
 
-@dataclass(frozen=True)
-class InsertResult:
-    """`cached_len`: how much of the inserted prefix was already cached before this insert."""
+class InsertResult(NamedTuple):
+    """`cached_len`: how much of the inserted prefix was already cached before this insert.
+
+    Unpacks as `cached_len, handle = cache.insert_prefix(ids, indices)`.
+    """
 
     cached_len: int
     handle: BaseCacheHandle

@@ -105,12 +105,11 @@ class CacheManager:
         row, kv_len = req.table_idx, req.cached_len
         indices = self.page_table[row, :kv_len]
         old = req.cache_handle
-        result = self.prefix_cache.insert_prefix(req.input_ids[:kv_len], indices)
-        new = result.handle
-        if result.cached_len > old.cached_len:
-            self._free(self.page_table[row, old.cached_len : result.cached_len])
-            self.page_table[row, old.cached_len : result.cached_len] = new.get_matched_indices()[
-                old.cached_len : result.cached_len
+        cached_len, new = self.prefix_cache.insert_prefix(req.input_ids[:kv_len], indices)
+        if cached_len > old.cached_len:
+            self._free(self.page_table[row, old.cached_len : cached_len])
+            self.page_table[row, old.cached_len : cached_len] = new.get_matched_indices()[
+                old.cached_len : cached_len
             ]
         self.unlock(old)
         if finished:
