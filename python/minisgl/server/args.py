@@ -60,18 +60,21 @@ class ServerArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI; SGLang's and mini-sglang's spellings of our options are aliases of them."""
     p = argparse.ArgumentParser(
         prog="python -m minisgl",
         description="Serve a model over the OpenAI HTTP API, or chat with it (--shell).",
     )
     p.add_argument(
         "--model",
+        "--model-path",
         dest="model_path",
         default=None,
-        help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
+        help="HF folder, .gguf file (dequantized) or hub id (default: SmolLM2-135M-Instruct, "
+        "dequantized from its Q4_1 GGUF); --model-path is SGLang's spelling",
     )
     p.add_argument("--served-model-name", default=None, help="model name in the API")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -90,25 +93,70 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-seq-len",
+        "--max-seq-len-override",
+        "--context-length",
         dest="max_seq_len_override",
         type=int,
         default=None,
         metavar="N",
-        help="context length (default: the model's)",
+        help="context length, at most the model's (default: the model's); "
+        "--max-seq-len-override is mini-sglang's spelling, --context-length SGLang's",
     )
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
-    p.add_argument("--max-prefill-length", type=int, default=None, metavar="N")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--schedule-policy", default=None, help="e.g. fcfs (default: the engine's)")
+    p.add_argument(
+        "--disable-radix-cache",
+        dest="cache_type",
+        action="store_const",
+        const="naive",
+        default="radix",
+        help="SGLang's spelling of --cache-type naive",
+    )
+    p.add_argument(
+        "--max-prefill-length",
+        "--max-extend-length",
+        "--chunked-prefill-size",
+        dest="max_prefill_length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens computed per prefill step, longer prompts in chunks (default: 2048 "
+        "on CPU, 8192 on CUDA); --max-extend-length is mini-sglang's spelling, "
+        "--chunked-prefill-size SGLang's (its -1, no chunking, is not supported)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        "--attn",
+        default="auto",
+        help="auto, cpu or torch; --attn is mini-sglang's spelling",
+    )
+    p.add_argument(
+        "--schedule-policy",
+        default=None,
+        help="fcfs, or lpm: longest cached prefix first (default: fcfs)",
+    )
     p.add_argument(
         "--overlap-schedule",
         default=None,
         type=lambda s: {"on": True, "off": False}[s],
         metavar="{on,off}",
-        help="overlap CPU scheduling with the forward pass (default: the engine's)",
+        help="overlap CPU scheduling with the forward pass (default: off on CPU, on on CUDA; "
+        "MINISGL_DISABLE_OVERLAP_SCHEDULING=1 turns it off whatever this says)",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        dest="overlap_schedule",
+        action="store_const",
+        const=False,
+        default=None,
+        help="SGLang's spelling of --overlap-schedule off",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--shell", action="store_true", help="interactive chat in this terminal")
+    p.add_argument(
+        "--shell",
+        "--shell-mode",
+        action="store_true",
+        help="interactive chat in this terminal; --shell-mode is mini-sglang's spelling",
+    )
     p.add_argument("--shell-max-tokens", type=int, default=512)
     p.add_argument("--shell-temperature", type=float, default=0.0)
     return p

@@ -1,0 +1,45 @@
+"""CLI aliases: SGLang's and mini-sglang's spellings parse to what our spelling gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl.server.args import ServerArgs, parse_args
+
+# (our spelling, the alias, a value; None for a flag without a value)
+ALIASES = [
+    ("--model", "--model-path", "/models/some-model"),
+    ("--max-seq-len", "--max-seq-len-override", "384"),
+    ("--max-seq-len", "--context-length", "384"),
+    ("--max-prefill-length", "--max-extend-length", "96"),
+    ("--max-prefill-length", "--chunked-prefill-size", "96"),
+    ("--attention-backend", "--attn", "torch"),
+    ("--shell", "--shell-mode", None),
+]
+
+
+def _parse(flag: str, value: str | None) -> ServerArgs:
+    return parse_args([flag] if value is None else [flag, value])
+
+
+@pytest.mark.parametrize(("ours", "alias", "value"), ALIASES)
+def test_alias_parses_like_our_spelling(ours: str, alias: str, value: str | None) -> None:
+    assert _parse(alias, value) == _parse(ours, value) != parse_args([])
+
+
+def test_disable_flags_are_our_off_values() -> None:
+    assert parse_args(["--disable-radix-cache"]) == parse_args(["--cache-type", "naive"])
+    assert parse_args(["--disable-overlap-schedule"]) == parse_args(["--overlap-schedule", "off"])
+    defaults = parse_args([])
+    assert (defaults.cache_type, defaults.overlap_schedule) == ("radix", None)
+    assert parse_args(["--disable-overlap-schedule"]).engine_kwargs()["overlap_schedule"] is False
+    assert "overlap_schedule" not in defaults.engine_kwargs()  # the device's default applies
+
+
+def test_shared_spellings_keep_their_meaning() -> None:
+    args = parse_args(
+        ["--host", "0.0.0.0", "--port", "30000", "--api-key", "k", "--dtype", "float16"]
+        + ["--page-size", "4", "--max-running-requests", "8", "--schedule-policy", "lpm"]
+    )
+    assert (args.host, args.port, args.api_key, args.dtype) == ("0.0.0.0", 30000, "k", "float16")
+    assert (args.page_size, args.max_running_req, args.schedule_policy) == (4, 8, "lpm")
