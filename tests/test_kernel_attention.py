@@ -141,7 +141,8 @@ def test_decode_attention_continues_from_a_prefix_state(kernels, dtype, heads, k
     """Cascade: the state over positions [0, start) (float64, rounded to float32) merged with
     the kernel's own over the rest equals attention over everything."""
     gen = torch.Generator().manual_seed(7)
-    kv_lens, start = [71, 100, 199], 70
+    # Five requests: with two threads, a task per request (whole rows) on every path.
+    kv_lens, start = [71, 100, 199, 90, 75], 70
     table, rows, slots = paged_table(kv_lens, 4, gen)
     k_cache = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
@@ -155,7 +156,11 @@ def test_decode_attention_continues_from_a_prefix_state(kernels, dtype, heads, k
         scores = torch.einsum("kgd,nkd->kgn", query, keys) * scale
         outs.append(torch.einsum("kgn,nkd->kgd", scores.softmax(-1), values).flatten(0, 1))
         lses.append(scores.logsumexp(-1).flatten())
-    prefix = (torch.full((3,), start), torch.stack(outs).float(), torch.stack(lses).float())
+    prefix = (
+        torch.full((len(kv_lens),), start),
+        torch.stack(outs).float(),
+        torch.stack(lses).float(),
+    )
     lens = torch.tensor(kv_lens)
     out = kernels.decode_attention(q, k_cache, v_cache, table, rows, lens, scale, None, prefix)
     unit = U32 if dtype == torch.float32 else UBF16
