@@ -43,3 +43,12 @@ def test_shared_spellings_keep_their_meaning() -> None:
     )
     assert (args.host, args.port, args.api_key, args.dtype) == ("0.0.0.0", 30000, "k", "float16")
     assert (args.page_size, args.max_running_req, args.schedule_policy) == (4, 8, "lpm")
+
+
+def test_prefill_budget_below_one_is_refused_naming_the_option(capsys):
+    """SGLang's --chunked-prefill-size -1 (no chunking) is not ours: refused at parse time,
+    naming the option, not deep in the scheduler's config."""
+    for value in ("-1", "0", "abc"):
+        with pytest.raises(SystemExit):
+            parse_args(["--chunked-prefill-size", value])
+        assert "--chunked-prefill-size" in capsys.readouterr().err

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-extend-length",
         "--chunked-prefill-size",
         dest="max_prefill_length",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="prompt tokens computed per prefill step, longer prompts in chunks (default: 2048 "
@@ -160,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shell-max-tokens", type=int, default=512)
     p.add_argument("--shell-temperature", type=float, default=0.0)
     return p
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
