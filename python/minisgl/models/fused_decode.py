@@ -10,9 +10,11 @@ vdpbf16ps, larger ones on the AMX tiles where the CPU has them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from minisgl.core import Batch, Context, get_global_ctx
 from minisgl.kernel.cpu import (
@@ -25,10 +27,22 @@ from minisgl.kernel.cpu import (
     DecodeModelParams,
     kernels_for,
 )
+from minisgl.layers import RMSNorm, RotaryEmbedding
 from minisgl.layers.linear import CpuProjection, Linear
 
-if TYPE_CHECKING:
-    from .decoder import DecoderModel
+from .config import ModelConfig
+
+
+class DecoderModel(Protocol):
+    """What the fused layers read of a decoder model (`models.decoder.DecoderModel`, which
+    imports this module: a Protocol keeps the import one way)."""
+
+    config: ModelConfig
+    rotary: RotaryEmbedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def modules(self) -> Iterator[nn.Module]: ...
 
 
 # Decode batches the C layer takes through the packed matmul; larger ones go module by module.
