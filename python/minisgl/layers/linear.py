@@ -190,7 +190,12 @@ class CpuProjection:
             return y.view(*x.shape[:-1], self.out_features)
         if self.packed is not None and self.in_float32:
             y = torch.ops.mkldnn._linear_pointwise(
-                x.contiguous().float(), self.packed, self.float32_bias, "none", [], ""
+                x.to(torch.float32, memory_format=torch.contiguous_format),
+                self.packed,
+                self.float32_bias,
+                "none",
+                [],
+                "",
             )
             return y if self.float32_logits else y.to(x.dtype)
         if self.packed is not None:  # oneDNN's copy takes any leading dims

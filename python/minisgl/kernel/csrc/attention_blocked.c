@@ -385,18 +385,7 @@ static inline void prefill_tile_bounds(prefill_tile* t, int64_t row0, int64_t ro
     t->k0 = t->lo[0] / 32 * 32;
     t->k1 = (t->hi[t->last] + 31) / 32 * 32;
 }
-#endif
 
-// Causal prefill attention: request b's extend_lens[b] new tokens (consecutive rows of q
-// [tokens, heads, dim] bf16, request after request) at positions cached_lens[b] + j attend to
-// the positions [lo, own] of page-table row rows[b] (lo = own - window + 1 with a sliding
-// window, else 0), read from the pool (their new K/V already stored). Writes out [tokens,
-// heads, dim] bf16. Each request's keys and values are laid out once for all its query tiles, a
-// tile computes only the key blocks its rows can see, and each thread takes a contiguous run of
-// tiles (so a request's keys stay in its cache) holding an equal share of the key blocks.
-// use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps. Returns MINISGL_OK,
-// MINISGL_ERR_SHAPE (head_dim not a multiple of 32 up to ATTN_MAX_DIM), MINISGL_ERR_NOMEM, or
-// without avx512_bf16 MINISGL_ERR_UNSUPPORTED; nothing written on an error.
 // The first task i (of `tasks`, cumulative costs cost_first[0..tasks]) with
 // cost_first[i] * runs >= target, or `tasks`: where a run of 1 / runs of the cost begins.
 static int64_t first_task_from(const int64_t* cost_first, int64_t tasks, int64_t target,
@@ -409,8 +398,21 @@ static int64_t first_task_from(const int64_t* cost_first, int64_t tasks, int64_t
     }
     return lo;
 }
+#endif
 
 #define PREFILL_RUNS_PER_THREAD 4
+
+// Causal prefill attention: request b's extend_lens[b] new tokens (consecutive rows of q
+// [tokens, heads, dim] bf16, request after request) at positions cached_lens[b] + j attend to
+// the positions [lo, own] of page-table row rows[b] (lo = own - window + 1 with a sliding
+// window, else 0), read from the pool (their new K/V already stored). Writes out [tokens,
+// heads, dim] bf16. Each request's keys and values are laid out once for all its query tiles, a
+// tile computes only the key blocks its rows can see, and tiles go in contiguous runs (so a
+// request's keys stay in a thread's cache) of equal cost, PREFILL_RUNS_PER_THREAD a thread,
+// claimed one at a time.
+// use_tiles: on the AMX tiles (where compiled in), else with vdpbf16ps. Returns MINISGL_OK,
+// MINISGL_ERR_SHAPE (head_dim not a multiple of 32 up to ATTN_MAX_DIM), MINISGL_ERR_NOMEM, or
+// without avx512_bf16 MINISGL_ERR_UNSUPPORTED; nothing written on an error.
 int minisgl_prefill_attention(const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,
                               bf16_t* out, const int32_t* page_table, int64_t table_stride,
                               const int64_t* rows, const int64_t* cached_lens,

@@ -521,7 +521,8 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
     int64_t total = 0, done = 0;
     for (int64_t b = 0; b < num_reqs; b++) total += kv_lens[b] - attn_start(&a, b);
     for (int64_t r = 0, b = 0; r < runs; r++) {  // run r: the requests whose work begins in it
-        while (b < num_reqs && done * runs < r * total) done += kv_lens[b] - attn_start(&a, b++);
+        for (; b < num_reqs && done * runs < r * total; b++)
+            done += kv_lens[b] - attn_start(&a, b);
         run_first[r] = b;
     }
     run_first[runs] = num_reqs;
