@@ -18,10 +18,10 @@ from helpers import (
 
 from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_mod
+from minisgl.kernel.ops import rotate_halves as _rotate
 from minisgl.layers.embedding import LMHead
 from minisgl.layers.linear import AMX_GEMV_MAX_ROWS, GEMV_MAX_ROWS, CpuProjection
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.rotary import _rotate
 
 kernels = cpu_mod.cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels unavailable on this machine")
@@ -510,22 +510,22 @@ def test_prefill_attention_matches_float_reference(
 def test_prefill_attention_block_equals_the_module_path(arch, monkeypatch):
     """The prefill attention block (one C call) runs the module path's kernels per row: the
     prefill logits are the same bit for bit, chunked and batched."""
-    from minisgl.layers.attention import AttentionLayer
+    from minisgl.attention.cpu_backend import CpuAttnBackend
 
     calls = []
-    block = AttentionLayer._attention_block
+    block = CpuAttnBackend.attention_block
 
-    def counting_block(self, ctx, qkv, rope):
-        out = block(self, ctx, qkv, rope)
-        if ctx.batch.is_prefill:
+    def counting_block(self, layer, qkv, positions, batch):
+        out = block(self, layer, qkv, positions, batch)
+        if batch.is_prefill:
             calls.append(out is not None)
         return out
 
     def prefill_logits(in_block: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(
-            AttentionLayer,
-            "_attention_block",
-            counting_block if in_block else (lambda self, ctx, qkv, rope: None),
+            CpuAttnBackend,
+            "attention_block",
+            counting_block if in_block else (lambda self, layer, qkv, positions, batch: None),
         )
         llm = build_llm(arch, dtype=torch.bfloat16, cache_type="naive", max_prefill_length=32)
         logits = spy_logits(llm, "prefill")
@@ -546,30 +546,28 @@ def test_prefill_kernel_matches_sdpa_inside_the_engine(monkeypatch):
     """bf16 with radix hits, pages of 4 and chunks of 16: each prefill layer's attention block
     (norms, rotary, KV store and the C kernel in one call) against the torch backend's SDPA on
     the q/k/v it prepared and the same pool."""
-    from minisgl.attention.cpu_backend import CpuPrefillMetadata
+    from minisgl.attention.cpu_backend import CpuAttnBackend, CpuPrefillMetadata
     from minisgl.attention.torch_backend import TorchAttnBackend
-    from minisgl.core import get_global_ctx
-    from minisgl.layers.attention import AttentionLayer
 
     cached_seen: list[int] = []
-    in_kernel = AttentionLayer._attention_block
+    in_kernel = CpuAttnBackend.attention_block
 
-    def prefill_block(self, ctx, qkv, rope):
-        out = in_kernel(self, ctx, qkv, rope)
-        if out is None or ctx.batch.is_decode:  # e.g. a cascade over a shared prefix
+    def prefill_block(backend, layer, qkv, positions, batch):
+        out = in_kernel(backend, layer, qkv, positions, batch)
+        if out is None or batch.is_decode:  # e.g. a cascade over a shared prefix
             return out
-        batch, backend = ctx.batch, get_global_ctx().attn_backend
         meta = batch.attn_metadata
         assert isinstance(meta, CpuPrefillMetadata)
-        q, k, v = self.qkv_inputs(qkv, rope)  # from the projection, left as it was
+        rope = layer.rotary.prepare(positions, qkv.dtype)
+        q, k, v = layer.qkv_inputs(qkv, rope)  # from the projection, left as it was
         TorchAttnBackend.prepare_metadata(backend, batch)
-        want = TorchAttnBackend.forward(backend, q, k, v, self.layer_id, batch)
+        want = TorchAttnBackend.forward(backend, q, k, v, layer.layer_id, batch)
         batch.attn_metadata = meta
         torch.testing.assert_close(out.float(), want.float().flatten(1), atol=2e-2, rtol=2e-2)
         cached_seen.append(int(meta.cached_lens.max()))
         return out
 
-    monkeypatch.setattr(AttentionLayer, "_attention_block", prefill_block)
+    monkeypatch.setattr(CpuAttnBackend, "attention_block", prefill_block)
     llm = build_llm(
         "smollm2", dtype=torch.bfloat16, cache_type="radix", page_size=4, max_prefill_length=16
     )

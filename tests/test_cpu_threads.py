@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from minisgl.engine.cpu_threads import CpuThreads, busy_seconds, own_seconds
@@ -71,7 +73,11 @@ def test_the_readings_of_this_machine() -> None:
     cpus = frozenset({0})
     first, own = busy_seconds(cpus), own_seconds()
     assert first is not None and first >= 0.0 and own > 0.0
-    sum(i * i for i in range(200_000))  # some CPU time of our own
+    # Spend CPU time of our own until the clock (10 ms ticks) moves: a fixed amount of work can
+    # finish inside one tick on a fast core.
+    deadline = time.monotonic() + 5.0
+    while own_seconds() <= own and time.monotonic() < deadline:
+        sum(i * i for i in range(100_000))
     assert own_seconds() > own and busy_seconds(cpus) >= first
 
 

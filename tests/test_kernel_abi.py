@@ -21,6 +21,7 @@ _CTYPE_CLASSES = {
     ctypes.c_int: "int",
     ctypes.c_float: "float",
     None: "void",
+    abi.ProjectionParams: "projection",  # a struct nested in decode_layer
 }
 _C_SCALARS = {"int64_t": "int64", "int": "int", "float": "float", "void": "void"}
 
@@ -107,7 +108,11 @@ def _c_struct_fields(name: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize(
     "c_name,struct",
-    [("decode_layer", cpu.DecodeLayerParams), ("decode_model", cpu.DecodeModelParams)],
+    [
+        ("projection", abi.ProjectionParams),
+        ("decode_layer", cpu.DecodeLayerParams),
+        ("decode_model", cpu.DecodeModelParams),
+    ],
 )
 def test_parameter_structs_match_the_c_layout(c_name, struct):
     ours = [(field, _CTYPE_CLASSES[kind]) for field, kind in struct._fields_]

@@ -26,8 +26,8 @@ import torch
 from minisgl.env import ENV
 from minisgl.kernel.build import TARGETS, build_library, can_run
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
+from minisgl.kernel.ops import rotate_halves as _rotate
 from minisgl.layers.linear import interleave_gate_up
-from minisgl.layers.rotary import _rotate
 
 ONLY_WHERE_BUILT = pytest.mark.skipif(
     platform.system() != "Linux"

@@ -8,8 +8,10 @@ from helpers import MIXED_PROMPTS, build_llm, greedy, hf_greedy
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine import Sampler
-from minisgl.engine.sample import _sample_rows_torch
 from minisgl.kernel.cpu import cpu_kernels
+from minisgl.kernel.ops import TORCH_OPS
+
+_sample_rows_torch = TORCH_OPS.sample_rows
 
 
 @pytest.fixture(scope="module")

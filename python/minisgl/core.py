@@ -29,12 +29,29 @@ class KVPool(Protocol):
     ) -> None: ...
 
 
+class AttentionSpec(Protocol):
+    """What a backend's fused attention block reads of a layer (layers.AttentionLayer)."""
+
+    layer_id: int
+    num_qo_heads: int
+    num_kv_heads: int
+    sliding_window: int | None
+
+    def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None: ...
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionBackend(Protocol):
     """Computes attention for one layer of the current batch (see attention.base)."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor: ...
+
+    def attention_block(
+        self, layer: AttentionSpec, qkv: torch.Tensor, positions: torch.Tensor, batch: Batch
+    ) -> torch.Tensor | None: ...
 
     def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import AttentionSpec, Batch
 
 
 class BaseAttnBackend(ABC):
@@ -21,6 +21,13 @@ class BaseAttnBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim]."""
+
+    def attention_block(
+        self, layer: AttentionSpec, qkv: torch.Tensor, positions: torch.Tensor, batch: Batch
+    ) -> torch.Tensor | None:
+        """The layer's q/k norms, rotary, KV store and attention from its fused qkv projection in
+        one step, where this backend has one for the batch; None: the layer runs them itself."""
+        return None
 
     def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(page-table rows, KV lengths) when this decode batch may run the fused C decode

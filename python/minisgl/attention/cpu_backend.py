@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import AttentionSpec, Batch
 from minisgl.kernel.cpu import MAX_GROUP, MAX_HEAD_DIM, CpuKernels
 from minisgl.kvcache import BaseKVCache
 
@@ -111,6 +111,43 @@ class CpuAttnBackend(TorchAttnBackend):
             torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64),
             torch.tensor([r.cached_len for r in batch.reqs], dtype=torch.int64),
             torch.tensor([r.extend_len for r in batch.reqs], dtype=torch.int64),
+        )
+
+    def attention_block(
+        self, layer: AttentionSpec, qkv: torch.Tensor, positions: torch.Tensor, batch: Batch
+    ) -> torch.Tensor | None:
+        """Norms, rotary, KV store and attention in one C call where the kernels read the pool
+        in place for this batch (decode: paged attention; a bf16 prefill: the blocked kernel):
+        the module path's kernels, the same results."""
+        if (
+            batch.out_loc is None
+            or not qkv.is_contiguous()
+            or not self.kernels.supports(qkv.dtype)
+            or positions.device.type != "cpu"
+        ):
+            return None
+        if batch.is_decode:
+            attn_args = self.paged_decode_args(batch)
+            if attn_args is None or layer.num_qo_heads // layer.num_kv_heads > MAX_GROUP:
+                return None
+            run = self.kernels.decode_attention_block
+        else:
+            attn_args = self.prefill_args(batch)
+            if attn_args is None or qkv.dtype != torch.bfloat16:
+                return None
+            run = self.kernels.prefill_attention_block
+        return run(
+            qkv,
+            layer.qk_norms(),
+            self.kv_cache.k_cache(layer.layer_id),
+            self.kv_cache.v_cache(layer.layer_id),
+            batch.out_loc,
+            positions.long().contiguous(),
+            layer.rope_tables(),
+            self.page_table,
+            attn_args,  # type: ignore[arg-type]
+            layer.num_qo_heads,
+            layer.sliding_window,
         )
 
     def paged_decode_args(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Req
-from minisgl.kernel.cpu import kernels_for
+from minisgl.kernel.ops import ops_for
 
 # Probabilities top-k / top-p first look among (see Sampler._top_k_top_p_).
 TOP_CANDIDATES = 1024
@@ -170,11 +170,11 @@ class Sampler:
             uniforms[row] = torch.rand(
                 1, dtype=torch.float64, generator=generator, device=uniforms.device
             )[0]
-        kernels = kernels_for(logits)
-        if kernels is not None and args.top_k is None and args.top_p is None and args.min_p is None:
-            # Temperature alone: the C draw computes the softmax as it reads the logits.
-            sampled = kernels.sample_rows(logits, uniforms, args.temperatures[:, 0])
-        else:
+        sampled = None
+        if args.top_k is None and args.top_p is None and args.min_p is None:
+            # Temperature alone: where the ops fuse it, the softmax is computed as the draw reads.
+            sampled = ops_for(logits).sample_tempered(logits, uniforms, args.temperatures[:, 0])
+        if sampled is None:
             sampled = self._sample_filtered(logits, args, uniforms)
         if args.greedy_rows is None:
             return sampled.to(torch.int32)
@@ -232,34 +232,15 @@ class Sampler:
 
 def _top_candidates(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row of probs, largest first, and their columns."""
-    kernels = kernels_for(probs)
-    if kernels is not None:
-        return kernels.top_candidates(probs, k)
-    return probs.topk(k, dim=-1)
+    return ops_for(probs).top_candidates(probs, k)
 
 
 def _sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """A draw from each row of weights [B, vocab] (float32, >= 0): the first column whose
-    running sum exceeds uniforms [B] times the row's total (`CpuKernels.sample_rows`)."""
-    kernels = kernels_for(weights)
-    if kernels is not None:
-        return kernels.sample_rows(weights, uniforms)
-    return _sample_rows_torch(weights, uniforms)
-
-
-def _sample_rows_torch(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """`_sample_rows` in PyTorch ops (any device)."""
-    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-    # At the very top (rounding) the search runs past the end: the last nonzero column.
-    last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(tokens, last)
+    running sum exceeds uniforms [B] times the row's total (`TorchOps.sample_rows`)."""
+    return ops_for(weights).sample_rows(weights, uniforms)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (first index on ties); `max` is ~2.5x faster than `argmax` on CPU, and
-    the C kernel ~4x faster than `max` on bf16 logits."""
-    kernels = kernels_for(x)
-    if kernels is not None and x.dim() == 2 and x.shape[1] > 0:
-        return kernels.argmax(x)
-    return x.max(dim=-1).indices
+    """Row-wise argmax (first index on ties)."""
+    return ops_for(x).argmax(x)

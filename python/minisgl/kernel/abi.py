@@ -204,33 +204,19 @@ def check_prefill_tokens(kernel: str, tokens: int, extend_lens: torch.Tensor) ->
         raise ValueError(f"{kernel}: {tokens} query rows for {new_tokens} new tokens")
 
 
-class DecodeLayerParams(ctypes.Structure):
-    """One layer's weights and KV pool for the C decode layer (NULL: absent)."""
+class ProjectionParams(ctypes.Structure):
+    """One projection for the C decode layer: its row-major weight (read only without a packed
+    copy), packed copy and bias (NULL: absent); gated: a gate_up with SiLU fused."""
 
-    _fields_ = [
-        (name, _ptr)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "q_norm",
-            "k_norm",
-            "qkv_w",
-            "qkv_b",
-            "o_w",
-            "o_b",
-            "gate_up_w",
-            "gate_up_b",
-            "down_w",
-            "down_b",
-            "qkv_t",
-            "o_t",
-            "gate_up_t",
-            "down_t",
-            "gate_up_tb",
-            "k_cache",
-            "v_cache",
-        )
-    ] + [("window", _i64)]
+    _fields_ = [("weight", _ptr), ("tiles", _ptr), ("bias", _ptr), ("gated", _i64)]
+
+
+class DecodeLayerParams(ctypes.Structure):
+    """One layer's norms, projections and KV pool for the C decode layer (NULL: absent)."""
+
+    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+    _fields_ += [(name, ProjectionParams) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64)]
 
 
 class DecodeModelParams(ctypes.Structure):

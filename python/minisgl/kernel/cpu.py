@@ -3,7 +3,8 @@ ctypes: the loader, and `CpuKernels` assembled from the per-concept wrappers (ge
 elementwise, sampling, fused_layer).
 
 `cpu_kernels()` returns None when they cannot be used (no compiler, not x86/Linux, or
-MINISGL_CPU_KERNELS=0); callers then take their pure-PyTorch path, which computes the same thing.
+MINISGL_CPU_KERNELS=0); `kernel/ops.py` then dispatches to the pure-PyTorch ops, which compute
+the same thing.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import logging
 import platform
 import shutil
 
-import torch
-
 from minisgl.env import ENV
 from minisgl.kernel.abi import (
     MAX_GROUP,
@@ -24,6 +23,7 @@ from minisgl.kernel.abi import (
     MAX_NORM_HIDDEN,
     DecodeLayerParams,
     DecodeModelParams,
+    ProjectionParams,
 )
 from minisgl.kernel.attention import AttentionKernels
 from minisgl.kernel.build import NATIVE_FLAGS, TARGETS, build_library, can_run
@@ -36,7 +36,8 @@ from minisgl.kernel.threads import NO_CAP, kernel_threads, set_thread_cap
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "MAX_INTERMEDIATE", "MAX_NORM_HIDDEN"]
-__all__ += ["CpuKernels", "DecodeLayerParams", "DecodeModelParams", "cpu_kernels", "kernels_for"]
+__all__ += ["CpuKernels", "DecodeLayerParams", "DecodeModelParams", "ProjectionParams"]
+__all__ += ["cpu_kernels"]
 __all__ += ["NO_CAP", "kernel_threads", "set_thread_cap"]
 
 
@@ -80,11 +81,3 @@ def target_flags(name: str) -> tuple[str, ...]:
     if not can_run(target):
         raise RuntimeError(f"MINISGL_CPU_TARGET={name!r}: this CPU cannot run that build")
     return target.flags
-
-
-def kernels_for(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels if they can take this tensor (on the CPU, float32 or bfloat16), else None."""
-    if x.device.type != "cpu":
-        return None
-    kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.supports(x.dtype) else None

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from minisgl.core import Context, get_global_ctx
-from minisgl.kernel.cpu import MAX_GROUP
+from minisgl.core import get_global_ctx
 
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, RotaryInputs
@@ -37,14 +36,14 @@ class AttentionLayer(nn.Module):
 
     def forward(self, qkv: torch.Tensor, rope: RotaryInputs) -> torch.Tensor:
         ctx = get_global_ctx()
-        batch = ctx.batch
-        assert ctx.attn_backend is not None
-        if rope.kernels is not None:
-            fused = self._attention_block(ctx, qkv, rope)
-            if fused is not None:
-                return fused
+        batch, backend = ctx.batch, ctx.attn_backend
+        assert backend is not None
+        # The backend may run norms, rotary, KV store and attention as one block.
+        fused = backend.attention_block(self, qkv, rope.positions, batch)
+        if fused is not None:
+            return fused
         q, k, v = self.qkv_inputs(qkv, rope)
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
+        out = backend.forward(q, k, v, self.layer_id, batch)
         return out.reshape(-1, self.num_qo_heads * self.head_dim)
 
     def qkv_inputs(self, qkv: Tensor, rope: RotaryInputs) -> tuple[Tensor, Tensor, Tensor]:
@@ -59,37 +58,12 @@ class AttentionLayer(nn.Module):
         q, k = self.rotary(rope, q, k)
         return q, k, v
 
-    def _attention_block(self, ctx: Context, qkv: Tensor, rope: RotaryInputs) -> Tensor | None:
-        """Norms, rotary, KV store and attention in one C call, where the backend reads the pool
-        in place for this batch (decode: paged attention; a bf16 prefill: the blocked kernel):
-        the module path's kernels, the same results. None: take the module path."""
-        backend, batch = ctx.attn_backend, ctx.batch
-        assert backend is not None and ctx.kv_cache is not None and rope.kernels is not None
-        if batch.out_loc is None or ctx.page_table is None or not qkv.is_contiguous():
+    def qk_norms(self) -> tuple[Tensor, Tensor, float] | None:
+        """(q norm weight, k norm weight, eps) where the model norms q and k per head."""
+        if self.q_norm is None or self.k_norm is None:
             return None
-        if batch.is_decode:
-            attn_args = backend.paged_decode_args(batch)
-            if attn_args is None or self.num_qo_heads // self.num_kv_heads > MAX_GROUP:
-                return None
-            run = rope.kernels.decode_attention_block
-        else:
-            attn_args = backend.prefill_args(batch)
-            if attn_args is None or qkv.dtype != torch.bfloat16:
-                return None
-            run = rope.kernels.prefill_attention_block
-        qk_norms = None
-        if self.q_norm is not None and self.k_norm is not None:
-            qk_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return run(
-            qkv,
-            qk_norms,
-            ctx.kv_cache.k_cache(self.layer_id),
-            ctx.kv_cache.v_cache(self.layer_id),
-            batch.out_loc,
-            rope.positions,
-            (self.rotary.cos, self.rotary.sin),
-            ctx.page_table,
-            attn_args,  # type: ignore[arg-type]
-            self.num_qo_heads,
-            self.sliding_window,
-        )
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
+    def rope_tables(self) -> tuple[Tensor, Tensor]:
+        """The rotary cos/sin tables [max_positions, head_dim] (float32)."""
+        return self.rotary.cos, self.rotary.sin

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
@@ -97,6 +98,10 @@ def keeps_weight(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
         and not onednn_packs(dtype)
         and not computes_in_float32(dtype, kernels)
     )
+
+
+def _data_ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
 
 class CpuProjection:
@@ -204,6 +209,16 @@ class CpuProjection:
             )
         return F.linear(x, weight, bias)
 
+    def fused_params(self, weight: torch.Tensor, bias: torch.Tensor | None) -> ProjectionParams:
+        """This projection as the C decode layer reads it (kernels.h's `projection`): the
+        packed copy where the C matmuls have one, with the bias in its column order."""
+        return ProjectionParams(
+            weight=_data_ptr(weight) if self.needs_weight else None,
+            tiles=_data_ptr(self.tiles),
+            bias=_data_ptr(self.gated_bias if self.gated else bias),
+            gated=int(self.gated),
+        )
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """The gated activation straight from the packed matmul, where this projection has it;
         else None."""
@@ -256,6 +271,12 @@ class Linear(nn.Module):
         if self.cpu_projection is not None:
             return self.cpu_projection(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def fused_params(self) -> ProjectionParams | None:
+        """This projection for the C decode layer, where it has a CPU path (see CpuProjection)."""
+        if self.cpu_projection is None:
+            return None
+        return self.cpu_projection.fused_params(self.weight, self.bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gated projection: fused on the CPU where it can be."""

@@ -17,7 +17,7 @@ from minisgl.layers import (
 )
 
 from .config import ModelConfig
-from .fused_decode import FusedDecode
+from .fused_decode import FusedDecode, LayerParts
 
 
 class MLP(nn.Module):
@@ -60,6 +60,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+
+    def parts(self) -> LayerParts:
+        """This layer's modules in forward order: what the fused C decode layer reads."""
+        attn, mlp = self.self_attn, self.mlp
+        return LayerParts(
+            self.input_layernorm,
+            attn.qkv_proj,
+            attn.attn,
+            attn.o_proj,
+            self.post_attention_layernorm,
+            mlp.gate_up_proj,
+            mlp.down_proj,
+        )
 
     def forward(
         self,

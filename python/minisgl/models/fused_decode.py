@@ -10,7 +10,7 @@ vdpbf16ps, larger ones on the AMX tiles where the CPU has them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,12 +25,37 @@ from minisgl.kernel.cpu import (
     CpuKernels,
     DecodeLayerParams,
     DecodeModelParams,
-    kernels_for,
+    ProjectionParams,
+    cpu_kernels,
 )
-from minisgl.layers import RMSNorm, RotaryEmbedding
-from minisgl.layers.linear import CpuProjection, Linear
+from minisgl.layers import AttentionLayer, Linear, RMSNorm, RotaryEmbedding
 
 from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """One decoder layer's modules in the order its forward runs them: x + residual ->
+    input_norm -> qkv -> attention -> o -> + residual -> post_norm -> gate_up (SiLU) -> down.
+    The fused layer reads each module's own description of itself (its weights, bias, packed
+    copy, norms, window), so a change made to a module reaches both paths."""
+
+    input_norm: RMSNorm
+    qkv: Linear
+    attention: AttentionLayer
+    o: Linear
+    post_norm: RMSNorm
+    gate_up: Linear
+    down: Linear
+
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+class DecoderLayer(Protocol):
+    """What the fused layers read of a decoder layer (`models.decoder.DecoderLayer`)."""
+
+    def parts(self) -> LayerParts: ...
 
 
 class DecoderModel(Protocol):
@@ -42,8 +67,6 @@ class DecoderModel(Protocol):
     layers: nn.ModuleList
     norm: RMSNorm
 
-    def modules(self) -> Iterator[nn.Module]: ...
-
 
 # Decode batches the C layer takes through the packed matmul; larger ones go module by module.
 TILES_MAX_TOKENS = 1023
@@ -53,20 +76,14 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
 
-def _projection(linear: Linear) -> CpuProjection:
-    assert linear.cpu_projection is not None
-    return linear.cpu_projection
+def _layer_parts(model: DecoderModel) -> list[LayerParts]:
+    layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+    return [layer.parts() for layer in layers]
 
 
-def _tiles(linear: Linear) -> torch.Tensor | None:
-    projection = _projection(linear)
-    if linear.gated:  # the C layer reads a gate_up's tiles only in the interleaved layout
-        return projection.tiles if projection.gated else None
-    return projection.tiles
-
-
-def _gated_bias(linear: Linear) -> torch.Tensor | None:
-    return _projection(linear).gated_bias
+def _packed(params: ProjectionParams | None) -> bool:
+    """Whether the C layer multiplies this projection from a packed copy (its only copy)."""
+    return params is not None and bool(params.tiles)
 
 
 class FusedDecode:
@@ -77,8 +94,13 @@ class FusedDecode:
         assert ctx.kv_cache is not None and ctx.page_table is not None
         self.kernels = kernels
         self.kv_cache, self.page_table = ctx.kv_cache, ctx.page_table
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        gemv_max_rows = min(_projection(m).gemv_max_rows for m in linears)
+        layers = _layer_parts(model)
+        gemv_max_rows = min(
+            linear.cpu_projection.gemv_max_rows
+            for parts in layers
+            for linear in parts.projections()
+            if linear.cpu_projection is not None
+        )
         self.max_tokens = TILES_MAX_TOKENS
         self.model_params = DecodeModelParams(
             hidden=config.hidden_size,
@@ -97,31 +119,21 @@ class FusedDecode:
             max_positions=model.rotary.cos.shape[0],  # positions past the tables are refused
         )
         self.layer_params = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q_norm, k_norm = attn.attn.q_norm, attn.attn.k_norm
+        for i, parts in enumerate(layers):
+            qk_norms = parts.attention.qk_norms()
             self.layer_params.append(
                 DecodeLayerParams(
-                    input_norm=_ptr(layer.input_layernorm.weight),
-                    post_norm=_ptr(layer.post_attention_layernorm.weight),
-                    q_norm=_ptr(None if q_norm is None else q_norm.weight),
-                    k_norm=_ptr(None if k_norm is None else k_norm.weight),
-                    qkv_w=_ptr(attn.qkv_proj.weight),
-                    qkv_b=_ptr(attn.qkv_proj.bias),
-                    o_w=_ptr(attn.o_proj.weight),
-                    o_b=_ptr(attn.o_proj.bias),
-                    gate_up_w=_ptr(mlp.gate_up_proj.weight),
-                    gate_up_b=_ptr(mlp.gate_up_proj.bias),
-                    down_w=_ptr(mlp.down_proj.weight),
-                    down_b=_ptr(mlp.down_proj.bias),
-                    qkv_t=_ptr(_tiles(attn.qkv_proj)),
-                    o_t=_ptr(_tiles(attn.o_proj)),
-                    gate_up_t=_ptr(_tiles(mlp.gate_up_proj)),
-                    down_t=_ptr(_tiles(mlp.down_proj)),
-                    gate_up_tb=_ptr(_gated_bias(mlp.gate_up_proj)),
+                    input_norm=_ptr(parts.input_norm.weight),
+                    post_norm=_ptr(parts.post_norm.weight),
+                    q_norm=None if qk_norms is None else _ptr(qk_norms[0]),
+                    k_norm=None if qk_norms is None else _ptr(qk_norms[1]),
+                    qkv=parts.qkv.fused_params(),
+                    o=parts.o.fused_params(),
+                    gate_up=parts.gate_up.fused_params(),
+                    down=parts.down.fused_params(),
                     k_cache=_ptr(ctx.kv_cache.k_cache(i)),
                     v_cache=_ptr(ctx.kv_cache.v_cache(i)),
-                    window=config.sliding_windows[i] or 0,
+                    window=parts.attention.sliding_window or 0,
                 )
             )
         # The same blocks side by side, for the one call that runs every layer.
@@ -131,12 +143,12 @@ class FusedDecode:
     def supported(model: DecoderModel, x: torch.Tensor) -> CpuKernels | None:
         """The kernels when this model can run fused layers on activations like x."""
         config = model.config
-        kernels = kernels_for(x)
+        kernels = cpu_kernels() if x.device.type == "cpu" else None
         if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
             return None
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        # Every projection's tile copy (a gate_up's interleaved), the only copy of its weight.
-        if not all(m.cpu_projection and _tiles(m) is not None for m in linears):
+        # Every projection multiplied from its packed copy, the only copy of its weight.
+        layers = _layer_parts(model)
+        if not all(_packed(m.fused_params()) for parts in layers for m in parts.projections()):
             return None
         fits = (
             config.head_dim <= MAX_HEAD_DIM

@@ -1,10 +1,26 @@
-"""What the scheduler hands back: tokens per request, and cache statistics."""
+"""What a step leaves behind: the launched step awaiting its tokens, the tokens handed back per
+request, and cache statistics."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from minisgl.core import FinishReason
+from minisgl.core import Batch, FinishReason, Req
+from minisgl.engine import ForwardOutput
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens have not been processed yet."""
+
+    batch: Batch
+    sampled: list[Req]
+    result: ForwardOutput | Future[ForwardOutput]
+
+    def output(self) -> ForwardOutput:
+        result = self.result
+        return (result.result() if isinstance(result, Future) else result).wait()
 
 
 @dataclass(frozen=True)

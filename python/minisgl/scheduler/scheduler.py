@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -19,25 +18,12 @@ from minisgl.utils.faults import inject as inject_fault
 from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
-from .output import SchedulerStats, TokenOutput
+from .output import InFlight, SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
 from .prepare import prepare_forward_input, validate_request
 from .table import TableManager
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class InFlight:
-    """A launched step whose tokens have not been processed yet."""
-
-    batch: Batch
-    sampled: list[Req]
-    result: ForwardOutput | Future[ForwardOutput]
-
-    def output(self) -> ForwardOutput:
-        result = self.result
-        return (result.result() if isinstance(result, Future) else result).wait()
 
 
 class Scheduler:

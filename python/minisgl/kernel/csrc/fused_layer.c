@@ -107,13 +107,12 @@ static inline int layer_tiles(const decode_model* m, int64_t tokens) {
 }
 
 // Status: the packed matmul's (the GEMV cannot fail).
-static int layer_matmul(const decode_model* m, const bf16_t* x, const bf16_t* w,
-                        const bf16_t* tiles, const bf16_t* bias, bf16_t* y, int64_t tokens,
-                        int64_t N, int64_t K, int nthreads) {
-    if (tiles)
-        return minisgl_packed_linear(x, tiles, bias, y, tokens, N, K, 0, layer_tiles(m, tokens),
-                                     nthreads);
-    minisgl_gemv_bf16(x, w, bias, y, tokens, N, K, nthreads);
+static int layer_matmul(const decode_model* m, const bf16_t* x, const projection* p, bf16_t* y,
+                        int64_t tokens, int64_t N, int64_t K, int nthreads) {
+    if (p->tiles)
+        return minisgl_packed_linear(x, p->tiles, p->bias, y, tokens, N, K, 0,
+                                     layer_tiles(m, tokens), nthreads);
+    minisgl_gemv_bf16(x, p->weight, p->bias, y, tokens, N, K, nthreads);
     return MINISGL_OK;
 }
 
@@ -164,8 +163,8 @@ int minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, con
         minisgl_add_rms_norm(x, NULL, L->input_norm, s.normed, NULL, tokens, hidden, m->eps, 1,
                              nthreads);
     }
-    const int status = layer_matmul(m, s.normed, L->qkv_w, L->qkv_t, L->qkv_b, s.qkv, tokens,
-                                    qkv_width, hidden, nthreads);
+    const int status = layer_matmul(m, s.normed, &L->qkv, s.qkv, tokens, qkv_width, hidden,
+                                    nthreads);
     if (status != MINISGL_OK) return status;
     return attention_inputs(s.qkv, s.q, L->q_norm, L->k_norm, m->eps, L->k_cache, L->v_cache,
                             out_loc, positions, m->cos, m->sin, m->max_positions, tokens,
@@ -186,23 +185,22 @@ int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_
                                           prefix_lse, tokens, m->num_heads, m->num_kv_heads,
                                           m->head_dim, m->scale, L->window, 1, nthreads);
     if (status != MINISGL_OK) return status;
-    status = layer_matmul(m, s.attn, L->o_w, L->o_t, L->o_b, s.proj, tokens, hidden, q_width,
-                          nthreads);
+    status = layer_matmul(m, s.attn, &L->o, s.proj, tokens, hidden, q_width, nthreads);
     if (status != MINISGL_OK) return status;
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
-    if (L->gate_up_t) {
-        status = minisgl_packed_gated_silu(s.normed, L->gate_up_t, L->gate_up_tb, s.act, tokens,
-                                           m->inter, hidden, layer_tiles(m, tokens), nthreads);
+    if (L->gate_up.gated && L->gate_up.tiles) {
+        status = minisgl_packed_gated_silu(s.normed, L->gate_up.tiles, L->gate_up.bias, s.act,
+                                           tokens, m->inter, hidden, layer_tiles(m, tokens),
+                                           nthreads);
     } else {
-        status = layer_matmul(m, s.normed, L->gate_up_w, NULL, L->gate_up_b, s.gate_up, tokens,
-                              2 * m->inter, hidden, nthreads);
+        status = layer_matmul(m, s.normed, &L->gate_up, s.gate_up, tokens, 2 * m->inter, hidden,
+                              nthreads);
         if (status == MINISGL_OK)
             minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
     }
     if (status != MINISGL_OK) return status;
-    return layer_matmul(m, s.act, L->down_w, L->down_t, L->down_b, out, tokens, hidden, m->inter,
-                        nthreads);
+    return layer_matmul(m, s.act, &L->down, out, tokens, hidden, m->inter, nthreads);
 }
 
 // Every layer of a decode step with no shared prefix, in one call: at batch 1 the Python and

@@ -28,13 +28,20 @@ typedef uint16_t bf16_t;
 #define MINISGL_ERR_UNSUPPORTED 3  // built without the instructions this kernel needs
 #define MINISGL_ERR_POSITION 4     // a position outside the rotary tables
 
-// The fused decode layer's parameters (fused_layer.c; abi.DecodeLayerParams and
-// abi.DecodeModelParams): one layer's weights and KV pool, the model's shapes and tables.
+// The fused decode layer's parameters (fused_layer.c; abi.ProjectionParams,
+// abi.DecodeLayerParams and abi.DecodeModelParams): one projection as the module path holds it
+// (layers/linear.py's CpuProjection.fused_params), one layer's norms, projections and KV pool,
+// the model's shapes and tables.
+typedef struct {
+    const bf16_t* weight;  // row-major [N, K], read only where there is no packed copy
+    const bf16_t* tiles;   // the packed (tile layout) copy, or NULL
+    const bf16_t* bias;    // [N] in the packed copy's column order, or NULL
+    int64_t gated;         // a gate_up whose copy (and bias) interleave gate and up: SiLU fused
+} projection;
+
 typedef struct {
     const bf16_t *input_norm, *post_norm, *q_norm, *k_norm;  // q/k norms may be NULL
-    const bf16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
-    const bf16_t *qkv_t, *o_t, *gate_up_t, *down_t;  // packed (tile layout) copies, or NULL
-    const bf16_t* gate_up_tb;  // gate_up's bias interleaved as gate_up_t is (gated), or NULL
+    projection qkv, o, gate_up, down;
     bf16_t *k_cache, *v_cache;  // this layer's pool: [slots, kv_heads, head_dim]
     int64_t window;             // 0: none
 } decode_layer;
