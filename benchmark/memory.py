@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import QWEN3_RANDOM, base_parser, format_table, model_label, resolve_bench_model
+from cli import base_parser
+from models import QWEN3_RANDOM, model_label, resolve_bench_model
+from report import format_table
 
 MB = 2**20
 # Issue 19's acceptance for Qwen3-0.6B's shape in bf16: what loading may add.
@@ -60,6 +62,7 @@ def measure_load(model_path: Path, dtype: str, kv_tokens: int, max_seq_len: int)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Load each model in a child process (`--child`) and print the RSS table."""
     p = base_parser(__doc__ or "")
     p.add_argument("--kv-tokens", type=int, default=1024, help="KV pool slots (page size 1)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine max_seq_len")

@@ -39,6 +39,7 @@ def decode_tok_per_s(llm: LLM, batch_size: int, output_len: int, prompt_len: int
 
 
 def main() -> None:
+    """Measure every batch size with overlap off, then on, and print the table."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16")

@@ -15,7 +15,10 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
 
-def shuffled_groups(groups: int, per_group: int, prefix: int, suffix: int, seed: int):
+def shuffled_groups(
+    groups: int, per_group: int, prefix: int, suffix: int, seed: int
+) -> list[list[int]]:
+    """`groups` x `per_group` prompts, a shared prefix per group, in a shuffled order."""
     rng = random.Random(seed)
     heads = [[rng.randrange(1000, 40000) for _ in range(prefix)] for _ in range(groups)]
     prompts = [
@@ -28,6 +31,7 @@ def shuffled_groups(groups: int, per_group: int, prefix: int, suffix: int, seed:
 
 
 def main() -> None:
+    """Run the workload under each policy and print hit rate and wall time."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16")

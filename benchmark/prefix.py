@@ -32,147 +32,25 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    LLM,
-    MinisglRunner,
-    Panel,
-    PeerRun,
-    Phases,
-    Request,
-    RunResult,
-    TokenSource,
-    add_run_options,
-    bar_chart,
-    base_parser,
-    exit_on_sigterm,
-    format_table,
-    ideal_prefill_tokens,
-    machine_note,
-    max_seq_len,
-    median_run,
-    model_label,
-    parse_run_args,
-    resolve_bench_model,
-    run_vllm_peer,
-    save_json,
-    set_threads,
-    stamp,
-    total_kv_tokens,
-)
+from cli import add_no_bracket_option, add_run_options, base_parser, parse_run_args  # noqa: E402
+from machine import machine_note, set_threads  # noqa: E402
+from models import model_label, resolve_bench_model  # noqa: E402
+from phases import Phases, Request, ideal_prefill_tokens, max_seq_len, total_kv_tokens  # noqa: E402
+from processes import exit_on_sigterm  # noqa: E402
+from report import Panel, format_table, log, series, stamp, write_chart_and_json  # noqa: E402
+from results import RunResult, median_run  # noqa: E402
+from runners.minisgl import MinisglRunner  # noqa: E402
+from runners.vllm import PeerRun, run_vllm_peer  # noqa: E402
+from workloads import PREFIX_WORKLOADS, QUICK_PREFIX_WORKLOADS, TokenSource  # noqa: E402
+
+from minisgl.llm import LLM  # noqa: E402
 
 
-# ---------------------------------------------------------------------------- workloads
-@dataclass(frozen=True)
-class SharedPrompt:
-    """P1: `first` request alone, then the rest; every prompt = system + own question."""
-
-    system: int = 1024
-    questions: int = 64
-    question: int = 32
-    output: int = 32
-
-    def phases(self, tokens: TokenSource, *stream: int | str) -> Phases:
-        rng = tokens.rng("P1", *stream)
-        system = tokens.draw(rng, self.system)
-        reqs = [
-            Request(system + tokens.draw(rng, self.question), self.output)
-            for _ in range(self.questions)
-        ]
-        return [reqs[:1], reqs[1:]]
-
-
-@dataclass(frozen=True)
-class MultiTurn:
-    """P2: conversations in lockstep; each turn continues the previous one with new ids."""
-
-    conversations: int = 16
-    turns: int = 4
-    history: int = 256
-    output: int = 48
-    user: int = 32
-
-    def phases(self, tokens: TokenSource, *stream: int | str) -> Phases:
-        rng = tokens.rng("P2", *stream)
-        phases = [[Request(tokens.draw(rng, self.history), self.output)]]
-        phases[0] += [
-            Request(tokens.draw(rng, self.history), self.output)
-            for _ in range(self.conversations - 1)
-        ]
-        for _ in range(self.turns - 1):
-            phases.append(
-                [
-                    Request(tokens.draw(rng, self.user), self.output, base=i)
-                    for i in range(self.conversations)
-                ]
-            )
-        return phases
-
-
-@dataclass(frozen=True)
-class Distinct:
-    """P3: distinct prompts, nothing shared, all at once."""
-
-    prompts: int = 64
-    length: int = 1056
-    output: int = 32
-
-    def phases(self, tokens: TokenSource, *stream: int | str) -> Phases:
-        rng = tokens.rng("P3", *stream)
-        return [[Request(tokens.draw(rng, self.length), self.output) for _ in range(self.prompts)]]
-
-
-@dataclass(frozen=True)
-class Agent:
-    """Agents in lockstep: shared system prompt + task, then tool call + tool output per step."""
-
-    agents: int = 8
-    steps: int = 6
-    system: int = 512
-    task: int = 64
-    output: int = 32
-    tool: int = 128
-
-    def phases(self, tokens: TokenSource, *stream: int | str) -> Phases:
-        rng = tokens.rng("agent", *stream)
-        system = tokens.draw(rng, self.system)
-        phases = [[Request(system + tokens.draw(rng, self.task), self.output)]]
-        phases[0] += [
-            Request(system + tokens.draw(rng, self.task), self.output)
-            for _ in range(self.agents - 1)
-        ]
-        for _ in range(self.steps - 1):
-            phases.append(
-                [
-                    Request(tokens.draw(rng, self.tool), self.output, base=i)
-                    for i in range(self.agents)
-                ]
-            )
-        return phases
-
-
-Workload = SharedPrompt | MultiTurn | Distinct | Agent
-WORKLOADS: dict[str, Workload] = {
-    "P1": SharedPrompt(),
-    "P2": MultiTurn(),
-    "P3": Distinct(),
-    "agent": Agent(),
-}
-QUICK_WORKLOADS: dict[str, Workload] = {
-    "P1": SharedPrompt(system=128, questions=8, question=16, output=4),
-    "P2": MultiTurn(conversations=4, turns=3, history=32, output=4, user=8),
-    "P3": Distinct(prompts=8, length=144, output=4),
-    "agent": Agent(agents=2, steps=3, system=64, task=16, output=4, tool=16),
-}
-
-
-# ---------------------------------------------------------------------------- engines
 def minisgl_configs(only: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
     """naive and radix, plus radix with the lpm policy when `LLM` takes a schedule_policy."""
     has_policy = "schedule_policy" in inspect.signature(LLM.__init__).parameters
@@ -194,10 +72,6 @@ def minisgl_configs(only: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
     return configs
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def warmup_phases(tokens: TokenSource) -> Phases:
     """A small untimed run: a few short prompts, a few new tokens each."""
     rng = tokens.rng("warmup")
@@ -205,9 +79,10 @@ def warmup_phases(tokens: TokenSource) -> Phases:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see --help)."""
     p = base_parser(__doc__)
     p.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated: P1,P2,P3,agent"
+        "--workloads", default=",".join(PREFIX_WORKLOADS), help="comma-separated: P1,P2,P3,agent"
     )
     p.add_argument(
         "--configs",
@@ -216,11 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--vllm-block-size", type=int, default=None, help="vLLM KV block size")
     p.add_argument("--quick", action="store_true", help="smaller shapes: a smoke test, < 1 minute")
-    p.add_argument(
-        "--no-bracket",
-        action="store_true",
-        help="run minisgl once, first (default with a peer: also again after it, median of both)",
-    )
+    add_no_bracket_option(p, " with a peer: also again after it")
     add_run_options(p)
     return parse_run_args(p, argv)
 
@@ -228,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def report(
     results: list[RunResult], ideal: dict[str, int], args: argparse.Namespace, model: Path
 ) -> None:
+    """The table of prompt tokens computed, hit rate and speedup over naive; PNG and JSON."""
     rows = []
     for wname in ideal:
         base = next((r for r in results if r.workload == wname and r.engine == "naive"), None)
@@ -262,23 +134,17 @@ def report(
         "ideal = prompt tokens a cache reusing every token from earlier phases would compute; "
         "vs naive = naive wall / this wall."
     )
-    engines = list(dict.fromkeys(r.engine for r in results))
     groups = list(ideal)
-
-    def series(value: Callable[[RunResult], float | None]) -> dict[str, list[float | None]]:
-        return {
-            e: [
-                next((value(r) for r in results if r.engine == e and r.workload == g), None)
-                for g in groups
-            ]
-            for e in engines
-        }
-
     panels = [
-        Panel(groups, series(lambda r: r.wall_s), "wall s", "wall time (lower is better)"),
         Panel(
             groups,
-            series(lambda r: r.prefill_computed),
+            series(results, groups, lambda r: r.wall_s),
+            "wall s",
+            "wall time (lower is better)",
+        ),
+        Panel(
+            groups,
+            series(results, groups, lambda r: r.prefill_computed),
             "prompt tokens computed",
             "prefill tokens computed",
             bounds=[ideal[g] for g in groups],
@@ -287,15 +153,14 @@ def report(
     ]
     png = args.out / f"prefix-{model_label(model)}-{stamp()}.png"
     title = f"prefix sharing: {model_label(model)} {args.dtype}"
-    if bar_chart(png, title, panels):
-        print(f"plot: {png}")
-    save_json(png.with_suffix(".json"), [r.to_json() for r in results])
+    write_chart_and_json(png, title, panels, results)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run every workload on minisgl's configs (and the peer) and print the table."""
     args = parse_args(argv)
     exit_on_sigterm()
-    table = QUICK_WORKLOADS if args.quick else WORKLOADS
+    table = QUICK_PREFIX_WORKLOADS if args.quick else PREFIX_WORKLOADS
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in table]
     if unknown:

@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import heapq
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
 import torch
-
-try:
-    import minisgl  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from minisgl.core import Context, reset_global_ctx, set_global_ctx
 from minisgl.kvcache.radix_cache import RadixPrefixCache, RadixTreeNode
@@ -61,6 +55,7 @@ class _SlotAllocator:
         self.next_slot = 0
 
     def take(self, n: int) -> torch.Tensor:
+        """The next `n` slots."""
         slots = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
         self.next_slot += n
         return slots
@@ -142,6 +137,7 @@ def _bench_one(page_size: int, num_nodes: int) -> tuple[int, float, float, float
 
 
 def main() -> None:
+    """Time every tree size at every page size and print the table."""
     torch.set_num_threads(1)
     print("radix prefix cache: microseconds per call, best of 5 chunks (evict frees one page)")
     header = (

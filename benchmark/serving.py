@@ -38,65 +38,45 @@ and throughput quiet against contended, with the ratio; the JSON holds both.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
-import shlex
-import socket
-import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
 
-import aiohttp
 import httpx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    OUT_DIR,
-    MinisglRunner,
-    TokenSource,
-    base_parser,
-    exit_on_sigterm,
-    format_table,
-    machine_note,
-    median_run,
-    model_label,
-    pyplot_or_none,
-    resolve_bench_model,
-    save_json,
-    single_phase,
-    stamp,
-    stop_process_group,
+from cli import base_parser  # noqa: E402
+from contention import BusyLoops, add_contention_option, check_contention  # noqa: E402
+from machine import machine_note  # noqa: E402
+from models import model_label, resolve_bench_model  # noqa: E402
+from paths import OUT_DIR  # noqa: E402
+from processes import exit_on_sigterm  # noqa: E402
+from report import log, save_json, stamp  # noqa: E402
+from serving_client import (  # noqa: E402
+    WARMUP_TOKENS,
+    RequestResult,
+    arrival_offsets,
+    run_async,
+    run_load,
+    served_model,
 )
-from contention import (  # noqa: E402
-    BusyLoops,
-    add_contention_option,
-    busy_cpus,
-    check_contention,
-    slowdown_rows,
+from serving_metrics import summarize  # noqa: E402
+from serving_offline import OfflineStep, offline_batch, offline_decode_step  # noqa: E402
+from serving_report import (  # noqa: E402
+    contended_json,
+    contention_table,
+    describe_summary,
+    latency_table,
+    plot_cdfs,
+    print_offline_comparison,
+    summary_json,
 )
-
-PERCENTILES = (50, 90, 99)
-WARMUP_TOKENS = 4
-T = TypeVar("T")
-# Read timeout of one stream: a request queued behind many others may wait long for its first
-# token on a slow CPU, and the benchmark should measure that rather than give up.
-STREAM_TIMEOUT_S = 900.0
+from serving_server import Server  # noqa: E402
+from workloads import TokenSource  # noqa: E402
 
 
-def log(message: str) -> None:
-    """Progress on stderr, so stdout holds only the results."""
-    print(message, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- arguments
 def parse_rate(text: str) -> float:
     """Requests per second: a positive number or `inf`."""
     rate = float(text)
@@ -106,6 +86,7 @@ def parse_rate(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see --help), with --quick's and the dependent defaults filled in."""
     p = base_parser(__doc__)
     p.add_argument(
         "--url",
@@ -186,467 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def offline_batch(args: argparse.Namespace) -> int | None:
-    """The batch size the server runs at steadily: the concurrency cap, or every request when
-    all arrive at once; None for an uncapped Poisson rate (the batch size then wanders)."""
-    if args.max_concurrency is not None:
-        return min(args.max_concurrency, args.num_prompts)
-    return args.num_prompts if math.isinf(args.request_rate) else None
-
-
-# ---------------------------------------------------------------------------- server process
-def free_port() -> int:
-    """A port nobody listens on now (the server binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def engine_sizes(args: argparse.Namespace) -> tuple[int, int]:
-    """(max sequence length, KV tokens) that hold the whole workload at once, with headroom.
-
-    The started server and the offline engine get the same figures, so that neither pays for a
-    KV pool or page table the other does not have; sized like offline.py sizes its engine.
-    """
-    seq = args.input_len + args.output_len
-    in_flight = args.num_prompts if args.max_concurrency is None else args.max_concurrency
-    warmup = args.warmup_requests or 0
-    kv_tokens = int(1.25 * max(in_flight, warmup, 1) * seq) + 64
-    return seq, kv_tokens
-
-
-@dataclass
-class Server:
-    """A `python -m minisgl` child in its own process group (so its workers stop with it)."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    @classmethod
-    def start(cls, model: Path, args: argparse.Namespace) -> Server:
-        seq, kv_tokens = engine_sizes(args)
-        port = free_port()
-        # The same rounding MinisglRunner applies, so the offline engine matches exactly.
-        max_seq = -(-(seq + 1) // 64) * 64
-        cmd = [
-            sys.executable,
-            "-m",
-            "minisgl",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--dtype",
-            args.dtype,
-            "--max-seq-len",
-            str(max_seq),
-            "--num-pages",
-            str(kv_tokens),
-            "--log-level",
-            "warning",
-            *shlex.split(args.server_args),  # last, so they override the flags above
-        ]
-        args.out.mkdir(parents=True, exist_ok=True)
-        log_path = args.out / f"serving-server-{stamp()}.log"
-        log(f"server: {shlex.join(cmd)} (log {log_path})")
-        with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        return cls(proc, f"http://127.0.0.1:{port}", log_path)
-
-    def wait_healthy(self, timeout: float) -> None:
-        """Poll /health; fail early, with the log's tail, if the server exits first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the whole process group, SIGKILL it if it does not exit in `timeout` s."""
-        if self.proc.poll() is not None:
-            return
-        stop_process_group(self.proc, timeout)
-        log(f"server: stopped (exit {self.proc.returncode})")
-
-
-# ---------------------------------------------------------------------------- client
-@dataclass
-class RequestResult:
-    """One streamed request, as the client saw it (times in seconds)."""
-
-    prompt_len: int
-    sent: float = 0.0  # perf_counter when the request went out
-    ttft: float | None = None
-    e2e: float | None = None
-    output_tokens: int = 0  # from the final usage chunk: the server's exact count
-    # Arrival time (since `sent`) and text of every chunk that carried text.
-    chunk_times: list[float] = field(default_factory=list)
-    chunk_texts: list[str] = field(default_factory=list)
-    error: str | None = None
-    # Arrival time and raw payload of every SSE event, parsed once the run is over.
-    events: list[tuple[float, bytes]] = field(default_factory=list, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.ttft is not None and self.e2e is not None
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
-            return None
-        assert self.e2e is not None and self.ttft is not None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-    def parse_events(self) -> None:
-        """Fill TTFT, chunk times and texts and the token count from the raw events (a
-        request that failed on the way keeps its error and drops them)."""
-        if self.error is not None:
-            self.events.clear()
-            return
-        try:
-            for at, data in self.events:
-                event = json.loads(data)
-                if "error" in event:  # the server reports mid-stream failures in-band
-                    self.error = str(event["error"].get("message", event["error"]))
-                    return
-                if event.get("usage"):
-                    self.output_tokens = int(event["usage"]["completion_tokens"])
-                for choice in event.get("choices", []):
-                    # Chunks with no text (the finish reason) mark no new token.
-                    if choice.get("text"):
-                        if self.ttft is None:
-                            self.ttft = at
-                        self.chunk_times.append(at)
-                        self.chunk_texts.append(choice["text"])
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            self.error = f"bad stream event: {type(exc).__name__}: {exc}"
-            return
-        finally:
-            self.events.clear()
-        if self.output_tokens == 0:
-            self.error = "no usage chunk in the stream"
-
-
-async def stream_one(
-    session: aiohttp.ClientSession,
-    url: str,
-    model_name: str,
-    ids: list[int],
-    max_tokens: int,
-) -> RequestResult:
-    """Send one streaming completion; record when each SSE event arrives.
-
-    Only arrival times and raw payloads are kept here: JSON parsing waits until the run is
-    over, since anything heavier would compete with the server for the same cores while it is
-    being measured.
-    """
-    result = RequestResult(prompt_len=len(ids))
-    body = {
-        "model": model_name,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    result.sent = time.perf_counter()
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
-            if response.status != 200:
-                text = (await response.read()).decode(errors="replace")
-                result.error = f"HTTP {response.status}: {text[:200]}"
-                return result
-            async for line in response.content:  # one SSE line at a time
-                if not line.startswith(b"data: "):
-                    continue  # blank separators between SSE events
-                data = line[6:].rstrip()
-                if data == b"[DONE]":
-                    break
-                result.events.append((time.perf_counter() - result.sent, data))
-        result.e2e = time.perf_counter() - result.sent
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    return result
-
-
-def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> list[float]:
-    """Send times (s after the start) of a Poisson process at `rate` req/s; 0s when inf."""
-    if math.isinf(rate):
-        return [0.0] * n
-    gaps = rng.exponential(1.0 / rate, n)
-    gaps[0] = 0.0  # the first request opens the run instead of waiting a random gap
-    return np.cumsum(gaps).tolist()
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` on uvloop where installed: the client's own CPU time per streamed chunk
-    competes with the server it measures."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-async def run_load(
-    url: str,
-    model_name: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    offsets: list[float],
-    concurrency: int | None,
-    headers: dict[str, str],
-) -> tuple[list[RequestResult], float]:
-    """Send every prompt at its offset, at most `concurrency` in flight; (results, wall s)."""
-    gate = asyncio.Semaphore(concurrency or len(prompts))
-    # No connection limit below the concurrency: queueing inside the client would count as
-    # server latency.
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=STREAM_TIMEOUT_S)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, headers=headers
-    ) as session:
-        start = time.perf_counter()
-
-        async def one(ids: list[int], offset: float) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            # TTFT counts from when the request is sent, not from when it was due: time spent
-            # waiting here for a free slot is the closed loop's, not the server's.
-            async with gate:
-                return await stream_one(session, url, model_name, ids, max_tokens)
-
-        results = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
-        wall = time.perf_counter() - start
-    for result in results:
-        result.parse_events()
-    return list(results), wall
-
-
-def served_model(url: str, headers: dict[str, str]) -> tuple[str, str | None]:
-    """The model name the server expects in requests, and its folder (if it says)."""
-    reply = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
-    reply.raise_for_status()
-    card = reply.json()["data"][0]
-    return card["id"], card.get("root")
-
-
-# ---------------------------------------------------------------------------- metrics
-def tokens_per_chunk(texts: list[str], total: int, tokenizer: Any) -> list[int]:
-    """How many of the `total` output tokens each text chunk carried.
-
-    The server streams text only. A chunk holds several tokens when the detokenizer held text
-    back (half a UTF-8 character) or took several decode steps at once; the exact total comes
-    from the usage chunk. Every chunk has at least one token; the surplus is spread by largest
-    remainder in proportion to what re-tokenizing each chunk's text suggests beyond one token
-    (evenly when it suggests nothing). With one token per chunk, the common case, it is exact.
-    """
-    n = len(texts)
-    if n == 0:
-        return []
-    surplus = total - n
-    if surplus <= 0:
-        return [1] * n
-    extra = [max(0, len(tokenizer.encode(t, add_special_tokens=False)) - 1) for t in texts]
-    if sum(extra) == 0:
-        extra = [1] * n
-    shares = [surplus * e / sum(extra) for e in extra]
-    counts = [1 + int(s) for s in shares]
-    left = total - sum(counts)
-    by_remainder = sorted(range(n), key=lambda i: shares[i] - int(shares[i]), reverse=True)
-    for i in by_remainder[:left]:
-        counts[i] += 1
-    return counts
-
-
-def inter_token_latencies(result: RequestResult, counts: list[int]) -> list[float]:
-    """Every gap between text chunks; a chunk of k tokens gives k gaps of (its gap / k), so
-    the mean ITL and the TPOT measure the same per-token time."""
-    itl: list[float] = []
-    times = result.chunk_times
-    for i in range(1, len(times)):
-        gap = times[i] - times[i - 1]
-        itl += [gap / counts[i]] * counts[i]
-    return itl
-
-
-@dataclass
-class Summary:
-    """What one run measured: latencies in ms per metric, throughput, counts."""
-
-    completed: int
-    failed: int
-    wall_s: float
-    prompt_tokens: int
-    output_tokens: int
-    chunks: int
-    samples_ms: dict[str, list[float]]
-    mean_in_flight: float
-    first_error: str | None = None
-
-    @property
-    def request_throughput(self) -> float:
-        return self.completed / self.wall_s
-
-    @property
-    def output_throughput(self) -> float:
-        return self.output_tokens / self.wall_s
-
-    @property
-    def total_throughput(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.wall_s
-
-    def stat(self, metric: str, q: float | None = None) -> float | None:
-        """The q-th percentile of a metric in ms (None: the mean); None without samples."""
-        values = self.samples_ms[metric]
-        if not values:
-            return None
-        return statistics.fmean(values) if q is None else float(np.percentile(values, q))
-
-
-def summarize(results: list[RequestResult], wall: float, tokenizer: Any) -> Summary:
-    ok = [r for r in results if r.ok]
-    samples: dict[str, list[float]] = {"TTFT": [], "TPOT": [], "ITL": [], "E2E": []}
-    chunks = 0
-    for r in ok:
-        assert r.ttft is not None and r.e2e is not None
-        counts = tokens_per_chunk(r.chunk_texts, r.output_tokens, tokenizer)
-        chunks += len(counts)
-        samples["TTFT"].append(1e3 * r.ttft)
-        samples["E2E"].append(1e3 * r.e2e)
-        if r.tpot is not None:
-            samples["TPOT"].append(1e3 * r.tpot)
-        samples["ITL"] += [1e3 * x for x in inter_token_latencies(r, counts)]
-    failed = [r for r in results if not r.ok]
-    return Summary(
-        completed=len(ok),
-        failed=len(failed),
-        wall_s=wall,
-        prompt_tokens=sum(r.prompt_len for r in ok),
-        output_tokens=sum(r.output_tokens for r in ok),
-        chunks=chunks,
-        samples_ms=samples,
-        # Little's law: the average number of requests the server held during the run.
-        mean_in_flight=sum(r.e2e or 0.0 for r in ok) / wall,
-        first_error=next((r.error for r in failed), None),
-    )
-
-
-def latency_table(summary: Summary) -> str:
-    rows = []
-    for metric, values in summary.samples_ms.items():
-        stats = [summary.stat(metric)] + [summary.stat(metric, q) for q in PERCENTILES]
-        rows.append([metric, *stats, len(values)])
-    headers = ["metric", "mean ms", *(f"p{q} ms" for q in PERCENTILES), "samples"]
-    return format_table(headers, rows)
-
-
-# ---------------------------------------------------------------------------- offline
-@dataclass
-class OfflineStep:
-    """The offline engine's decode step at one batch size (median of the runs)."""
-
-    batch: int
-    step_s: float
-    runs_s: list[float]
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.batch / self.step_s
-
-    @staticmethod
-    def merged(*measures: OfflineStep) -> OfflineStep:
-        """One measure from several sessions: the median step over all their runs (the faster
-        middle one for an even count)."""
-        runs = [step for measure in measures for step in measure.runs_s]
-        return OfflineStep(measures[0].batch, sorted(runs)[(len(runs) - 1) // 2], runs)
-
-
-def offline_decode_step(
-    model: Path, tokens: TokenSource, args: argparse.Namespace, batch: int
-) -> OfflineStep:
-    """Decode step time of `minisgl.llm.LLM` with `batch` requests of the served shape.
-
-    All requests are submitted at once, so after their prefill every decode step runs at
-    exactly `batch`; the step time is the decode forwards' span (first start to last end, the
-    scheduler's work between steps included, as in a server step) over their count. The
-    engine is sized like the server this script starts (same context length and KV pool).
-    """
-    seq, kv_tokens = engine_sizes(args)
-    runner = MinisglRunner(model, args.dtype, max_seq_len=seq, kv_tokens=kv_tokens)
-    try:
-
-        def phases(*stream: int | str) -> Any:
-            rng = tokens.rng("offline", *stream)
-            prompts = [tokens.draw(rng, args.input_len) for _ in range(batch)]
-            return single_phase(prompts, [args.output_len] * batch)
-
-        warm = phases("warmup")
-        for r in warm[0]:
-            r.max_tokens = WARMUP_TOKENS + 4  # a few decode steps at the batch size
-        runner.run(warm, "warmup")
-        runs = [runner.run(phases(k), f"offline batch {batch}") for k in range(args.repeat)]
-    finally:
-        runner.close()
-    steps = [r.decode_s / r.decode_steps for r in runs if r.decode_s and r.decode_steps]
-    if not steps:
-        raise RuntimeError("the offline run had no decode steps")
-    best = median_run(runs)
-    assert best.decode_s and best.decode_steps
-    return OfflineStep(batch, best.decode_s / best.decode_steps, steps)
-
-
-# ---------------------------------------------------------------------------- plot
-def plot_cdfs(path: Path, title: str, summary: Summary, offline: OfflineStep | None) -> bool:
-    """One CDF panel per latency metric; the offline step time marked on TPOT and ITL.
-
-    Returns False when matplotlib is missing (the tables still print).
-    """
-    plt = pyplot_or_none()
-    if plt is None:
-        return False
-    metrics = list(summary.samples_ms)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        values = np.sort(np.asarray(summary.samples_ms[metric]))
-        if len(values):
-            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post")
-            for q, style in zip(PERCENTILES, (":", "--", "-.")):
-                ax.axvline(
-                    float(np.percentile(values, q)), color="gray", ls=style, lw=1, label=f"p{q}"
-                )
-        if offline is not None and metric in ("TPOT", "ITL"):
-            ax.axvline(
-                1e3 * offline.step_s, color="red", lw=1.2, label=f"offline step @{offline.batch}"
-            )
-        ax.set_title(f"{metric} ({len(values)} samples)", fontsize=9)
-        ax.set_xlabel("ms")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    axes[0][0].set_ylabel("fraction <= x")
-    fig.suptitle(title, fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-# ---------------------------------------------------------------------------- main
 def describe_load(args: argparse.Namespace) -> str:
+    """Requests, their lengths, arrivals and concurrency cap, in one line."""
     rate = "all at once" if math.isinf(args.request_rate) else f"Poisson {args.request_rate} req/s"
     cap = "" if args.max_concurrency is None else f", <= {args.max_concurrency} in flight"
     return (
@@ -706,94 +228,8 @@ def timed_run(
     return results, wall
 
 
-def contention_table(quiet: Summary, busy: Summary, level: int) -> str:
-    """Latencies and throughput quiet against contended, with the ratio."""
-    metrics = [
-        (
-            f"{metric} {'mean' if q is None else f'p{q}'} ms",
-            quiet.stat(metric, q),
-            busy.stat(metric, q),
-        )
-        for metric, q in (
-            ("TTFT", 50),
-            ("TPOT", 50),
-            ("TPOT", None),
-            ("ITL", 50),
-            ("ITL", 90),
-            ("E2E", 50),
-        )
-    ]
-    metrics += [
-        ("output tok/s", quiet.output_throughput, busy.output_throughput),
-        ("requests/s", quiet.request_throughput, busy.request_throughput),
-    ]
-    headers = ["metric", "quiet", f"{level} busy", "contended / quiet"]
-    return format_table(headers, slowdown_rows(metrics))
-
-
-def describe_summary(summary: Summary) -> str:
-    """Completed and failed requests, throughput, mean in flight, chunks: one line."""
-    return (
-        f"requests: {summary.completed} done, {summary.failed} failed in {summary.wall_s:.2f} s; "
-        f"{summary.request_throughput:.2f} req/s; output {summary.output_throughput:,.1f} tok/s, "
-        f"total {summary.total_throughput:,.1f} tok/s; mean in flight "
-        f"{summary.mean_in_flight:.1f}; {summary.output_tokens} output tokens in "
-        f"{summary.chunks} text chunks"
-    ) + (f"\nfirst error: {summary.first_error}" if summary.first_error else "")
-
-
-def summary_json(summary: Summary) -> dict[str, Any]:
-    """A summary's counts, throughput and latency statistics (not its samples)."""
-    return {k: v for k, v in asdict(summary).items() if k != "samples_ms"} | {
-        "request_throughput": summary.request_throughput,
-        "output_throughput": summary.output_throughput,
-        "stats_ms": {
-            m: {"mean": summary.stat(m)} | {f"p{q}": summary.stat(m, q) for q in PERCENTILES}
-            for m in summary.samples_ms
-        },
-    }
-
-
-def offline_comparison(
-    summaries: list[Summary], offline_at: dict[int, OfflineStep], batch: int
-) -> tuple[str, float | None]:
-    """Per round: the server's TPOT p50 over the offline step measured just before and after
-    that round; (the table, the median ratio over rounds)."""
-    rows, ratios = [], []
-    for k, summary in enumerate(summaries):
-        around = [offline_at[i] for i in (k, k + 1) if i in offline_at]
-        step = OfflineStep.merged(*around)
-        tpot, itl = summary.stat("TPOT", 50), summary.stat("ITL", 50)
-        ratio = None if tpot is None else tpot / (1e3 * step.step_s)
-        if ratio is not None:
-            ratios.append(ratio)
-        rows.append(
-            [
-                k + 1,
-                batch,
-                1e3 * step.step_s,
-                step.tok_per_s,
-                tpot,
-                summary.stat("TPOT"),
-                None if ratio is None else f"{ratio:.2f}x",
-                None if itl is None else f"{itl / (1e3 * step.step_s):.2f}x",
-            ]
-        )
-    headers = [
-        "round",
-        "batch",
-        "offline step ms",
-        "offline decode tok/s",
-        "server TPOT p50 ms",
-        "server TPOT mean ms",
-        "TPOT p50 / step",
-        # Not moved by prefills that delay a request between its first and last token.
-        "ITL p50 / step",
-    ]
-    return format_table(headers, rows), statistics.median(ratios) if ratios else None
-
-
 def main(argv: list[str] | None = None) -> None:
+    """Start (or find) the server, run the load, print the tables, write the PNG and JSON."""
     args = parse_args(argv)
     exit_on_sigterm()  # SIGTERM unwinds like Ctrl-C, so `finally` stops the server
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -883,18 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     ratio: float | None = None
     if offline_at:
         assert batch is not None
-        table, ratio = offline_comparison(summaries, offline_at, batch)
-        print(table)
-        if ratio is not None and args.rounds > 1:
-            print(f"TPOT p50 / offline step, median over {args.rounds} rounds: {ratio:.2f}x")
-        offline = OfflineStep.merged(*offline_at.values())
-        for i, step in sorted(offline_at.items()):
-            runs_ms = ", ".join(f"{1e3 * s:.2f}" for s in step.runs_s)
-            print(
-                f"offline step ms before round {i + 1}: {runs_ms}"
-                if i < args.rounds
-                else f"offline step ms after the last round: {runs_ms}"
-            )
+        offline, ratio = print_offline_comparison(summaries, offline_at, batch, args.rounds)
 
     png = args.out / f"serving-{model_label(model)}-{stamp()}.png"
     title = f"{model_label(model)} {args.dtype}: {describe_load(args)}"
@@ -913,16 +338,12 @@ def main(argv: list[str] | None = None) -> None:
             # The rounds with busy loops spinning on `cpus` (None without --contention).
             "contended": None
             if busy_summary is None
-            else {
-                "contention": args.contention,
-                "cpus": busy_cpus(args.contention),
-                "summary": summary_json(busy_summary),
-                "rounds_tpot_p50_ms": [
-                    summarize(results, wall, tokenizer).stat("TPOT", 50)
-                    for results, wall in contended_runs
-                ],
-                "requests": [asdict(r) for r in busy_results],
-            },
+            else contended_json(
+                args.contention,
+                busy_summary,
+                [summarize(results, wall, tokenizer) for results, wall in contended_runs],
+                busy_results,
+            ),
         },
     )
 

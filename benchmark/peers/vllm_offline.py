@@ -1,6 +1,6 @@
 """Run benchmark workloads through vLLM's CPU backend, inside the `.peers/vllm` venv.
 
-Started by `benchmark/common.py:run_vllm_peer` as
+Started by `benchmark/runners/vllm.py:run_vllm_peer` as
 `.peers/vllm/bin/python benchmark/peers/vllm_offline.py SPEC.json RESULT.json`
 with PEERS.md's environment (LD_PRELOAD of tcmalloc + libiomp5, VLLM_CPU_KVCACHE_SPACE,
 VLLM_CPU_OMP_THREADS_BIND). Standalone: needs only the standard library and vllm.
@@ -60,6 +60,7 @@ def run_phases(llm: Any, phases: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main(spec_path: str, result_path: str) -> None:
+    """Start vLLM once, warm it up, run every run of the spec and write the results."""
     import vllm
 
     with open(spec_path) as f:

@@ -1,0 +1,82 @@
+"""The models the benchmarks load: the default model, any HF folder or GGUF, and a
+Qwen3-0.6B-shaped model with random weights built once on first use."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
+import torch
+
+from minisgl.utils.hf import cache_dir, resolve_model_path
+
+QWEN3_RANDOM = "qwen3-0.6b-random"
+# Qwen3-0.6B's shape (random weights): q/k RMSNorm come with the Qwen3 architecture.
+QWEN3_0_6B_CONFIG: dict[str, Any] = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+)
+RANDOM_MODEL_SEED = 0
+
+
+def build_random_qwen3(seed: int = RANDOM_MODEL_SEED) -> Path:
+    """A Qwen3-0.6B-shaped bf16 model with random weights and the default model's tokenizer.
+
+    Built once (fixed seed) into `cache_dir()/bench-models/`; later calls return the folder.
+    """
+    import transformers
+
+    spec = json.dumps([QWEN3_0_6B_CONFIG, seed, "bf16"], sort_keys=True)
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    target = cache_dir() / "bench-models" / f"{QWEN3_RANDOM}-{digest}"
+    if (target / "config.json").exists():
+        return target
+    print(f"building {QWEN3_RANDOM} (random weights, seed {seed}) into {target}", flush=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = transformers.Qwen3Config(**QWEN3_0_6B_CONFIG, **special)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    del model
+    gc.collect()
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)  # atomic: a half-written folder is never taken as done
+    return target
+
+
+def resolve_bench_model(name: str | None) -> Path:
+    """`None`/"default": the default model; `qwen3-0.6b-random`; else any HF folder or GGUF."""
+    if name is None or name == "default":
+        return resolve_model_path(None)
+    if name == QWEN3_RANDOM:
+        return build_random_qwen3()
+    return resolve_model_path(name)
+
+
+def model_label(path: Path) -> str:
+    """A short name for tables and file names."""
+    name = path.name
+    return QWEN3_RANDOM if name.startswith(QWEN3_RANDOM) else name
