@@ -461,12 +461,15 @@ BAD_REQUESTS = [
     _bad("completions", _cmpl(stop=[str(i) for i in range(17)]), "stop", "invalid_value"),
     _bad("completions", _cmpl(stop="x" * 257), "stop", "invalid_value"),
     _bad("completions", _cmpl(stop=[""]), "stop", "invalid_value"),
+    # Log-probabilities beyond 20 alternatives, top_logprobs without logprobs.
+    _bad("completions", _cmpl(logprobs=21), "logprobs", "invalid_value"),
+    _bad("completions", _cmpl(logprobs=-1), "logprobs", "invalid_value"),
+    _bad("completions", _cmpl(prompt_logprobs=21), "prompt_logprobs", "invalid_value"),
+    _bad("chat", _chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
+    _bad("chat", _chat(top_logprobs=2), "top_logprobs", "invalid_value"),
+    _bad("chat", _chat(logprobs="yes"), "logprobs", "invalid_type"),
     # Unknown model, unsupported parameters.
     _bad("completions", _cmpl(model="gpt-9"), "model", "model_not_found", status=404),
-    _bad("completions", _cmpl(logprobs=1), "logprobs", "unsupported_parameter"),
-    _bad("completions", _cmpl(echo=True), "echo", "unsupported_parameter"),
-    _bad("chat", _chat(logprobs=True), "logprobs", "unsupported_parameter"),
-    _bad("chat", _chat(top_logprobs=2), "top_logprobs", "unsupported_parameter"),
     _bad(
         "chat",
         _chat(tools=[{"type": "function", "function": {"name": "f"}}]),

@@ -72,6 +72,10 @@ class RequestError(ValueError):
         self.code = code
 
 
+# The most alternatives a request may ask log-probabilities of per token (vLLM's default).
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop. Greedy when temperature is 0 or top_k is 1."""
@@ -89,6 +93,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: as many as the context leaves after the prompt.
     max_tokens: int | None = 1024
+    # Log-probabilities (the model's raw distribution): None off; k >= 0 the chosen token's
+    # and its k most likely alternatives, of each generated token / of each prompt token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +117,11 @@ class SamplingParams:
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
             ),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            ),
             (
                 "max_tokens",
                 self.max_tokens is None
@@ -158,6 +171,10 @@ class Req:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed, with finish_reason "error"
+    # Prompt log-probabilities gathered chunk by chunk until the first token carries them:
+    # [token id, logprob, [[alternative id, logprob], ...]] per prompt token (the first's
+    # logprob None: nothing precedes it).
+    prompt_logprobs: list[list[Any]] | None = None
 
     @property
     def extend_len(self) -> int:

@@ -18,6 +18,7 @@ from minisgl.utils.memory import keep_freed_memory
 
 from .config import EngineConfig
 from .cpu_threads import CpuThreads
+from .logprobs import LogprobRows, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from .sample import SampleArgs, Sampler
 
 logger = init_logger(__name__)
@@ -35,6 +36,9 @@ class ForwardInput:
     # Where the sampled tokens go in the token pool: (table rows, positions).
     token_rows: torch.Tensor
     token_cols: torch.Tensor
+    # Rows that want log-probabilities: of their sampled token / of their next prompt token.
+    logprob_rows: LogprobRows | None = None
+    prompt_logprob_rows: LogprobRows | None = None
 
 
 @dataclass
@@ -44,6 +48,9 @@ class ForwardOutput:
     # [sampled requests, vocab] (see CausalLM), before sampling; valid until the next forward.
     logits: torch.Tensor
     copy_done: torch.cuda.Event | None = None
+    # For ForwardInput.logprob_rows / prompt_logprob_rows, row for row.
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
     def wait(self) -> ForwardOutput:
         """Block until `next_tokens_cpu` holds the step's tokens."""
@@ -159,18 +166,34 @@ class Engine:
         try:
             assert batch.positions is not None
             batch.input_ids = self.token_pool[forward_input.input_rows, batch.positions]
-            # Sampled below, before the next step can run: its buffer may be reused.
-            logits = self.model(
-                batch.input_ids, batch.positions, batch.logits_indices, reuse_logits=True
-            )
+            prompt_rows = forward_input.prompt_logprob_rows
+            prompt_logprobs = None
+            if prompt_rows is None:
+                # Sampled below, before the next step can run: its buffer may be reused.
+                logits = self.model(
+                    batch.input_ids, batch.positions, batch.logits_indices, reuse_logits=True
+                )
+            else:
+                hidden = self.model.hidden_states(batch.input_ids, batch.positions)
+                indices = batch.logits_indices
+                logits = self.model.logits(
+                    hidden if indices is None else hidden[indices], reuse_logits=True
+                )
+                prompt_logprobs = prompt_token_logprobs(hidden, prompt_rows, self.model.logits)
         finally:
             self.ctx.set_batch(None)
+        wanted = forward_input.logprob_rows
+        # The raw distribution, before the sampler applies penalties to the logits.
+        raw = None if wanted is None else logits.index_select(0, wanted.rows).float()
         sampled = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)
         next_tokens, pool_tokens = flag_non_finite(logits, sampled)
         self.token_pool[forward_input.token_rows, forward_input.token_cols] = pool_tokens
-        if self.device.type != "cuda":
-            return ForwardOutput(next_tokens, next_tokens, logits)
-        next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)
-        copy_done = torch.cuda.Event()
-        copy_done.record()
-        return ForwardOutput(next_tokens, next_tokens_cpu, logits, copy_done)
+        logprobs = None
+        if wanted is not None and raw is not None:
+            logprobs = token_logprobs(raw, next_tokens.index_select(0, wanted.rows), wanted.top_k)
+        out = ForwardOutput(next_tokens, next_tokens, logits, None, logprobs, prompt_logprobs)
+        if self.device.type == "cuda":
+            out.next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)
+            out.copy_done = torch.cuda.Event()
+            out.copy_done.record()
+        return out

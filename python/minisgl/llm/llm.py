@@ -101,7 +101,10 @@ class LLM(Scheduler):
 
         Each dict has `text`, `token_ids` (generated tokens), `finish_reason`,
         `prompt_tokens`, `cached_tokens` (prompt tokens served from the prefix cache) and
-        `error` (None, or why the request failed alone: finish_reason "error").
+        `error` (None, or why the request failed alone: finish_reason "error"); where asked
+        (`SamplingParams.logprobs` / `prompt_logprobs`), `logprobs` ([token id, logprob,
+        [[id, logprob], ...] of the top alternatives] per generated token) and
+        `prompt_logprobs` (the same per prompt token, the first's logprob None).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -125,6 +128,8 @@ class LLM(Scheduler):
         reasons: list[str | None] = [None] * len(prompts)
         cached = [0] * len(prompts)
         errors: list[str | None] = [None] * len(prompts)
+        logprobs: list[list[Any]] = [[] for _ in prompts]
+        prompt_logprobs: list[list[Any] | None] = [None] * len(prompts)
         # Stop strings are matched on the text as it is produced; a match ends the request.
         detoks = [
             IncrementalDetokenizer(self.tokenizer, sp.stop) if sp.stop else None
@@ -135,8 +140,12 @@ class LLM(Scheduler):
             while self.has_work:
                 for out in self.step():
                     i, detok = index[out.uid], detoks[index[out.uid]]
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[i] = out.prompt_logprobs
                     if out.token is not None and not (detok is not None and detok.stopped):
                         tokens[i].append(out.token)
+                        if out.logprobs is not None:
+                            logprobs[i].append([out.token, *out.logprobs])
                         if detok is not None:
                             detok.add_token(out.token)
                             if detok.stopped and out.finish_reason is None:
@@ -153,7 +162,7 @@ class LLM(Scheduler):
             else self.tokenizer.decode(toks, skip_special_tokens=True)
             for detok, toks in zip(detoks, tokens)
         ]
-        return [
+        results = [
             {
                 "text": text,
                 "token_ids": toks,
@@ -166,6 +175,12 @@ class LLM(Scheduler):
                 encoded, tokens, reasons, cached, texts, detoks, errors
             )
         ]
+        for result, sp, lps, prompt_lps in zip(results, params_list, logprobs, prompt_logprobs):
+            if sp.logprobs is not None:
+                result["logprobs"] = lps
+            if sp.prompt_logprobs is not None:
+                result["prompt_logprobs"] = prompt_lps
+        return results
 
     def shutdown(self) -> None:
         """Release the engine's memory; the object is unusable afterwards."""

@@ -35,6 +35,7 @@ class TokenizeMsg:
     # Chat messages ({"role", "content"} with string content), rendered by the chat template.
     messages: list[dict[str, str]] | None = None
     skip_special_tokens: bool = True
+    echo: bool = False  # the API server wants the prompt's text back (AcceptedMsg.prompt_text)
 
 
 @register_message
@@ -55,6 +56,7 @@ class UserMsg:
     input_ids: list[int]
     sampling_params: SamplingParams
     skip_special_tokens: bool = True
+    echo: bool = False
 
 
 @register_message
@@ -70,6 +72,9 @@ class AcceptedMsg:
     prompt_tokens: int
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    # With echo: the prompt's ids from the scheduler, its text from the detokenizer on.
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 @register_message
@@ -82,6 +87,10 @@ class TokenMsg:
     finish_reason: str | None = None
     # Prompt tokens served from the prefix cache; set on the request's first token.
     cached_tokens: int = 0
+    # Where asked: [logprob, [[alternative id, logprob], ...]] of this token; on the first
+    # token, [token id, logprob, alternatives] per prompt token (the first: logprob None).
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @register_message
@@ -96,6 +105,10 @@ class OutputMsg:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Where asked, per token of this output [token id, text, logprob, [[id, text, logprob],
+    # ...] of the alternatives], and once, the same per prompt token (the first: logprob None).
+    logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @register_message

@@ -156,7 +156,15 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """reuse_logits: the logits may live in a buffer the next such call overwrites (see
         LMHead.forward)."""
-        hidden = self.model(input_ids, positions)
+        hidden = self.hidden_states(input_ids, positions)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
+        return self.logits(hidden, reuse_logits)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden state of every token [tokens, hidden]."""
+        return self.model(input_ids, positions)
+
+    def logits(self, hidden: torch.Tensor, reuse_logits: bool = False) -> torch.Tensor:
+        """The output head over hidden rows [rows, hidden] (see `forward` for the dtype)."""
         return self.lm_head(hidden, reuse_logits)

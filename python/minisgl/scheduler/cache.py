@@ -56,8 +56,13 @@ class CacheManager:
 
     # ---------------------------------------------------------------- request lifecycle
     def match_req(self, req: Req) -> BaseCacheHandle:
-        """Longest cached prefix of the prompt, stopping before its last token (>= 1 to compute)."""
-        return self.prefix_cache.match_prefix(req.input_ids[: len(req.input_ids) - 1]).cuda_handle
+        """Longest cached prefix of the prompt, stopping before its last token (>= 1 to compute).
+        A request that wants its prompt's log-probabilities matches nothing: cached positions
+        have no logits, so the whole prompt is computed (and cached again)."""
+        matchable = len(req.input_ids) - 1
+        if req.sampling_params.prompt_logprobs is not None and req.output_len == 0:
+            matchable = 0
+        return self.prefix_cache.match_prefix(req.input_ids[:matchable]).cuda_handle
 
     def lock(self, handle: BaseCacheHandle) -> None:
         self.prefix_cache.lock_handle(handle)

@@ -77,9 +77,12 @@ class SchedulerIO:
             )
         self.uid_to_rid[uid] = msg.rid
         self.rid_to_uid[msg.rid] = uid
-        return AcceptedMsg(
+        accepted = AcceptedMsg(
             msg.rid, len(msg.input_ids), list(msg.sampling_params.stop), msg.skip_special_tokens
         )
+        if msg.echo:
+            accepted.prompt_ids = list(msg.input_ids)
+        return accepted
 
     # ---------------------------------------------------------------- tokens out
     def convert(self, outputs: list[TokenOutput]) -> list[TokenMsg | ErrorMsg]:
@@ -107,7 +110,9 @@ class SchedulerIO:
                         live = {r.uid: r for r in (*s.running, *s.waiting)}
                     req = live.get(out.uid)
                     cached = req.prompt_cached_tokens if req is not None else 0
-            msgs.append(TokenMsg(rid, out.token, out.finish_reason, cached))
+            msg = TokenMsg(rid, out.token, out.finish_reason, cached)
+            msg.logprobs, msg.prompt_logprobs = out.logprobs, out.prompt_logprobs
+            msgs.append(msg)
             if out.finish_reason is not None:
                 del self.uid_to_rid[out.uid], self.rid_to_uid[rid]
                 self._started.discard(out.uid)

@@ -1,10 +1,11 @@
 """What a step leaves behind: the launched step awaiting its tokens, the tokens handed back per
-request, and cache statistics."""
+request and why a request ends, and cache statistics."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.core import Batch, FinishReason, Req
 from minisgl.engine import ForwardOutput
@@ -17,6 +18,10 @@ class InFlight:
     batch: Batch
     sampled: list[Req]
     result: ForwardOutput | Future[ForwardOutput]
+    # Indices into `sampled` of the requests whose token log-probabilities the step computes,
+    # and each request's prompt positions [start, end) it computes them for, in row order.
+    logprob_indices: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Req, int, int]] = field(default_factory=list)
 
     def output(self) -> ForwardOutput:
         result = self.result
@@ -33,6 +38,10 @@ class TokenOutput:
     # Prompt tokens that came from the prefix cache (reported with the last output).
     cached_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
+    # [logprob, [[alternative id, logprob], ...]] of this token, where the request asked.
+    logprobs: list[Any] | None = None
+    # The prompt's (first output only): see Req.prompt_logprobs.
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @dataclass
@@ -47,3 +56,13 @@ class SchedulerStats:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def finish_reason(req: Req, token: int, eos_ids: frozenset[int]) -> FinishReason | None:
+    """Why the request ends with this token appended to its input_ids, if it does."""
+    params = req.sampling_params
+    if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    if len(req.input_ids) >= req.max_device_len:
+        return "length"
+    return None

@@ -7,6 +7,8 @@ import torch
 from minisgl.core import Batch, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput
 
+from .logprobs import logprob_rows, prompt_logprob_rows
+
 
 def validate_request(
     engine: Engine,
@@ -74,4 +76,6 @@ def prepare_forward_input(batch: Batch, engine: Engine) -> ForwardInput:
         input_rows=input_rows,
         token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
         token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),
+        logprob_rows=logprob_rows(sampled, device),
+        prompt_logprob_rows=None if batch.is_decode else prompt_logprob_rows(reqs, device),
     )

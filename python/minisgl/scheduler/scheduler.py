@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from minisgl.core import Batch, FinishReason, Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
@@ -18,7 +19,8 @@ from minisgl.utils.faults import inject as inject_fault
 from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
-from .output import InFlight, SchedulerStats, TokenOutput
+from .logprobs import collect_logprobs, logprob_plan
+from .output import InFlight, SchedulerStats, TokenOutput, finish_reason
 from .policy import SCHEDULE_POLICIES
 from .prepare import prepare_forward_input, validate_request
 from .table import TableManager
@@ -144,9 +146,10 @@ class Scheduler:
             result = self._executor.submit(self._forward, forward_input)
         else:
             result = self._forward(forward_input)
+        step = InFlight(batch, sampled, result, *logprob_plan(batch, sampled))
         for req in batch.reqs:  # steps run in order: later steps see this step's KV
             req.cached_len = req.device_len
-        return InFlight(batch, sampled, result)
+        return step
 
     # ---------------------------------------------------------------- scheduling
     def _schedule(self) -> Batch | None:
@@ -273,21 +276,15 @@ class Scheduler:
         logger.debug("retracted %s", req)
 
     # ---------------------------------------------------------------- results out
-    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
-        params = req.sampling_params
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return "stop"
-        if len(req.input_ids) >= req.max_device_len:
-            return "length"
-        return None
-
     def _process(self, step: InFlight) -> None:
-        tokens = step.output().next_tokens_cpu.tolist()
-        for req, token in zip(step.sampled, tokens):
+        output = step.output()
+        tokens = output.next_tokens_cpu.tolist()
+        logprobs = collect_logprobs(step, output)
+        for i, (req, token) in enumerate(zip(step.sampled, tokens)):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this step ran: its token is not sent
             try:
-                self._append_token(req, token)
+                self._append_token(req, token, logprobs.get(i))
             except Exception as exc:  # this request's fault: it alone ends
                 logger.exception("processing %s failed", req)
                 self._fail(req, f"processing the request failed: {exc}")
@@ -298,16 +295,20 @@ class Scheduler:
             elif step.batch.is_prefill:
                 self.cache_manager.cache_req(req, finished=False)
 
-    def _append_token(self, req: Req, token: int) -> None:
+    def _append_token(self, req: Req, token: int, logprobs: list[Any] | None = None) -> None:
         inject_fault("schedule", req.sampling_params.stop)
         if token < 0:  # the engine flags a row whose logits were not finite
             self._fail(req, "the model's logits for this request were not finite (NaN or inf)")
             return
         req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
-        req.finish_reason = self._finish_reason(req, token)
+        req.finish_reason = finish_reason(req, token, self.eos_ids)
         self.stats.generated_tokens += 1
         cached = req.prompt_cached_tokens if req.finish_reason else 0
-        self._outbox.append(TokenOutput(req.uid, token, req.finish_reason, cached))
+        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        out = TokenOutput(
+            req.uid, token, req.finish_reason, cached, None, logprobs, prompt_logprobs
+        )
+        self._outbox.append(out)
         if req.finish_reason is not None:
             self._drop(req)
 

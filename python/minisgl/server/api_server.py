@@ -21,6 +21,7 @@ from minisgl.message import TokenizeMsg
 from minisgl.utils import init_logger
 
 from .frontend import FrontendManager, RequestGroup
+from .logprobs import ChoiceLogprobs
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -168,19 +169,29 @@ def create_app(state: ServerState) -> FastAPI:
         sp = req.sampling_params(max_tokens, param, state.max_model_len)
         endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
         names = {"prompt": "messages", "max_tokens": param}
-        return await serve(request, req, endpoint, [{"messages": messages}], sp, names)
+        logprobs = ChoiceLogprobs(True, req.n, False, False) if req.logprobs else None
+        return await serve(request, req, endpoint, [{"messages": messages}], sp, names, logprobs)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await request.body())
         check_model(req.model)
         req.check_unsupported()
-        prompts = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in req.prompts()]
+        texts = req.prompts()
+        # A token-id prompt's text comes back from the detokenizer when echoed.
+        prompts = [
+            {"text": p} if isinstance(p, str) else {"input_ids": p, "echo": req.echo} for p in texts
+        ]
         # OpenAI's legacy default for completions is 16 tokens.
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         sp = req.sampling_params(max_tokens, "max_tokens", state.max_model_len)
         endpoint = ResponseFormatter(False, new_id("cmpl"), state.model_name, now(), req.n)
-        return await serve(request, req, endpoint, prompts, sp, {})
+        logprobs = None
+        if sp.logprobs is not None or sp.prompt_logprobs is not None:
+            explicit_prompt = req.prompt_logprobs is not None
+            logprobs = ChoiceLogprobs(False, len(texts) * req.n, explicit_prompt, req.echo)
+        echo = [p if isinstance(p, str) else None for p in texts] if req.echo else None
+        return await serve(request, req, endpoint, prompts, sp, {}, logprobs, echo)
 
     async def serve(
         request: Request,
@@ -189,7 +200,11 @@ def create_app(state: ServerState) -> FastAPI:
         prompts: list[dict[str, Any]],
         sp: SamplingParams,
         param_names: dict[str, str],
+        logprobs: ChoiceLogprobs | None = None,
+        echo: list[str | None] | None = None,
     ) -> Response:
+        """Run the request's prompts x n; logprobs: where asked, their bodies per choice;
+        echo: per prompt its text (None: the detokenizer's decode) put before the output."""
         msgs = []
         for prompt in prompts:
             for j in range(req.n):
@@ -201,15 +216,25 @@ def create_app(state: ServerState) -> FastAPI:
         except asyncio.CancelledError:
             group.abort("request cancelled")
             raise
+        prefixes: list[str | None] | None = None
+        if echo is not None:
+            prefixes = [
+                echo[i // req.n] or group.prompt_texts[i] or "" for i in range(len(group.rids))
+            ]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                stream(group, endpoint, include_usage), media_type="text/event-stream"
+                stream(group, endpoint, include_usage, logprobs, prefixes),
+                media_type="text/event-stream",
             )
-        return await collect(request, group, endpoint)
+        return await collect(request, group, endpoint, logprobs, prefixes)
 
     async def stream(
-        group: RequestGroup, endpoint: ResponseFormatter, include_usage: bool
+        group: RequestGroup,
+        endpoint: ResponseFormatter,
+        include_usage: bool,
+        logprobs: ChoiceLogprobs | None,
+        prefixes: list[str | None] | None,
     ) -> AsyncIterator[str]:
         k = len(group.rids)
         completion, cached = [0] * k, [0] * k
@@ -219,8 +244,15 @@ def create_app(state: ServerState) -> FastAPI:
                     yield endpoint.chunk(i, None, None, role=True)
             async for index, out in group.outputs():
                 completion[index], cached[index] = out.completion_tokens, out.cached_tokens
-                if out.text:
-                    yield endpoint.chunk(index, out.text, None)
+                text = out.text
+                if prefixes is not None:  # echo: the prompt's text comes first
+                    text, prefixes[index] = (prefixes[index] or "") + text, None
+                if logprobs is not None:
+                    body, prompt_body = logprobs.piece(index, out)
+                    if text or body is not None or prompt_body is not None:
+                        yield endpoint.chunk(index, text, None, False, body, prompt_body)
+                elif text:
+                    yield endpoint.chunk(index, text, None)
                 if out.finish_reason is not None:  # the reason comes on a chunk of its own
                     yield endpoint.chunk(index, None, out.finish_reason)
             if include_usage:
@@ -240,16 +272,24 @@ def create_app(state: ServerState) -> FastAPI:
             group.abort("client disconnected mid-stream")
 
     async def collect(
-        request: Request, group: RequestGroup, endpoint: ResponseFormatter
+        request: Request,
+        group: RequestGroup,
+        endpoint: ResponseFormatter,
+        logprobs: ChoiceLogprobs | None,
+        prefixes: list[str | None] | None,
     ) -> Response:
         k = len(group.rids)
-        texts: list[list[str]] = [[] for _ in range(k)]
+        texts: list[list[str]] = (
+            [[p or ""] for p in prefixes] if prefixes else [[] for _ in range(k)]
+        )
         finish: list[str | None] = [None] * k
         completion, cached = [0] * k, [0] * k
 
         async def consume() -> None:
             async for index, out in group.outputs():
                 texts[index].append(out.text)
+                if logprobs is not None:
+                    logprobs.piece(index, out)
                 completion[index], cached[index] = out.completion_tokens, out.cached_tokens
                 if out.finish_reason is not None:
                     finish[index] = out.finish_reason
@@ -271,6 +311,7 @@ def create_app(state: ServerState) -> FastAPI:
             ["".join(t) for t in texts],
             finish,
             total_usage(group.prompt_tokens, endpoint.n, completion, cached),
+            None if logprobs is None else [logprobs.whole(i) for i in range(k)],
         )
         return JSONResponse(body)
 

@@ -221,6 +221,7 @@ class RequestGroup:
         self.rids = [m.rid for m in msgs]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = [0] * len(msgs)
+        self.prompt_texts: list[str | None] = [None] * len(msgs)  # with echo: decoded
         self.unfinished = set(range(len(msgs)))
         self._early: list[tuple[int, OutputMsg]] = []
         frontend.submit(msgs, self.queue, time.perf_counter())
@@ -236,6 +237,7 @@ class RequestGroup:
                 raise api_error(msg, self.param_names)
             if isinstance(msg, AcceptedMsg):
                 self.prompt_tokens[index] = msg.prompt_tokens
+                self.prompt_texts[index] = msg.prompt_text
                 waiting.discard(index)
             else:  # a sub-request may produce tokens before a sibling is accepted
                 self._early.append((index, msg))

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from minisgl.core import SamplingParams
+from minisgl.core import MAX_LOGPROBS, SamplingParams
 
 from .responses import APIError
 
@@ -95,6 +95,10 @@ class GenerateRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # end-user id: metadata only
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token): None where not asked."""
+        return None, None
+
     def check_unsupported(self) -> None:
         extra = self.model_extra or {}
         for name in UNSUPPORTED_PARAMS:
@@ -120,6 +124,7 @@ class GenerateRequest(_Strict):
         if temperature < GREEDY_BELOW_TEMPERATURE:
             temperature = 0.0
         top_k = self.top_k if self.top_k not in (None, 0) else -1  # 0 = off, as in vLLM
+        logprobs, prompt_logprobs = self.logprob_counts()
         try:
             return SamplingParams(
                 temperature=temperature,
@@ -136,6 +141,8 @@ class GenerateRequest(_Strict):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             # SamplingParams.validate names the field: "invalid sampling parameter NAME=..."
@@ -160,14 +167,15 @@ class ChatCompletionRequest(GenerateRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.logprobs:
-            raise _unsupported("logprobs")
-        if self.top_logprobs:
-            raise _unsupported("top_logprobs")
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token): None where not asked."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages with string content (text parts joined); other part types -> 400."""
@@ -195,17 +203,22 @@ class ChatCompletionRequest(GenerateRequest):
 
 class CompletionRequest(GenerateRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token): None where not asked; echo
+        with logprobs reports the prompt's too, as OpenAI's legacy API does."""
+        prompt = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt = max(prompt or 0, self.logprobs)
+        return self.logprobs, prompt
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None:
-            raise _unsupported("logprobs")
-        if self.echo:
-            raise _unsupported("echo")
         if self.suffix:
             raise _unsupported("suffix")
         if self.best_of is not None and self.best_of != 1:

@@ -83,9 +83,18 @@ class ResponseFormatter:
         close_delta = "}" if self.chat else ""
         self._text_tail = close_delta + ', "logprobs": null, "finish_reason": null}]}\n\n'
 
-    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
-        """One SSE event: a choice's new text, its role (chat's first event) or its finish."""
-        if text and finish is None and not role:
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> str:
+        """One SSE event: a choice's new text (with its tokens' logprobs where asked), its role
+        (chat's first event) or its finish."""
+        if text and finish is None and not role and logprobs is None and prompt_logprobs is None:
             return (
                 f'{self._text_head}[{{"index": {index}, {self._text_key}'
                 f"{json.dumps(text, ensure_ascii=False)}{self._text_tail}"
@@ -97,7 +106,9 @@ class ResponseFormatter:
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         return self._sse({"choices": [choice]})
 
     def _sse(self, payload: dict[str, Any]) -> str:
@@ -107,8 +118,14 @@ class ResponseFormatter:
         return self._sse({"choices": [], "usage": usage_body})
 
     def response(
-        self, texts: list[str], finish: list[str | None], usage_body: dict[str, Any]
+        self,
+        texts: list[str],
+        finish: list[str | None],
+        usage_body: dict[str, Any],
+        logprobs: list[tuple[dict[str, Any], Any]] | None = None,
     ) -> dict[str, Any]:
+        """The whole completion; logprobs: each choice's (`logprobs`, `prompt_logprobs` or
+        None) where the request asked for them."""
         choices = []
         for i, (text, reason) in enumerate(zip(texts, finish)):
             if self.chat:
@@ -118,7 +135,10 @@ class ResponseFormatter:
                 }
             else:
                 choice = {"index": i, "text": text}
-            choice.update(logprobs=None, finish_reason=reason)
+            body, prompt_body = logprobs[i] if logprobs is not None else (None, None)
+            choice.update(logprobs=body, finish_reason=reason)
+            if prompt_body is not None:
+                choice["prompt_logprobs"] = prompt_body
             choices.append(choice)
         return {
             "id": self.id,

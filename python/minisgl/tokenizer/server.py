@@ -27,6 +27,7 @@ from minisgl.utils import init_logger
 from minisgl.utils.faults import inject as inject_fault
 
 from .detokenize import IncrementalDetokenizer
+from .logprobs import TokenTexts
 from .tokenize import encode_chat, encode_text, load_tokenizer
 
 logger = init_logger(__name__)
@@ -51,7 +52,7 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
         ids = list(msg.input_ids)
     else:
         raise ValueError("the request has no prompt")
-    return UserMsg(msg.rid, ids, msg.sampling_params, msg.skip_special_tokens)
+    return UserMsg(msg.rid, ids, msg.sampling_params, msg.skip_special_tokens, msg.echo)
 
 
 def tokenize_error(msg: TokenizeMsg, exc: Exception) -> ErrorMsg:
@@ -70,6 +71,8 @@ class _DetokState:
     cached_tokens: int = 0
     pending_tokens: int = 0  # tokens consumed since the last OutputMsg
     text: list[str] = field(default_factory=list)
+    logprobs: list[list[Any]] | None = None  # entries since the last OutputMsg, where asked
+    prompt_logprobs: list[Any] | None = None  # until the next OutputMsg carries them
 
 
 class DetokenizeManager:
@@ -83,6 +86,7 @@ class DetokenizeManager:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.states: dict[int, _DetokState] = {}
+        self.token_texts = TokenTexts(tokenizer)
 
     def handle(self, msgs: list[Any]) -> tuple[list[Any], list[AbortMsg]]:
         """Process a batch of messages; return (messages for the API server, aborts)."""
@@ -123,6 +127,9 @@ class DetokenizeManager:
         if isinstance(msg, AcceptedMsg):
             detok = IncrementalDetokenizer(self.tokenizer, msg.stop, msg.skip_special_tokens)
             self.states[msg.rid] = _DetokState(detok)
+            if msg.prompt_ids is not None:  # echo: the API server wants the prompt's text
+                msg.prompt_text = self.tokenizer.decode(msg.prompt_ids)
+                msg.prompt_ids = None
             to_api.append(msg)
         elif isinstance(msg, TokenMsg):
             out = self._on_token(msg, touched, aborts)
@@ -144,8 +151,15 @@ class DetokenizeManager:
             return None
         if msg.cached_tokens:
             state.cached_tokens = msg.cached_tokens
+        if msg.prompt_logprobs is not None:
+            state.prompt_logprobs = self.token_texts.entries(msg.prompt_logprobs)
         if msg.token is not None:
             inject_fault("detokenize", state.detok.stop)
+            if msg.logprobs is not None:
+                logprob, top = msg.logprobs
+                if state.logprobs is None:
+                    state.logprobs = []
+                state.logprobs.append(self.token_texts.entry(msg.token, logprob, top))
             state.pending_tokens += 1
             state.text.append(state.detok.add_token(msg.token))
         if state.detok.stopped:
@@ -170,9 +184,12 @@ class DetokenizeManager:
             reason,
             completion_tokens=len(state.detok.token_ids),
             cached_tokens=state.cached_tokens,
+            logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
         )
         state.text.clear()
         state.pending_tokens = 0
+        state.logprobs = state.prompt_logprobs = None
         return out
 
 
