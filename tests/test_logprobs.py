@@ -82,15 +82,18 @@ def test_offline_logprobs_equal_hf_with_chunks_and_cache_hits(overlap) -> None:
 
 
 # ---------------------------------------------------------------- over HTTP
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("logprobs") / "server.log"
+def tiny_server(tmp_path_factory):
+    """A server on the tiny float32 Qwen3 (prefill in chunks of 16), stopped at the end."""
+    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
     args = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len", "256"]
     srv = spawn_server(tiny_model_path(MODEL), [*args, "--max-prefill-length", "16"], log)
     try:
         yield wait_healthy(srv)
     finally:
         srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
+
+
+server = pytest.fixture(scope="module", name="server")(tiny_server)
 
 
 @pytest.fixture(scope="module")

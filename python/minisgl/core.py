@@ -74,6 +74,34 @@ class RequestError(ValueError):
 
 # The most alternatives a request may ask log-probabilities of per token (vLLM's default).
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutput:
+    """A constraint on the output's text: kind "json" (spec: a JSON schema as a string, or
+    "" for any JSON object), "regex", "choice" (spec: a JSON list of the allowed strings) or
+    "grammar" (spec: an EBNF grammar)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"invalid sampling parameter structured={self.kind!r}: choose one of "
+                f"{list(STRUCTURED_KINDS)}"
+            )
+
+
+class GrammarState(Protocol):
+    """A request's position in its structured-output grammar (an xgrammar GrammarMatcher)."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> Any: ...
 
 
 @dataclass
@@ -97,6 +125,7 @@ class SamplingParams:
     # and its k most likely alternatives, of each generated token / of each prompt token.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -171,6 +200,8 @@ class Req:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed, with finish_reason "error"
+    # Where the output is constrained: the grammar's state, advanced by each token.
+    grammar: GrammarState | None = None
     # Prompt log-probabilities gathered chunk by chunk until the first token carries them:
     # [token id, logprob, [[alternative id, logprob], ...]] per prompt token (the first's
     # logprob None: nothing precedes it).

@@ -38,6 +38,8 @@ class SampleArgs:
     min_p: torch.Tensor | None = None  # [B, 1]
     seeded: list[tuple[int, torch.Generator]] | None = None
     penalties: PenaltyArgs | None = None
+    # Structured output: (rows, int32 bitmask [rows, ceil(vocab / 32)] of the allowed tokens).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
@@ -157,6 +159,8 @@ class Sampler:
         self, logits: torch.Tensor, args: SampleArgs, token_pool: torch.Tensor
     ) -> torch.Tensor:
         """logits: [B, vocab] (float32 or the model's dtype). Returns [B] int32 token ids."""
+        if args.allowed is not None:  # before everything: a disallowed token never wins
+            mask_disallowed(logits, *args.allowed)
         if args.penalties is not None:
             logits = self._apply_penalties(logits.float(), args.penalties, token_pool)
         if args.all_greedy:  # the argmax of the logits as they are: widening changes no order
@@ -244,3 +248,12 @@ def _sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index on ties)."""
     return ops_for(x).argmax(x)
+
+
+def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit of logits[rows] whose bit in bitmask (int32 [rows,
+    ceil(vocab / 32)], bit j of word w: token 32 w + j) is clear; one op for the batch."""
+    rows, bitmask = rows.to(logits.device), bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
+    logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))

@@ -82,7 +82,7 @@ class LLM(Scheduler):
             schedule_policy=schedule_policy,
             overlap_schedule=overlap_schedule,
         )
-        super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)))
+        super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, StructuredOutput
 
 T = TypeVar("T")
 
@@ -28,6 +28,7 @@ def register_message(cls: type[T]) -> type[T]:
 
 
 register_message(SamplingParams)
+register_message(StructuredOutput)
 
 
 def _default(obj: Any) -> msgpack.ExtType:

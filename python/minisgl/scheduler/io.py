@@ -95,9 +95,8 @@ class SchedulerIO:
             if rid is None:
                 continue
             if out.finish_reason == "error":
-                msgs.append(
-                    ErrorMsg(rid, out.error or "the request failed", None, "request_failed")
-                )
+                code = "request_failed" if out.error_param is None else "invalid_value"
+                msgs.append(ErrorMsg(rid, out.error or "the request failed", out.error_param, code))
                 del self.uid_to_rid[out.uid], self.rid_to_uid[rid]
                 self._started.discard(out.uid)
                 continue
@@ -173,8 +172,8 @@ def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
     from minisgl.utils.mp import worker_setup
 
     worker_setup()
-    eos = extra_eos_ids(config.model_path, load_tokenizer(config.model_path))
-    scheduler = Scheduler(config, extra_eos_ids=eos)
+    tokenizer = load_tokenizer(config.model_path)
+    scheduler = Scheduler(config, extra_eos_ids(config.model_path, tokenizer), tokenizer)
     io = SchedulerIO(scheduler, ZmqPullQueue(addrs.scheduler), ZmqPushQueue(addrs.detokenizer))
     ready.send(
         {

@@ -38,6 +38,7 @@ class TokenOutput:
     # Prompt tokens that came from the prefix cache (reported with the last output).
     cached_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
+    error_param: str | None = None  # the parameter at fault (a 400), None: its own failure
     # [logprob, [[alternative id, logprob], ...]] of this token, where the request asked.
     logprobs: list[Any] | None = None
     # The prompt's (first output only): see Req.prompt_logprobs.
@@ -62,6 +63,8 @@ def finish_reason(req: Req, token: int, eos_ids: frozenset[int]) -> FinishReason
     """Why the request ends with this token appended to its input_ids, if it does."""
     params = req.sampling_params
     if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    if req.grammar is not None and req.grammar.is_terminated():  # the constraint is complete
         return "stop"
     if len(req.input_ids) >= req.max_device_len:
         return "length"

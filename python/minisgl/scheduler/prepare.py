@@ -7,6 +7,7 @@ import torch
 from minisgl.core import Batch, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput
 
+from .grammar import GrammarQueue
 from .logprobs import logprob_rows, prompt_logprob_rows
 
 
@@ -49,8 +50,11 @@ def validate_request(
     return ids, len(ids) + max_tokens
 
 
-def prepare_forward_input(batch: Batch, engine: Engine) -> ForwardInput:
-    """Positions, KV slots, logits rows, attention metadata and sampling args of a batch."""
+def prepare_forward_input(
+    batch: Batch, engine: Engine, grammars: GrammarQueue | None = None
+) -> ForwardInput:
+    """Positions, KV slots, logits rows, attention metadata and sampling args of a batch (with
+    the constrained requests' token masks from `grammars`)."""
     reqs, device = batch.reqs, engine.device
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
     if batch.is_decode:
@@ -70,9 +74,12 @@ def prepare_forward_input(batch: Batch, engine: Engine) -> ForwardInput:
     batch.logits_indices = logits_indices
     engine.attn_backend.prepare_metadata(batch)
     sampled = [r for r in reqs if not r.is_chunked]
+    sample_args = engine.sampler.prepare(sampled)
+    if grammars is not None:
+        sample_args.allowed = grammars.bitmask(sampled)
     return ForwardInput(
         batch=batch,
-        sample_args=engine.sampler.prepare(sampled),
+        sample_args=sample_args,
         input_rows=input_rows,
         token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
         token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),

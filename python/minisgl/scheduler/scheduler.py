@@ -9,26 +9,27 @@ from typing import Any
 
 import torch
 
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Req, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
 from minisgl.utils import init_logger
-from minisgl.utils.faults import inject as inject_fault
 
 from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
-from .logprobs import collect_logprobs, logprob_plan
-from .output import InFlight, SchedulerStats, TokenOutput, finish_reason
+from .grammar import GrammarQueue
+from .logprobs import logprob_plan
+from .output import InFlight, SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
 from .prepare import prepare_forward_input, validate_request
+from .results import ResultsMixin
 from .table import TableManager
 
 logger = init_logger(__name__)
 
 
-class Scheduler:
+class Scheduler(ResultsMixin):
     """Admits requests, builds each step's batch, runs it and hands tokens back.
 
     With overlap scheduling, step N+1 is scheduled and launched before step N's tokens are
@@ -36,7 +37,10 @@ class Scheduler:
     released while a launched step still uses it.
     """
 
-    def __init__(self, config: SchedulerConfig, extra_eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, config: SchedulerConfig, extra_eos_ids: tuple[int, ...] = (), tokenizer: Any = None
+    ) -> None:
+        """tokenizer: the model's (HF); without it structured output is refused."""
         self.config = config
         self.engine = Engine(config)
         self.device = self.engine.device
@@ -61,6 +65,8 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._last_was_prefill = False
         self._executor: ThreadPoolExecutor | None = None
+        vocab = self.engine.model_config.vocab_size
+        self.grammars = None if tokenizer is None else GrammarQueue(tokenizer, vocab)
 
     @property
     def overlap(self) -> bool:
@@ -82,7 +88,12 @@ class Scheduler:
         req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
         if sampling_params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
-        self.waiting.append(req)
+        if sampling_params.structured is None:
+            self.waiting.append(req)
+        elif self.grammars is None:
+            raise RequestError("structured output needs the model's tokenizer", "structured")
+        else:
+            self.grammars.add(req)  # queued once its grammar is compiled
         return uid
 
     def abort_request(self, uid: int) -> bool:
@@ -90,6 +101,8 @@ class Scheduler:
         req = next((r for r in self.waiting if r.uid == uid), None)
         if req is not None:
             self.waiting.remove(req)
+        elif self.grammars is not None and (req := self.grammars.remove(uid)) is not None:
+            pass  # still compiling: holds nothing yet
         else:
             req = next((r for r in self._admitted() if r.uid == uid), None)
             if req is None:
@@ -103,25 +116,33 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._outbox or self._in_flight)
+        queued = self.waiting or (self.grammars is not None and self.grammars.pending)
+        return bool(queued or self.running or self.chunked or self._outbox or self._in_flight)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[TokenOutput]:
         """Launch the next batch and process the previous one (overlap) or this one."""
-        if self._in_flight is not None and not (self._decode_fits() and self._chunk_fits()):
+        self._queue_compiled()
+        # A constrained request's next token mask needs its last token: no overlap then.
+        overlap = self.overlap and not any(r.grammar is not None for r in self._admitted())
+        if self._in_flight is not None and not (
+            overlap and self._decode_fits() and self._chunk_fits()
+        ):
             # Short of pages: retraction must not touch a step still running, and what that step
             # finishes is released once it is processed.
             self._process(self._in_flight)
             self._in_flight = None
         batch = self._schedule()
         launched = self._launch(batch) if batch is not None else None
-        previous, self._in_flight = self._in_flight, launched if self.overlap else None
+        previous, self._in_flight = self._in_flight, launched if overlap else None
         if previous is not None:
             self._process(previous)
-        if launched is not None and not self.overlap:
+        if launched is not None and not overlap:
             self._process(launched)
         if batch is None and previous is None:  # nothing ran, nothing was pending
-            if self.waiting:
+            if self.grammars is not None and self.grammars.pending:
+                pass  # constraints still compiling
+            elif self.waiting:
                 # Idle, so the head fits by validation: reaching this is a bug, which must cost
                 # that request only, never the engine.
                 head = self.waiting.popleft()
@@ -132,11 +153,21 @@ class Scheduler:
         outputs, self._outbox = self._outbox, []
         return outputs
 
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose constraint compiled (waiting a little when idle)."""
+        if self.grammars is None or not self.grammars.pending:
+            return
+        idle = not (self.waiting or self.running or self.chunked or self._in_flight)
+        compiled, failed = self.grammars.ready(0.05 if idle else 0.0)
+        self.waiting.extend(compiled)
+        for req, why in failed:
+            self._fail(req, why, "structured")
+
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
         return self.engine.forward(forward_input)
 
     def _launch(self, batch: Batch) -> InFlight:
-        forward_input = prepare_forward_input(batch, self.engine)
+        forward_input = prepare_forward_input(batch, self.engine, self.grammars)
         sampled = [r for r in batch.reqs if not r.is_chunked]
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":
@@ -275,72 +306,9 @@ class Scheduler:
         self.budget.on_retraction()
         logger.debug("retracted %s", req)
 
-    # ---------------------------------------------------------------- results out
-    def _process(self, step: InFlight) -> None:
-        output = step.output()
-        tokens = output.next_tokens_cpu.tolist()
-        logprobs = collect_logprobs(step, output)
-        for i, (req, token) in enumerate(zip(step.sampled, tokens)):
-            if req.finish_reason is not None:
-                continue  # finished or aborted while this step ran: its token is not sent
-            try:
-                self._append_token(req, token, logprobs.get(i))
-            except Exception as exc:  # this request's fault: it alone ends
-                logger.exception("processing %s failed", req)
-                self._fail(req, f"processing the request failed: {exc}")
-        for req in step.batch.reqs:
-            if req.finish_reason is not None:
-                if not self._is_in_flight(req) and req.cache_handle is not None:
-                    self._release(req)
-            elif step.batch.is_prefill:
-                self.cache_manager.cache_req(req, finished=False)
-
-    def _append_token(self, req: Req, token: int, logprobs: list[Any] | None = None) -> None:
-        inject_fault("schedule", req.sampling_params.stop)
-        if token < 0:  # the engine flags a row whose logits were not finite
-            self._fail(req, "the model's logits for this request were not finite (NaN or inf)")
-            return
-        req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
-        req.finish_reason = finish_reason(req, token, self.eos_ids)
-        self.stats.generated_tokens += 1
-        cached = req.prompt_cached_tokens if req.finish_reason else 0
-        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
-        out = TokenOutput(
-            req.uid, token, req.finish_reason, cached, None, logprobs, prompt_logprobs
-        )
-        self._outbox.append(out)
-        if req.finish_reason is not None:
-            self._drop(req)
-
-    def _fail(self, req: Req, message: str) -> None:
-        """End one request with an error; its pages are released as for an abort."""
-        req.finish_reason = "error"
-        req.error = message
-        self._drop(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._outbox.append(
-            TokenOutput(req.uid, None, "error", req.prompt_cached_tokens, error=message)
-        )
-
-    def _is_in_flight(self, req: Req) -> bool:
-        return self._in_flight is not None and any(r is req for r in self._in_flight.batch.reqs)
-
-    def _drop(self, req: Req) -> None:
-        """Stop scheduling the request (it stays allocated until released)."""
-        if req is self.chunked:
-            self.chunked = None
-        elif req in self.running:
-            self.running.remove(req)
-
-    def _release(self, req: Req) -> None:
-        if req.finish_reason == "error":  # what it computed last may be what went wrong
-            self.cache_manager.release_uncached(req)
-        else:
-            self.cache_manager.cache_req(req, finished=True)
-        self.table_manager.free(req.table_idx)
-
     def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from minisgl.core import MAX_LOGPROBS, SamplingParams
 
 from .responses import APIError
+from .structured import structured_output
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -42,7 +43,6 @@ UNSUPPORTED_PARAMS = (
     "functions",
     "function_call",
     "logit_bias",
-    "response_format",
     "audio",
     "modalities",
     "prediction",
@@ -103,8 +103,6 @@ class GenerateRequest(_Strict):
         extra = self.model_extra or {}
         for name in UNSUPPORTED_PARAMS:
             value = extra.get(name)
-            if name == "response_format" and value in ({"type": "text"}, None):
-                continue
             if value not in (None, [], {}, "none"):
                 raise _unsupported(name)
 
@@ -125,6 +123,7 @@ class GenerateRequest(_Strict):
             temperature = 0.0
         top_k = self.top_k if self.top_k not in (None, 0) else -1  # 0 = off, as in vLLM
         logprobs, prompt_logprobs = self.logprob_counts()
+        structured = structured_output(self.model_extra or {})
         try:
             return SamplingParams(
                 temperature=temperature,
@@ -143,6 +142,7 @@ class GenerateRequest(_Strict):
                 max_tokens=max_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured=structured,
             )
         except ValueError as exc:
             # SamplingParams.validate names the field: "invalid sampling parameter NAME=..."

@@ -1,0 +1,101 @@
+"""The scheduler's results side: a processed step's tokens appended to their requests, finished
+and failed requests released (a mixin of Scheduler, as SGLang's output processor is)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from minisgl.core import Req
+from minisgl.utils import init_logger
+from minisgl.utils.faults import inject as inject_fault
+
+from .cache import CacheManager
+from .logprobs import collect_logprobs
+from .output import InFlight, SchedulerStats, TokenOutput, finish_reason
+from .table import TableManager
+
+logger = init_logger(__name__)
+
+
+class ResultsMixin:
+    """What Scheduler does with a step's output; the state it reads is Scheduler's."""
+
+    eos_ids: frozenset[int]
+    waiting: deque[Req]
+    running: list[Req]
+    chunked: Req | None
+    stats: SchedulerStats
+    cache_manager: CacheManager
+    table_manager: TableManager
+    _outbox: list[TokenOutput]
+    _in_flight: InFlight | None
+
+    def _process(self, step: InFlight) -> None:
+        output = step.output()
+        tokens = output.next_tokens_cpu.tolist()
+        logprobs = collect_logprobs(step, output)
+        for i, (req, token) in enumerate(zip(step.sampled, tokens)):
+            if req.finish_reason is not None:
+                continue  # finished or aborted while this step ran: its token is not sent
+            try:
+                self._append_token(req, token, logprobs.get(i))
+            except Exception as exc:  # this request's fault: it alone ends
+                logger.exception("processing %s failed", req)
+                self._fail(req, f"processing the request failed: {exc}")
+        for req in step.batch.reqs:
+            if req.finish_reason is not None:
+                if not self._is_in_flight(req) and req.cache_handle is not None:
+                    self._release(req)
+            elif step.batch.is_prefill:
+                self.cache_manager.cache_req(req, finished=False)
+
+    def _append_token(self, req: Req, token: int, logprobs: list[Any] | None = None) -> None:
+        inject_fault("schedule", req.sampling_params.stop)
+        if token < 0:  # the engine flags a row whose logits were not finite
+            self._fail(req, "the model's logits for this request were not finite (NaN or inf)")
+            return
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            self._fail(req, f"token {token} breaks the request's structured output constraint")
+            return
+        req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
+        req.finish_reason = finish_reason(req, token, self.eos_ids)
+        self.stats.generated_tokens += 1
+        cached = req.prompt_cached_tokens if req.finish_reason else 0
+        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        out = TokenOutput(
+            req.uid, token, req.finish_reason, cached, None, logprobs, prompt_logprobs
+        )
+        self._outbox.append(out)
+        if req.finish_reason is not None:
+            self._drop(req)
+
+    def _fail(self, req: Req, message: str, param: str | None = None) -> None:
+        """End one request with an error; its pages are released as for an abort. param: the
+        parameter at fault (a 400 then), None for the request's own failure."""
+        req.finish_reason = "error"
+        req.error = message
+        self._drop(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        cached = req.prompt_cached_tokens
+        self._outbox.append(TokenOutput(req.uid, None, "error", cached, message, param))
+
+    def _is_in_flight(self, req: Req) -> bool:
+        return self._in_flight is not None and any(r is req for r in self._in_flight.batch.reqs)
+
+    def _drop(self, req: Req) -> None:
+        """Stop scheduling the request (it stays allocated until released)."""
+        if req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+
+    def _release(self, req: Req) -> None:
+        if req.finish_reason == "error":  # what it computed last may be what went wrong
+            self.cache_manager.release_uncached(req)
+        else:
+            self.cache_manager.cache_req(req, finished=True)
+        self.table_manager.free(req.table_idx)

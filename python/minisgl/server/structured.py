@@ -1,0 +1,108 @@
+"""Structured-output request fields -> one `StructuredOutput`: OpenAI's `response_format`
+(`json_object`, `json_schema`) and vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` and `structured_outputs` ({json, regex, choice, grammar}). At most one
+constraint per request; each is checked here by building its grammar (xgrammar, no tokenizer
+needed), so a bad schema, regex or grammar is a 400 naming the parameter."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from minisgl.core import StructuredOutput
+
+from .responses import APIError
+
+# vLLM's field -> our kind; `structured_outputs` takes the same keys without the prefix.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _invalid(param: str, message: str) -> APIError:
+    return APIError(f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _from_response_format(value: Any) -> StructuredOutput | None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _invalid("response_format", "must be an object with a 'type'")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json")
+    if kind != "json_schema":
+        raise _invalid("response_format", f"type {kind!r} is not text, json_object or json_schema")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise _invalid("response_format", "json_schema.schema must be a JSON schema object")
+    return StructuredOutput("json", json.dumps(schema))
+
+
+def _from_guided(param: str, kind: str, value: Any) -> StructuredOutput:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise _invalid(param, f"not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise _invalid(param, "must be a JSON schema object")
+        return StructuredOutput("json", json.dumps(value))
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise _invalid(param, "must be a non-empty list of non-empty strings")
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise _invalid(param, "must be a non-empty string")
+    return StructuredOutput(kind, value)
+
+
+def _check_builds(param: str, spec: StructuredOutput) -> None:
+    """Build the constraint's grammar once (no tokenizer): its errors are the client's."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json" and spec.spec:
+            xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.spec)
+        elif spec.kind == "grammar":
+            xgr.Grammar.from_ebnf(spec.spec)
+    except Exception as exc:  # xgrammar's errors name what it could not parse
+        raise _invalid(param, f"cannot be compiled: {exc}") from None
+
+
+def structured_output(fields: dict[str, Any]) -> StructuredOutput | None:
+    """The request's one constraint from its fields (the body's extras), or None."""
+    found: list[tuple[str, StructuredOutput | None]] = []
+    if fields.get("response_format") is not None:
+        found.append(("response_format", _from_response_format(fields["response_format"])))
+    for param, kind in GUIDED_FIELDS.items():
+        if fields.get(param) is not None:
+            found.append((param, _from_guided(param, kind, fields[param])))
+    outputs = fields.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise _invalid("structured_outputs", "must be an object")
+        for key, kind in ((k.removeprefix("guided_"), k) for k in GUIDED_FIELDS):
+            if outputs.get(key) is not None:
+                param = f"structured_outputs.{key}"
+                found.append((param, _from_guided(param, GUIDED_FIELDS[kind], outputs[key])))
+    found = [(param, spec) for param, spec in found if spec is not None]
+    if len(found) > 1:
+        raise _invalid(found[1][0], f"a request takes one constraint, {found[0][0]} is given")
+    if not found:
+        return None
+    param, spec = found[0]
+    assert spec is not None
+    _check_builds(param, spec)
+    return spec
