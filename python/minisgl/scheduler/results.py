@@ -66,7 +66,12 @@ class ResultsMixin:
         cached = req.prompt_cached_tokens if req.finish_reason else 0
         prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         out = TokenOutput(
-            req.uid, token, req.finish_reason, cached, None, logprobs, prompt_logprobs
+            req.uid,
+            token,
+            req.finish_reason,
+            cached,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         self._outbox.append(out)
         if req.finish_reason is not None:
@@ -81,7 +86,9 @@ class ResultsMixin:
         if req in self.waiting:
             self.waiting.remove(req)
         cached = req.prompt_cached_tokens
-        self._outbox.append(TokenOutput(req.uid, None, "error", cached, message, param))
+        self._outbox.append(
+            TokenOutput(req.uid, None, "error", cached, error=message, error_param=param)
+        )
 
     def _is_in_flight(self, req: Req) -> bool:
         return self._in_flight is not None and any(r is req for r in self._in_flight.batch.reqs)
