@@ -26,6 +26,12 @@ def validate_request(
         raise RequestError(
             f"prompt token ids must lie in [0, {vocab}), got {bad[:8].tolist()}", "prompt"
         )
+    outside = [t for t in sampling_params.logit_bias if t >= vocab]
+    if outside:
+        raise RequestError(
+            f"logit_bias token ids must lie in [0, {vocab}), got {sorted(outside)[:8]}",
+            "logit_bias",
+        )
     if len(ids) >= limit:
         raise RequestError(
             f"this model's maximum context length is {limit} tokens and the prompt has "
@@ -47,8 +53,11 @@ def validate_request(
     return ids, len(ids) + max_tokens
 
 
-def prepare_forward_input(batch: Batch, engine: Engine) -> ForwardInput:
-    """Positions, KV slots, logits rows, attention metadata and sampling args of a batch."""
+def prepare_forward_input(
+    batch: Batch, engine: Engine, eos_ids: frozenset[int] = frozenset()
+) -> ForwardInput:
+    """Positions, KV slots, logits rows, attention metadata and sampling args of a batch
+    (`eos_ids`: the tokens min_tokens keeps from being drawn)."""
     reqs, device = batch.reqs, engine.device
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
     if batch.is_decode:
@@ -70,7 +79,7 @@ def prepare_forward_input(batch: Batch, engine: Engine) -> ForwardInput:
     sampled = [r for r in reqs if not r.is_chunked]
     return ForwardInput(
         batch=batch,
-        sample_args=engine.sampler.prepare(sampled),
+        sample_args=engine.sampler.prepare(sampled, eos_ids),
         input_rows=input_rows,
         token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
         token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),

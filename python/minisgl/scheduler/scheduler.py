@@ -134,7 +134,7 @@ class Scheduler:
         return self.engine.forward(forward_input)
 
     def _launch(self, batch: Batch) -> InFlight:
-        forward_input = prepare_forward_input(batch, self.engine)
+        forward_input = prepare_forward_input(batch, self.engine, self.eos_ids)
         sampled = [r for r in batch.reqs if not r.is_chunked]
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":
@@ -275,7 +275,8 @@ class Scheduler:
     # ---------------------------------------------------------------- results out
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stops = (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if stops and req.output_len >= params.min_tokens:  # output_len counts this token
             return "stop"
         if len(req.input_ids) >= req.max_device_len:
             return "length"
