@@ -83,9 +83,17 @@ class ResponseFormatter:
         close_delta = "}" if self.chat else ""
         self._text_tail = close_delta + ', "logprobs": null, "finish_reason": null}]}\n\n'
 
-    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
-        """One SSE event: a choice's new text, its role (chat's first event) or its finish."""
-        if text and finish is None and not role:
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        usage_body: dict[str, Any] | None = None,
+    ) -> str:
+        """One SSE event: a choice's new text, its role (chat's first event) or its finish;
+        with `usage_body`, the usage so far too (vLLM's continuous_usage_stats)."""
+        if text and finish is None and not role and usage_body is None:
             return (
                 f'{self._text_head}[{{"index": {index}, {self._text_key}'
                 f"{json.dumps(text, ensure_ascii=False)}{self._text_tail}"
@@ -98,6 +106,8 @@ class ResponseFormatter:
         else:
             choice = {"index": index, "text": text or ""}
         choice.update(logprobs=None, finish_reason=finish)
+        if usage_body is not None:
+            return self._sse({"choices": [choice], "usage": usage_body})
         return self._sse({"choices": [choice]})
 
     def _sse(self, payload: dict[str, Any]) -> str:
