@@ -115,7 +115,7 @@ def _warn_ignored(req: Strict, prefix: str = "") -> None:
     ignored = req.ignored_fields(prefix)
     if ignored:
         logger.warning(
-            "%s: the request's fields %s are not known to this server and were ignored",
+            "%s: ignored the request's fields %s (this server does not use them)",
             type(req).__name__,
             ", ".join(ignored),
         )
