@@ -86,3 +86,40 @@ def test_special_tokens_skipped_or_kept(tok):
 def test_empty_stop_string_is_rejected(tok):
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(tok, stop=[""])
+
+
+@_SETTINGS
+@given(text=_TEXT, data=st.data())
+def test_stop_string_kept_with_include_stop_str(tok, text, data):
+    start = data.draw(st.integers(0, len(text) - 1))
+    stop = text[start : start + data.draw(st.integers(1, 4))]
+    ids = tok(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tok, [stop], include_stop_str=True)
+    chunks = [detok.add_token(t) for t in ids] + [detok.finish()]
+    assert "".join(chunks) == text[: text.find(stop) + len(stop)]
+    assert detok.stopped and "".join(chunks).endswith(stop)
+
+
+class _RecordingTokenizer:
+    """Passes decode through, recording the options it was given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.options = tokenizer, set()
+
+    def decode(self, ids, **kw):
+        self.options.add(tuple(sorted(kw.items())))
+        return self.tokenizer.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_decode_options_reach_the_tokenizer(tok, spaces):
+    """skip_special_tokens and spaces_between_special_tokens are the tokenizer's decode
+    options (transformers' Python tokenizers join added tokens with spaces; the Rust-backed
+    ones, as SmolLM2's, never do, as in vLLM)."""
+    recording = _RecordingTokenizer(tok)
+    ids = tok("<|im_start|>hi<|im_end|>", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(recording, (), False, spaces)
+    text = "".join([detok.add_token(t) for t in ids] + [detok.finish()])
+    assert text == "<|im_start|>hi<|im_end|>"
+    options = (("skip_special_tokens", False), ("spaces_between_special_tokens", spaces))
+    assert recording.options == {options}

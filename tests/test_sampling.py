@@ -224,3 +224,45 @@ def test_penalties_equal_a_dense_reference() -> None:
     for _ in range(2):  # the kept count buffer is zero again after each use
         out = sampler._apply_penalties(logits, args.penalties, token_pool)
         torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
+def test_logit_bias_and_min_tokens_adjust_the_batch_in_one_op() -> None:
+    """logit_bias adds to its row only, before temperature; min_tokens masks EOS and the
+    stop ids of rows short of it (and never one past the vocabulary); the model's logits are
+    left as they were (the non-finite check reads them)."""
+    sampler = Sampler(6, torch.device("cpu"))
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0]]).repeat(4, 1)
+    reqs = [
+        _req(SamplingParams(logit_bias={4: 10.0, 0: -100.0}), [1]),
+        _req(SamplingParams(min_tokens=2, stop_token_ids=[1, 99]), [1]),  # 0 output so far
+        _req(SamplingParams(min_tokens=2, stop_token_ids=[1]), [1, 5, 5], prompt_len=1),  # 2
+        _req(SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[1]), [1]),
+    ]
+    args = sampler.prepare(reqs, eos_ids=frozenset({0}))
+    assert args.adjust is not None and args.all_greedy
+    before = logits.clone()
+    tokens = sampler.sample(logits, args, torch.zeros(1, 1))
+    # Row 0: biased to 4; row 1: 0 (EOS) and 1 masked; row 2: has its 2 tokens, EOS free;
+    # row 3: ignore_eos leaves 0 (EOS) free, its stop id 1 is still masked.
+    assert tokens.tolist() == [4, 2, 0, 0]
+    assert torch.equal(logits, before)
+    # Sampling (not greedy) reads the adjusted logits too: a masked token is never drawn.
+    hot = SamplingParams(temperature=5.0, min_tokens=1, logit_bias={5: -100.0})
+    hot_args = sampler.prepare([_req(hot, [1])] * 512, frozenset({0}))
+    draws = sampler.sample(torch.zeros(512, 6), hot_args, torch.zeros(1, 1))
+    assert set(draws.tolist()) == {1, 2, 3, 4}
+
+
+def test_min_tokens_and_logit_bias_end_to_end(llm) -> None:
+    free = llm.generate(["Hello there"], greedy(8))[0]["token_ids"]
+    stop = free[1]  # would end the request at its second token
+    held = llm.generate(["Hello there"], greedy(8, stop_token_ids=[stop], min_tokens=5))[0]
+    assert len(held["token_ids"]) >= 5
+    assert stop not in held["token_ids"][:5]
+    biased = llm.generate(["Hello there"], greedy(4, logit_bias={123: 100.0}))[0]
+    assert biased["token_ids"] == [123] * 4
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["Hello there"], greedy(4, logit_bias={10**7: 1.0}))
+    with pytest.raises(ValueError, match="min_tokens"):
+        greedy(4, min_tokens=5)
+    assert not llm.has_work

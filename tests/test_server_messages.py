@@ -15,6 +15,8 @@ from minisgl.message import (
     AcceptedMsg,
     BatchMsg,
     ErrorMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
     OutputMsg,
     StatsMsg,
     TokenizeMsg,
@@ -263,3 +265,105 @@ def test_fault_injection_spec():
     for bad in ["tokenize", "tokenize:", "nowhere:@x", ":@x", "tokenize:@x;"]:
         with pytest.raises(ValueError, match="MINISGL_FAULT_INJECT"):
             _parse(bad)
+
+
+def test_flush_cache_only_when_idle_and_pages_stay_accounted(llm):
+    """FlushCacheMsg: refused while a request is queued or running, else the radix tree is
+    emptied and every page is free (free + cached == all pages before and after)."""
+    inbox, outbox = FakeInbox(), FakeOutbox()
+    io = SchedulerIO(llm, inbox, outbox)
+    inbox.items = [UserMsg(1, list(range(1, 40)), SamplingParams(max_tokens=4)), FlushCacheMsg(2)]
+    io.run_once()
+    refused = [m for m in outbox.sent if isinstance(m, FlushCacheReply)]
+    assert refused == [FlushCacheReply(2, False, refused[0].message)]
+    assert "1 running" in refused[0].message or "1 waiting" in refused[0].message
+    run_until_idle(io)
+    cm = llm.cache_manager
+    assert cm.prefix_cache.size_info.total_size > 0  # the prompt and output are cached
+    outbox.sent.clear()
+    inbox.items = [FlushCacheMsg(3)]
+    io.run_once()
+    reply, stats = outbox.sent[0], outbox.sent[1]
+    assert isinstance(reply, FlushCacheReply) and reply.flushed and reply.rid == 3
+    assert isinstance(stats, StatsMsg) and stats.cached_pages == 0 and stats.pages_ok
+    assert cm.num_free_pages == llm.engine.num_pages
+    assert cm.prefix_cache.size_info.total_size == 0
+    # The emptied tree works as before: the same prompt again is computed from scratch.
+    out = llm.generate([list(range(1, 40))], SamplingParams(max_tokens=2))[0]
+    assert out["cached_tokens"] == 0
+    assert llm.generate([list(range(1, 40))], SamplingParams(max_tokens=2))[0]["cached_tokens"]
+
+
+def test_text_requests_and_stop_tokens(llm):
+    """EncodeMsg / DecodeMsg answers (/tokenize, /detokenize); an EOS / stop token ends the
+    text without its own unless stop strings are included; chat rendering options."""
+    from minisgl.message import DecodedMsg, DecodeMsg, EncodedMsg, EncodeMsg
+    from minisgl.tokenizer.server import answer_text_request, text_request_error
+
+    tok = llm.tokenizer
+    encoded = answer_text_request(tok, EncodeMsg(1, text="hi there", return_token_strs=True))
+    assert encoded == EncodedMsg(1, tok("hi there").input_ids, ["hi", "Ġthere"])
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    cont = answer_text_request(
+        tok, EncodeMsg(2, messages=chat, add_generation_prompt=False, continue_final_message=True)
+    )
+    assert tok.decode(cont.tokens).endswith("<|im_start|>assistant\nHel")
+    closed = answer_text_request(tok, EncodeMsg(3, messages=chat[:1], add_generation_prompt=False))
+    assert not tok.decode(closed.tokens).endswith("assistant\n")
+    assert answer_text_request(tok, DecodeMsg(4, [1, 2])) == DecodedMsg(4, "<|im_start|><|im_end|>")
+    bad = EncodeMsg(5, messages=chat, chat_template_kwargs={"tokenize": True})
+    try:
+        answer_text_request(tok, bad)
+    except ValueError as exc:
+        assert text_request_error(bad, exc).param == "messages"
+    else:
+        raise AssertionError("a reserved chat_template_kwargs key must be refused")
+    ids = tok(" alpha beta", add_special_tokens=False).input_ids
+    for include, text in [(False, " alpha"), (True, " alpha beta")]:
+        manager = DetokenizeManager(tok)
+        manager.handle([AcceptedMsg(7, 3, [], True, True, include)])
+        out, _ = manager.handle([TokenMsg(7, ids[0]), TokenMsg(7, ids[1], "stop")])
+        assert "".join(m.text for m in out) == text
+        assert out[-1].completion_tokens == 2 and out[-1].matched_stop == ids[1]
+
+
+def test_chat_template_kwargs_reach_the_template(llm):
+    """chat_template_kwargs are the template's variables (Qwen3's enable_thinking, say)."""
+    import copy
+
+    from minisgl.tokenizer.tokenize import render_chat
+
+    tok = copy.copy(llm.tokenizer)
+    tok.chat_template = (
+        "{{ 'think:' if enable_thinking else 'plain:' }}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, chat, chat_template_kwargs={"enable_thinking": True}) == "think:hi"
+    assert render_chat(tok, chat) == "plain:hi"
+
+
+def test_codec_round_trips_the_new_messages():
+    from minisgl.message import DecodedMsg, DecodeMsg, EncodedMsg, EncodeMsg
+
+    sp = SamplingParams(
+        min_tokens=2, logit_bias={5: -1.5, 7: 100.0}, include_stop_str_in_output=True
+    )
+    msg = BatchMsg(
+        [
+            TokenizeMsg(
+                1,
+                sp,
+                messages=[{"role": "user", "content": "x"}],
+                chat_template_kwargs={"a": [1, None]},
+            ),
+            EncodeMsg(2, text="x", return_token_strs=True),
+            EncodedMsg(2, [1, 2], ["a", "b"]),
+            DecodeMsg(3, [4]),
+            DecodedMsg(3, "é"),
+            FlushCacheMsg(4),
+            FlushCacheReply(4, False, "busy"),
+            OutputMsg(5, "", 1, "stop", matched_stop=2),
+        ]
+    )
+    assert decode(encode(msg)) == msg

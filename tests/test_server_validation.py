@@ -25,6 +25,7 @@ from minisgl.server.frontend import FrontendManager
 from minisgl.server.metrics import ServerMetrics
 
 MAX_MODEL_LEN = 512  # as the real server of test_server.py
+VOCAB = 49152  # SmolLM2's
 
 
 class FakePipeline(threading.Thread):
@@ -52,7 +53,10 @@ class FakePipeline(threading.Thread):
 
     @staticmethod
     def answer(msg: TokenizeMsg) -> list:
-        prompt = msg.text if msg.text is not None else msg.messages[-1]["content"]
+        if msg.text is not None:
+            prompt = msg.text
+        else:  # token ids (health_generate's) are an ordinary prompt
+            prompt = msg.messages[-1]["content"] if msg.messages else "ids"
         if "reject" in prompt:
             return [
                 ErrorMsg(msg.rid, "the prompt has 600 tokens", "prompt", "context_length_exceeded")
@@ -88,7 +92,7 @@ def app(tmp_path) -> Iterator[App]:
     pipeline.start()
     metrics = ServerMetrics()
     frontend = FrontendManager(addrs, metrics)
-    state = ServerState("m", "/models/m", MAX_MODEL_LEN, frontend, metrics)
+    state = ServerState("m", "/models/m", MAX_MODEL_LEN, frontend, metrics, vocab_size=VOCAB)
     try:
         with TestClient(create_app(state)) as http:
             yield App(http, frontend, pipeline)
@@ -180,3 +184,128 @@ def test_engine_failure_ends_open_requests_and_health(app):
     assert app.http.get("/health").status_code == 503
     body = completion(app, "hello")
     assert body["status"] == 503 and body["error"]["type"] == "server_error"
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+# vLLM's extensions and the native endpoints: refused by the API server itself, naming the
+# parameter (test_server_native.py has the ones the scheduler refuses).
+REFUSED = [
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "spaces_between_special_tokens": 0},
+        "spaces_between_special_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "include_stop_str_in_output": 1},
+        "include_stop_str_in_output",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"continuous_usage_stats": "y"}},
+        "stream_options",
+    ),
+    ("/v1/completions", {"prompt": "x", "user": 5}, "user"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "continue_final_message": True},
+        "continue_final_message",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "add_generation_prompt": 1},
+        "add_generation_prompt",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},
+        "chat_template_kwargs",
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": 3}, "chat_template_kwargs"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "min_tokens": 9, "max_completion_tokens": 2},
+        "min_tokens",
+    ),
+    ("/generate", {"text": "x", "return_logprob": True}, "return_logprob"),
+    ("/generate", {"text": "x", "top_logprobs_num": 2}, "top_logprobs_num"),
+    ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"text": "x", "image_data": "a.png"}, "image_data"),
+    ("/generate", {"sampling_params": {}}, "text"),
+    ("/generate", {"text": "x", "input_ids": [1]}, "text"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"text": "x", "stream": "yes"}, "stream"),
+    ("/generate", {"text": "x", "sampling_params": 5}, "sampling_params"),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"temperature": -1}},
+        "sampling_params.temperature",
+    ),
+    ("/generate", {"text": "x", "sampling_params": {"top_k": "4"}}, "sampling_params.top_k"),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"max_new_tokens": 0}},
+        "sampling_params.max_new_tokens",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"max_new_tokens": 600}},
+        "sampling_params.max_new_tokens",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}},
+        "sampling_params.min_new_tokens",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"logit_bias": {"-1": 1}}},
+        "sampling_params.logit_bias",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"json_schema": "{}"}},
+        "sampling_params.json_schema",
+    ),
+    ("/generate", {"text": ["x", "y"], "sampling_params": [{}]}, "sampling_params"),
+    (
+        "/generate",
+        {"text": ["x", "y"], "sampling_params": [{}, {"n": 0}]},
+        "sampling_params.n",
+    ),
+    ("/generate", {"text": ["x", "y"], "rid": ["a"]}, "rid"),
+    ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+]
+
+
+def test_extension_and_native_refusals_name_the_parameter(app):
+    for path, body, param in REFUSED:
+        r = app.http.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"], (path, body, error)
+        assert app.frontend._tracked == {}, (path, body)
+    assert app.pipeline.take_received() == []  # nothing left the API server
+
+
+def test_health_generate_runs_a_token_through_the_pipeline(app):
+    assert app.http.get("/health_generate").json() == {"status": "ok"}
+    (msg,) = app.pipeline.take_received()
+    assert isinstance(msg, TokenizeMsg) and msg.sampling_params.max_tokens == 1
+    assert app.frontend._tracked == {}
+    app.frontend.fail_all_threadsafe("the scheduler process died")
+    r = app.http.get("/health_generate")
+    assert r.status_code == 503 and r.json()["status"] == "unhealthy"

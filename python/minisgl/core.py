@@ -126,6 +126,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # EOS and stop_token_ids neither end the request nor are sampled before this many tokens.
+    min_tokens: int = 0
+    # Token id -> value added to its logit (OpenAI's logit_bias), before temperature.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # A matched stop string (or stop token) stays at the end of the text.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -156,10 +162,23 @@ class SamplingParams:
                 self.max_tokens is None
                 or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             ),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0),
         ]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"invalid sampling parameter min_tokens={self.min_tokens}: more than "
+                f"max_tokens={self.max_tokens}"
+            )
+        for token, bias in self.logit_bias.items():
+            ok = isinstance(bias, (int, float)) and -100.0 <= bias <= 100.0
+            if not (isinstance(token, int) and token >= 0 and ok):
+                raise ValueError(
+                    f"invalid sampling parameter logit_bias={{{token!r}: {bias!r}}}: token ids "
+                    "are integers >= 0, biases lie in [-100, 100]"
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -1,7 +1,9 @@
-"""Per-request sampling inside one batch: penalties, temperature, top-k, top-p, min-p, seeds."""
+"""Per-request sampling inside one batch: penalties, logit bias, min-tokens, temperature, top-k,
+top-p, min-p, seeds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,16 @@ class PenaltyArgs:
 
 
 @dataclass
+class LogitAdjust:
+    """Sparse additions to a batch's logits, applied in one index_put_: each request's
+    logit_bias, and -inf on the stop tokens (EOS, stop_token_ids) of rows short of min_tokens."""
+
+    rows: torch.Tensor  # [K] long: batch rows
+    cols: torch.Tensor  # [K] long: token ids
+    values: torch.Tensor  # [K] float32: added to logits[rows, cols] (repeats add up)
+
+
+@dataclass
 class SampleArgs:
     """Sampling settings of a batch as tensors; `None` fields are switched off for every row."""
 
@@ -40,6 +52,7 @@ class SampleArgs:
     penalties: PenaltyArgs | None = None
     # Structured output: (rows, int32 bitmask [rows, ceil(vocab / 32)] of the allowed tokens).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    adjust: LogitAdjust | None = None
 
 
 class Sampler:
@@ -61,11 +74,13 @@ class Sampler:
             self._scratch[name] = buf
         return buf[:rows]
 
-    def prepare(self, reqs: list[Req]) -> SampleArgs:
+    def prepare(self, reqs: list[Req], eos_ids: frozenset[int] = frozenset()) -> SampleArgs:
+        """The batch's sampling tensors; `eos_ids` are what min_tokens keeps from being drawn."""
         params = [r.sampling_params for r in reqs]
         penalties = self._prepare_penalties(reqs)
+        adjust = self._prepare_adjust(reqs, eos_ids)
         if all(p.is_greedy for p in params):
-            return SampleArgs(all_greedy=True, penalties=penalties)
+            return SampleArgs(all_greedy=True, penalties=penalties, adjust=adjust)
         device = self.device
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -79,6 +94,7 @@ class Sampler:
                 [1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32
             ),
             penalties=penalties,
+            adjust=adjust,
         )
         if any(p.top_k > 1 for p in params):
             args.top_k = column(
@@ -112,6 +128,34 @@ class Sampler:
             presence=column([p.presence_penalty for p in sps]),
             frequency=column([p.frequency_penalty for p in sps]),
             repetition=column([p.repetition_penalty for p in sps]),
+        )
+
+    def _prepare_adjust(self, reqs: list[Req], eos_ids: frozenset[int]) -> LogitAdjust | None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, req in enumerate(reqs):
+            sp = req.sampling_params
+            if sp.logit_bias:
+                rows += [i] * len(sp.logit_bias)
+                cols += sp.logit_bias
+                values += sp.logit_bias.values()
+            # device_len - prompt_len: output tokens known before the one drawn now (with
+            # overlap too, and for a retracted request recomputing its output).
+            if sp.min_tokens and req.device_len - req.prompt_len < sp.min_tokens:
+                stops = set(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos_ids)
+                # stop_token_ids are not checked against the vocabulary: one past it never stops.
+                masked = [t for t in stops if t < self.vocab_size]
+                rows += [i] * len(masked)
+                cols += masked
+                values += [-math.inf] * len(masked)
+        if not rows:
+            return None
+        device = self.device
+        return LogitAdjust(
+            rows=torch.tensor(rows, dtype=torch.int64).to(device),
+            cols=torch.tensor(cols, dtype=torch.int64).to(device),
+            values=torch.tensor(values, dtype=torch.float32).to(device),
         )
 
     def _zeros_kept(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -163,6 +207,11 @@ class Sampler:
             mask_disallowed(logits, *args.allowed)
         if args.penalties is not None:
             logits = self._apply_penalties(logits.float(), args.penalties, token_pool)
+        if args.adjust is not None:
+            if args.penalties is None:  # the model's logits stay as they are (non-finite check)
+                logits = self._scratch_like("adjusted", logits).copy_(logits)
+            a = args.adjust
+            logits.index_put_((a.rows, a.cols), a.values, accumulate=True)
         if args.all_greedy:  # the argmax of the logits as they are: widening changes no order
             return _argmax(logits).to(torch.int32)
         logits = logits.float()

@@ -132,9 +132,16 @@ class LLM(Scheduler):
         prompt_logprobs: list[list[Any] | None] = [None] * len(prompts)
         # Stop strings are matched on the text as it is produced; a match ends the request.
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, sp.stop) if sp.stop else None
+            IncrementalDetokenizer(
+                self.tokenizer, sp.stop, include_stop_str=sp.include_stop_str_in_output
+            )
+            if sp.stop
+            else None
             for sp in params_list
         ]
+        # An EOS / stop token id that ends a request is a token of its output, but its text is
+        # left out unless stop strings are included (as vLLM, and the server's detokenizer).
+        cut_stop_token = [not sp.include_stop_str_in_output for sp in params_list]
         show = use_tqdm if use_tqdm is not None else len(prompts) >= 16
         with tqdm(total=len(prompts), desc="generate", disable=not show) as bar:
             while self.has_work:
@@ -146,7 +153,8 @@ class LLM(Scheduler):
                         tokens[i].append(out.token)
                         if out.logprobs is not None:
                             logprobs[i].append([out.token, *out.logprobs])
-                        if detok is not None:
+                        stop_token = out.finish_reason == "stop" and cut_stop_token[i]
+                        if detok is not None and not stop_token:
                             detok.add_token(out.token)
                             if detok.stopped and out.finish_reason is None:
                                 self.abort_request(out.uid)  # its abort output closes it
@@ -159,8 +167,10 @@ class LLM(Scheduler):
         texts = [
             detok.output_text + detok.finish()
             if detok is not None
-            else self.tokenizer.decode(toks, skip_special_tokens=True)
-            for detok, toks in zip(detoks, tokens)
+            else self.tokenizer.decode(
+                toks[:-1] if reason == "stop" and cut else toks, skip_special_tokens=True
+            )
+            for detok, toks, reason, cut in zip(detoks, tokens, reasons, cut_stop_token)
         ]
         results = [
             {

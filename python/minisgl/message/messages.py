@@ -35,6 +35,11 @@ class TokenizeMsg:
     # Chat messages ({"role", "content"} with string content), rendered by the chat template.
     messages: list[dict[str, str]] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # How the chat template renders `messages` (see tokenizer.encode_chat).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the API server wants the prompt's text back (AcceptedMsg.prompt_text)
 
 
@@ -56,6 +61,7 @@ class UserMsg:
     input_ids: list[int]
     sampling_params: SamplingParams
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     echo: bool = False
 
 
@@ -72,6 +78,8 @@ class AcceptedMsg:
     prompt_tokens: int
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str: bool = False  # SamplingParams.include_stop_str_in_output
     # With echo: the prompt's ids from the scheduler, its text from the detokenizer on.
     prompt_ids: list[int] | None = None
     prompt_text: str | None = None
@@ -105,6 +113,8 @@ class OutputMsg:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # What ended a "stop": the stop string, or the token id (EOS, stop_token_ids).
+    matched_stop: str | int | None = None
     # Where asked, per token of this output [token id, text, logprob, [[id, text, logprob],
     # ...] of the alternatives], and once, the same per prompt token (the first: logprob None).
     logprobs: list[list[Any]] | None = None
@@ -139,3 +149,66 @@ class StatsMsg:
     idle: bool
     # When idle: did free + cached pages account for every page? (None while busy.)
     pages_ok: bool | None = None
+
+
+@register_message
+@dataclass
+class EncodeMsg:
+    """API server -> tokenizer: tokenize a text or a conversation, no generation (/tokenize).
+    The answer comes back through the detokenizer: an EncodedMsg, or an ErrorMsg."""
+
+    rid: int
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+@register_message
+@dataclass
+class EncodedMsg:
+    """Tokenizer -> detokenizer -> API server: the tokens of an EncodeMsg."""
+
+    rid: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+@register_message
+@dataclass
+class DecodeMsg:
+    """API server -> tokenizer: the text of token ids (/detokenize); answered by a
+    DecodedMsg or an ErrorMsg through the detokenizer."""
+
+    rid: int
+    tokens: list[int]
+
+
+@register_message
+@dataclass
+class DecodedMsg:
+    """Tokenizer -> detokenizer -> API server: the text of a DecodeMsg's tokens."""
+
+    rid: int
+    text: str
+
+
+@register_message
+@dataclass
+class FlushCacheMsg:
+    """API server -> tokenizer -> scheduler: empty the prefix cache if no request is running."""
+
+    rid: int
+
+
+@register_message
+@dataclass
+class FlushCacheReply:
+    """Scheduler -> detokenizer -> API server: whether the cache was flushed, and why not."""
+
+    rid: int
+    flushed: bool
+    message: str

@@ -54,6 +54,20 @@ class CacheManager:
         )
         assert len(torch.unique(self._free_slots)) == free, "a page is on the free list twice"
 
+    def flush(self) -> int:
+        """Empty the prefix cache, its pages back on the free list; returns how many. Only
+        while no request holds pages (a locked prefix is a RuntimeError, nothing changed)."""
+        size = self.prefix_cache.size_info
+        if size.protected_size:
+            raise RuntimeError(f"{size.protected_size} cached tokens are in use by requests")
+        evicted = self.prefix_cache.evict(size.evictable_size)
+        page_starts = evicted[evicted % self.page_size == 0]
+        self._free_slots = torch.cat([self._free_slots, page_starts.to(self._free_slots)])
+        self._free_sorted = False
+        self.prefix_cache.reset()
+        self.check_integrity()
+        return len(page_starts)
+
     # ---------------------------------------------------------------- request lifecycle
     def match_req(self, req: Req) -> BaseCacheHandle:
         """Longest cached prefix of the prompt, stopping before its last token (>= 1 to compute).

@@ -12,7 +12,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from minisgl.core import RequestError
-from minisgl.message import AbortMsg, AcceptedMsg, ErrorMsg, StatsMsg, TokenMsg, UserMsg
+from minisgl.message import (
+    AbortMsg,
+    AcceptedMsg,
+    ErrorMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
+    StatsMsg,
+    TokenMsg,
+    UserMsg,
+)
 from minisgl.scheduler import Scheduler, TokenOutput
 from minisgl.utils import init_logger
 from minisgl.utils.faults import inject as inject_fault
@@ -51,6 +60,8 @@ class SchedulerIO:
                 # Unknown: finished already, or rejected; nothing to stop.
                 if uid is not None:
                     self.scheduler.abort_request(uid)
+            elif isinstance(msg, FlushCacheMsg):
+                replies.extend(self._flush(msg.rid))
             else:
                 logger.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
         return replies
@@ -77,12 +88,30 @@ class SchedulerIO:
             )
         self.uid_to_rid[uid] = msg.rid
         self.rid_to_uid[msg.rid] = uid
+        sp = msg.sampling_params
         accepted = AcceptedMsg(
-            msg.rid, len(msg.input_ids), list(msg.sampling_params.stop), msg.skip_special_tokens
+            msg.rid,
+            len(msg.input_ids),
+            list(sp.stop),
+            msg.skip_special_tokens,
+            msg.spaces_between_special_tokens,
+            sp.include_stop_str_in_output,
         )
         if msg.echo:
             accepted.prompt_ids = list(msg.input_ids)
         return accepted
+
+    def _flush(self, rid: int) -> list[Any]:
+        """Empty the prefix cache when no request is queued or running (SGLang's
+        /flush_cache); the reply, and fresh stats once it is done."""
+        s = self.scheduler
+        if s.has_work:
+            running = len(s.running) + (s.chunked is not None)
+            why = f"{running} running and {len(s.waiting)} waiting request(s)"
+            return [FlushCacheReply(rid, False, f"the cache was not flushed: {why}")]
+        pages = s.cache_manager.flush()
+        logger.info("prefix cache flushed: %d pages freed", pages)
+        return [FlushCacheReply(rid, True, f"cache flushed: {pages} pages freed"), self.stats()]
 
     # ---------------------------------------------------------------- tokens out
     def convert(self, outputs: list[TokenOutput]) -> list[TokenMsg | ErrorMsg]:
@@ -181,6 +210,7 @@ def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
             "max_seq_len": scheduler.engine.max_seq_len,
             "num_pages": scheduler.engine.num_pages,
             "page_size": scheduler.page_size,
+            "vocab_size": scheduler.engine.model_config.vocab_size,
         }
     )
     ready.close()

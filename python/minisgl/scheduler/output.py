@@ -62,7 +62,8 @@ class SchedulerStats:
 def finish_reason(req: Req, token: int, eos_ids: frozenset[int]) -> FinishReason | None:
     """Why the request ends with this token appended to its input_ids, if it does."""
     params = req.sampling_params
-    if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    stops = (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+    if stops and req.output_len >= params.min_tokens:  # output_len counts this token
         return "stop"
     if req.grammar is not None and req.grammar.is_terminated():  # the constraint is complete
         return "stop"

@@ -29,6 +29,12 @@ def validate_request(
         raise RequestError(
             f"prompt token ids must lie in [0, {vocab}), got {bad[:8].tolist()}", "prompt"
         )
+    outside = [t for t in sampling_params.logit_bias if t >= vocab]
+    if outside:
+        raise RequestError(
+            f"logit_bias token ids must lie in [0, {vocab}), got {sorted(outside)[:8]}",
+            "logit_bias",
+        )
     if len(ids) >= limit:
         raise RequestError(
             f"this model's maximum context length is {limit} tokens and the prompt has "
@@ -51,10 +57,14 @@ def validate_request(
 
 
 def prepare_forward_input(
-    batch: Batch, engine: Engine, grammars: GrammarQueue | None = None
+    batch: Batch,
+    engine: Engine,
+    eos_ids: frozenset[int] = frozenset(),
+    grammars: GrammarQueue | None = None,
 ) -> ForwardInput:
-    """Positions, KV slots, logits rows, attention metadata and sampling args of a batch (with
-    the constrained requests' token masks from `grammars`)."""
+    """Positions, KV slots, logits rows, attention metadata and sampling args of a batch
+    (`eos_ids`: the tokens min_tokens keeps from being drawn; `grammars`: the constrained
+    requests' token masks)."""
     reqs, device = batch.reqs, engine.device
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
     if batch.is_decode:
@@ -74,7 +84,7 @@ def prepare_forward_input(
     batch.logits_indices = logits_indices
     engine.attn_backend.prepare_metadata(batch)
     sampled = [r for r in reqs if not r.is_chunked]
-    sample_args = engine.sampler.prepare(sampled)
+    sample_args = engine.sampler.prepare(sampled, eos_ids)
     if grammars is not None:
         sample_args.allowed = grammars.bitmask(sampled)
     return ForwardInput(

@@ -167,7 +167,7 @@ class Scheduler(ResultsMixin):
         return self.engine.forward(forward_input)
 
     def _launch(self, batch: Batch) -> InFlight:
-        forward_input = prepare_forward_input(batch, self.engine, self.grammars)
+        forward_input = prepare_forward_input(batch, self.engine, self.eos_ids, self.grammars)
         sampled = [r for r in batch.reqs if not r.is_chunked]
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":

@@ -1,14 +1,13 @@
-"""The FastAPI app: OpenAI-compatible endpoints over the frontend manager."""
+"""The FastAPI app: the OpenAI-compatible endpoints over the frontend manager (the native ones
+are registered from native_api.py), API-key checking and error bodies."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,40 +15,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl import __version__
 from minisgl.core import SamplingParams
 from minisgl.message import TokenizeMsg
 from minisgl.utils import init_logger
 
-from .frontend import FrontendManager, RequestGroup
+from .frontend import RequestGroup
+from .generation import collect_outputs, start_group
 from .logprobs import ChoiceLogprobs
-from .metrics import ServerMetrics
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    parse_request,
-    sample_seed,
-)
-from .responses import APIError, ResponseFormatter, new_id, now, total_usage
+from .native_api import register_native_routes
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .responses import APIError, ResponseFormatter, new_id, now, total_usage, usage
+from .sampling import sample_seed
+from .state import OPEN_PATHS, ServerState
+from .validation import parse_request
 
 logger = init_logger(__name__)
 
 
-@dataclass
-class ServerState:
-    """What the endpoints need to know about the running server."""
-
-    model_name: str
-    model_path: str
-    max_model_len: int  # the effective context: prompt + output tokens of one request
-    frontend: FrontendManager
-    metrics: ServerMetrics
-    api_key: str | None = None
-    created: int = dataclasses.field(default_factory=now)
-
-
 class _APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on /v1 (health and metrics stay open).
+    """Require `Authorization: Bearer <key>` everywhere but OPEN_PATHS (health, metrics).
 
     Plain ASGI rather than FastAPI's `@app.middleware`, which wraps every response and
     interferes with streaming and disconnect detection.
@@ -60,7 +45,7 @@ class _APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(
@@ -71,11 +56,6 @@ class _APIKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -89,7 +69,7 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             await state.frontend.stop()
 
-    app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="minisgl", version=__version__, lifespan=lifespan)
     app.state.minisgl = state
 
     @app.exception_handler(APIError)
@@ -166,11 +146,12 @@ def create_app(state: ServerState) -> FastAPI:
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
         # None (no limit given): what the context leaves after the prompt.
-        sp = req.sampling_params(max_tokens, param, state.max_model_len)
+        sp = req.sampling_params(max_tokens, param, state.max_model_len, state.vocab_size)
         endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
         names = {"prompt": "messages", "max_tokens": param}
+        prompt = {"messages": messages, **req.template_fields()}
         logprobs = ChoiceLogprobs(True, req.n, False, False) if req.logprobs else None
-        return await serve(request, req, endpoint, [{"messages": messages}], sp, names, logprobs)
+        return await serve(request, req, endpoint, [prompt], sp, names, logprobs)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -184,7 +165,7 @@ def create_app(state: ServerState) -> FastAPI:
         ]
         # OpenAI's legacy default for completions is 16 tokens.
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        sp = req.sampling_params(max_tokens, "max_tokens", state.max_model_len)
+        sp = req.sampling_params(max_tokens, "max_tokens", state.max_model_len, state.vocab_size)
         endpoint = ResponseFormatter(False, new_id("cmpl"), state.model_name, now(), req.n)
         logprobs = None
         if sp.logprobs is not None or sp.prompt_logprobs is not None:
@@ -205,26 +186,26 @@ def create_app(state: ServerState) -> FastAPI:
     ) -> Response:
         """Run the request's prompts x n; logprobs: where asked, their bodies per choice;
         echo: per prompt its text (None: the detokenizer's decode) put before the output."""
+        text_options = {
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        }
         msgs = []
         for prompt in prompts:
             for j in range(req.n):
                 sp_j = sp if j == 0 else dataclasses.replace(sp, seed=sample_seed(sp.seed, j))
-                msgs.append(TokenizeMsg(state.frontend.new_rid(), sp_j, **prompt))
-        group = RequestGroup(state.frontend, msgs, param_names)
-        try:
-            await group.wait_accepted()
-        except asyncio.CancelledError:
-            group.abort("request cancelled")
-            raise
+                rid = state.frontend.new_rid()
+                msgs.append(TokenizeMsg(rid, sp_j, **prompt, **text_options))
+        group = await start_group(state.frontend, msgs, param_names)
         prefixes: list[str | None] | None = None
         if echo is not None:
             prefixes = [
                 echo[i // req.n] or group.prompt_texts[i] or "" for i in range(len(group.rids))
             ]
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            include_usage, continuous = req.usage_options
             return StreamingResponse(
-                stream(group, endpoint, include_usage, logprobs, prefixes),
+                stream(group, endpoint, include_usage, continuous, logprobs, prefixes),
                 media_type="text/event-stream",
             )
         return await collect(request, group, endpoint, logprobs, prefixes)
@@ -233,28 +214,31 @@ def create_app(state: ServerState) -> FastAPI:
         group: RequestGroup,
         endpoint: ResponseFormatter,
         include_usage: bool,
+        continuous: bool,
         logprobs: ChoiceLogprobs | None,
         prefixes: list[str | None] | None,
     ) -> AsyncIterator[str]:
         k = len(group.rids)
         completion, cached = [0] * k, [0] * k
+
+        def so_far(i: int) -> dict[str, Any] | None:
+            # Continuous usage: this choice's tokens so far and its prompt's (as vLLM).
+            return usage(group.prompt_tokens[i], completion[i], cached[i]) if continuous else None
+
         try:
             if endpoint.chat:
                 for i in range(k):
-                    yield endpoint.chunk(i, None, None, role=True)
-            async for index, out in group.outputs():
-                completion[index], cached[index] = out.completion_tokens, out.cached_tokens
+                    yield endpoint.chunk(i, None, None, role=True, usage_body=so_far(i))
+            async for i, out in group.outputs():
+                completion[i], cached[i] = out.completion_tokens, out.cached_tokens
                 text = out.text
                 if prefixes is not None:  # echo: the prompt's text comes first
-                    text, prefixes[index] = (prefixes[index] or "") + text, None
-                if logprobs is not None:
-                    body, prompt_body = logprobs.piece(index, out)
-                    if text or body is not None or prompt_body is not None:
-                        yield endpoint.chunk(index, text, None, False, body, prompt_body)
-                elif text:
-                    yield endpoint.chunk(index, text, None)
+                    text, prefixes[i] = (prefixes[i] or "") + text, None
+                body, prompt_body = logprobs.piece(i, out) if logprobs else (None, None)
+                if text or body is not None or prompt_body is not None:
+                    yield endpoint.chunk(i, text, None, False, body, prompt_body, so_far(i))
                 if out.finish_reason is not None:  # the reason comes on a chunk of its own
-                    yield endpoint.chunk(index, None, out.finish_reason)
+                    yield endpoint.chunk(i, None, out.finish_reason, usage_body=so_far(i))
             if include_usage:
                 yield endpoint.usage_chunk(
                     total_usage(group.prompt_tokens, endpoint.n, completion, cached)
@@ -278,41 +262,21 @@ def create_app(state: ServerState) -> FastAPI:
         logprobs: ChoiceLogprobs | None,
         prefixes: list[str | None] | None,
     ) -> Response:
-        k = len(group.rids)
-        texts: list[list[str]] = (
-            [[p or ""] for p in prefixes] if prefixes else [[] for _ in range(k)]
-        )
-        finish: list[str | None] = [None] * k
-        completion, cached = [0] * k, [0] * k
-
-        async def consume() -> None:
-            async for index, out in group.outputs():
-                texts[index].append(out.text)
-                if logprobs is not None:
-                    logprobs.piece(index, out)
-                completion[index], cached[index] = out.completion_tokens, out.cached_tokens
-                if out.finish_reason is not None:
-                    finish[index] = out.finish_reason
-
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            gone = not consumer.done()  # the client left (or this handler was cancelled)
-            if gone:
-                consumer.cancel()
-                group.abort("client disconnected")
-        if gone:
+        outputs = await collect_outputs(request, group, logprobs.piece if logprobs else None)
+        if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        consumer.result()  # re-raises a mid-generation error
+        completion = [o.completion_tokens for o in outputs]
+        cached = [o.cached_tokens for o in outputs]
+        texts = [o.text for o in outputs]
+        if prefixes is not None:
+            texts = [(prefix or "") + text for prefix, text in zip(prefixes, texts)]
         body = endpoint.response(
-            ["".join(t) for t in texts],
-            finish,
+            texts,
+            [o.finish_reason for o in outputs],
             total_usage(group.prompt_tokens, endpoint.n, completion, cached),
-            None if logprobs is None else [logprobs.whole(i) for i in range(k)],
+            None if logprobs is None else [logprobs.whole(i) for i in range(len(outputs))],
         )
         return JSONResponse(body)
 
+    register_native_routes(app, state, check_model)
     return app

@@ -13,7 +13,10 @@ from typing import Any
 from minisgl.message import (
     AbortMsg,
     AcceptedMsg,
+    DecodedMsg,
+    EncodedMsg,
     ErrorMsg,
+    FlushCacheReply,
     OutputMsg,
     StatsMsg,
     TokenizeMsg,
@@ -25,6 +28,9 @@ from .metrics import ServerMetrics
 from .responses import APIError
 
 logger = init_logger(__name__)
+
+# The one reply of a message that `FrontendManager.call` sends (no token stream).
+REPLY_TYPES = (EncodedMsg, DecodedMsg, FlushCacheReply)
 
 
 @dataclass
@@ -79,7 +85,7 @@ class FrontendManager:
     def new_rid(self) -> int:
         return next(self._rids)
 
-    def submit(self, msgs: list[TokenizeMsg], queue: asyncio.Queue, arrival: float) -> None:
+    def submit(self, msgs: list[Any], queue: asyncio.Queue, arrival: float) -> None:
         """Start requests whose results go to `queue` as (index in msgs, message)."""
         if not self.healthy:
             raise APIError(
@@ -100,6 +106,17 @@ class FrontendManager:
         # dispatched by this event loop, so none can arrive before this returns.)
         for index, msg in enumerate(msgs):
             self._tracked[msg.rid] = _Tracked(queue, index, arrival)
+
+    async def call(self, msg: Any) -> Any:
+        """Send a message that gets one reply (EncodeMsg, DecodeMsg, FlushCacheMsg) and wait
+        for it: one of REPLY_TYPES, or an ErrorMsg (also when the pipeline breaks)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self.submit([msg], queue, time.perf_counter())
+        try:
+            _, reply = await queue.get()
+        finally:  # cancelled (client gone): a late reply finds nobody and is dropped
+            self._tracked.pop(msg.rid, None)
+        return reply
 
     def abort(self, rids: list[int], why: str, client_gone: bool = True) -> None:
         """Abort requests still running (synchronous: safe in a cancelled task's cleanup)."""
@@ -164,7 +181,7 @@ class FrontendManager:
             tracked.prompt_tokens = msg.prompt_tokens
         elif isinstance(msg, OutputMsg):
             self._record(msg, tracked)
-        elif isinstance(msg, ErrorMsg):  # counted as an error by the HTTP handler
+        elif isinstance(msg, (ErrorMsg, *REPLY_TYPES)):  # an error: counted by the handler
             del self._tracked[msg.rid]
         tracked.queue.put_nowait((tracked.index, msg))
 

@@ -7,6 +7,7 @@ dies takes the server down with a log line naming it; Ctrl-C / SIGTERM stop ever
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -59,6 +60,22 @@ def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
         device=torch.device(device),
         **args.engine_kwargs(),
     )
+
+
+def server_info(args: ServerArgs, config: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """/get_server_info's body: the launch arguments (the API key left out) with what they
+    resolved to, and the engine's limits as the scheduler reported them."""
+    out: dict[str, Any] = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+    out.update(
+        model_path=config.model_path,
+        dtype=str(config.dtype).removeprefix("torch."),
+        device=str(config.device),
+        api_key_required=args.api_key is not None,
+        **info,
+    )
+    # SGLang's name for the KV pool's size in tokens.
+    out["max_total_num_tokens"] = info.get("num_pages", 0) * info.get("page_size", 1)
+    return out
 
 
 def start_workers(config: Any, addrs: Any) -> tuple[list[BaseProcess], dict[str, Any]]:
@@ -154,6 +171,8 @@ def launch_server(args: ServerArgs) -> int:
             frontend=frontend,
             metrics=metrics,
             api_key=args.api_key,
+            vocab_size=info.get("vocab_size"),
+            server_info=server_info(args, config, info),
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -2,38 +2,38 @@
 
 Everything is checked here, before a request leaves the API server, and a failure is an HTTP
 400 naming the parameter: types strictly (a string where a number belongs is an error, not
-coerced), every number against what the field can mean, floats finite. Every parameter the
-API defines is either honoured or rejected; fields it does not define are ignored.
-
-Limits beyond OpenAI's own ranges: `seed` within int64 (as vLLM), `n` at most 64, `top_k` and
-token ids within int32, at most 16 stop strings of at most 256 characters each (OpenAI allows
-4, vLLM any number) and 256 `stop_token_ids`, `repetition_penalty` in [0.01, 100] (float32
-logits divided by less overflow), `max_tokens` at most the model's context. A positive
-temperature below 1e-5 samples greedily, as in vLLM.
+coerced), every number against what the field can mean (limits: `server/sampling.py`), floats
+finite. Every parameter the API defines is either honoured or rejected; fields it does not
+define are ignored and named in a WARNING log line. vLLM's extensions are honoured the same
+way: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`,
+`skip_special_tokens`, `spaces_between_special_tokens`, `include_stop_str_in_output`, and for
+chat `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.tokenizer.tokenize import CHAT_TEMPLATE_RESERVED
 
 from .responses import APIError
-from .structured import structured_output
-
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_N = 64
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-MAX_STOP_TOKEN_IDS = 256
-GREEDY_BELOW_TEMPERATURE = 1e-5
-
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+from .sampling import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_N,
+    LogitBias,
+    Stop,
+    StopTokenIds,
+    TokenId,
+    make_sampling_params,
+    unsupported,
+)
+from .structured import STRUCTURED_FIELDS, structured_output
+from .validation import Strict
 
 # Parameters of the OpenAI API that minisgl does not implement: rejected when given a
 # value other than their "off" value, never silently dropped.
@@ -42,7 +42,6 @@ UNSUPPORTED_PARAMS = (
     "tool_choice",
     "functions",
     "function_call",
-    "logit_bias",
     "audio",
     "modalities",
     "prediction",
@@ -50,32 +49,26 @@ UNSUPPORTED_PARAMS = (
 )
 
 
-def _unsupported(name: str) -> APIError:
-    return APIError(
-        f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
-    )
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (its choice's tokens, its prompt's).
+    continuous_usage_stats: bool = False
 
 
-class ContentPart(_Strict):
+class ContentPart(Strict):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Strict):
     """Parameters shared by chat and text completions."""
+
+    handled_extras = UNSUPPORTED_PARAMS + STRUCTURED_FIELDS
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -84,12 +77,17 @@ class GenerateRequest(_Strict):
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    logit_bias: LogitBias | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -104,78 +102,70 @@ class GenerateRequest(_Strict):
         for name in UNSUPPORTED_PARAMS:
             value = extra.get(name)
             if value not in (None, [], {}, "none"):
-                raise _unsupported(name)
+                raise unsupported(name)
 
     def sampling_params(
-        self, max_tokens: int | None, max_tokens_param: str, max_model_len: int
+        self,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        max_model_len: int,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
-        """The request's sampling parameters; `max_tokens` None: what the context leaves."""
-        if max_tokens is not None and max_tokens > max_model_len:
-            raise APIError(
-                f"{max_tokens_param}={max_tokens} is more than this model's maximum context "
-                f"length of {max_model_len} tokens",
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if temperature < GREEDY_BELOW_TEMPERATURE:
-            temperature = 0.0
-        top_k = self.top_k if self.top_k not in (None, 0) else -1  # 0 = off, as in vLLM
-        logprobs, prompt_logprobs = self.logprob_counts()
-        structured = structured_output(self.model_extra or {})
-        try:
-            return SamplingParams(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                min_p=self.min_p or 0.0,
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=(
-                    1.0 if self.repetition_penalty is None else self.repetition_penalty
-                ),
-                seed=self.seed,
-                stop=stop,
-                stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                structured=structured,
-            )
-        except ValueError as exc:
-            # SamplingParams.validate names the field: "invalid sampling parameter NAME=..."
-            match = re.search(r"parameter (\w+)=", str(exc))
-            param = match.group(1) if match else None
-            message = str(exc)
-            if param == "max_tokens":
-                param = max_tokens_param
-                message = message.replace("max_tokens=", f"{max_tokens_param}=")
-            raise APIError(message, param=param, code="invalid_value") from exc
+        """The request's sampling parameters; `max_tokens` None: what the context leaves.
+        `vocab_size` bounds logit_bias's token ids."""
+        fields = (
+            "temperature top_k top_p min_p presence_penalty frequency_penalty repetition_penalty "
+            "seed stop stop_token_ids ignore_eos min_tokens logit_bias include_stop_str_in_output"
+        ).split()
+        values = {name: getattr(self, name) for name in fields}
+        values["max_tokens"] = max_tokens
+        values["logprobs"], values["prompt_logprobs"] = self.logprob_counts()
+        values["structured"] = structured_output(self.model_extra or {})
+        names = {"max_tokens": max_tokens_param}
+        return make_sampling_params(values, max_model_len, vocab_size, names)
+
+    @property
+    def usage_options(self) -> tuple[bool, bool]:
+        """(a closing usage chunk, usage on every chunk) for a stream."""
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.continuous_usage_stats
 
 
-def sample_seed(seed: int | None, j: int) -> int | None:
-    """The seed of the j-th of n samples of a prompt: seed + j, wrapped into int64 (n samples
-    must differ even when seeded)."""
-    if seed is None:
-        return None
-    return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
+class ChatTemplateOptions(Strict):
+    """How a conversation is rendered (vLLM's chat extensions; /v1/chat/completions and
+    /tokenize)."""
 
-
-class ChatCompletionRequest(GenerateRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    # The last message (the assistant's, usually) is continued, not closed.
+    continue_final_message: bool = False
+    # The chat template's own variables (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def logprob_counts(self) -> tuple[int | None, int | None]:
-        """(alternatives per generated token, per prompt token): None where not asked."""
-        if self.top_logprobs and not self.logprobs:
+    def check_template_options(self) -> None:
+        """Refuse combinations the template cannot render, naming the parameter."""
+        if self.continue_final_message and self.add_generation_prompt:
             raise APIError(
-                "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+                "continue_final_message continues the last message, so add_generation_prompt "
+                "must be false with it",
+                param="continue_final_message",
+                code="invalid_value",
             )
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        reserved = sorted(CHAT_TEMPLATE_RESERVED.intersection(self.chat_template_kwargs or {}))
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may not set {reserved}: they are not template variables",
+                param="chat_template_kwargs",
+                code="invalid_value",
+            )
+
+    def template_fields(self) -> dict[str, Any]:
+        """The rendering options, as TokenizeMsg / EncodeMsg fields."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages with string content (text parts joined); other part types -> 400."""
@@ -201,6 +191,24 @@ class ChatCompletionRequest(GenerateRequest):
         return out
 
 
+class ChatCompletionRequest(ChatTemplateOptions, GenerateRequest):
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token): None where not asked."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        self.check_template_options()
+
+
 class CompletionRequest(GenerateRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -220,9 +228,9 @@ class CompletionRequest(GenerateRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
-            raise _unsupported("suffix")
+            raise unsupported("suffix")
         if self.best_of is not None and self.best_of != 1:
-            raise _unsupported("best_of")
+            raise unsupported("best_of")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""
@@ -240,67 +248,3 @@ class CompletionRequest(GenerateRequest):
                 code="invalid_value",
             )
         return list(p)  # type: ignore[arg-type]
-
-
-# A union's members appear in an error's location as tags ("str", "list[constrained-int]"):
-# not part of the parameter's path.
-_UNION_TAG = re.compile(r"[\[\]-]|^(str|int|float|bool|none)$")
-
-
-def _path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(x for x in loc if not (isinstance(x, str) and _UNION_TAG.search(x)))
-
-
-def _where(path: tuple[Any, ...]) -> str:
-    out = ""
-    for x in path:
-        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
-    return out
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """The 400 for a body that does not validate, naming the parameter and the value. A union
-    reports a type mismatch for each member it tried, so a value error (a number out of range,
-    a string too long) is reported first, and a type error lists what each member expected."""
-    errors = exc.errors()
-    # The deepest type error is where a union member came closest to matching.
-    deepest = max(errors, key=lambda e: len(_path(e.get("loc", ()))))
-    err = next((e for e in errors if not e["type"].endswith("_type")), deepest)
-    if err["type"] == "json_invalid":
-        return APIError(
-            f"the request body is not valid JSON (UTF-8): {err['msg']}", code="invalid_json"
-        )
-    path = _path(err.get("loc", ()))
-    if not path:  # e.g. an array or a string where the body's object belongs
-        return APIError(
-            f"the request body must be a JSON object (got {_shown(err.get('input'))})",
-            code="invalid_type",
-        )
-    msg = err["msg"]
-    if err["type"].endswith("_type"):
-        expected = dict.fromkeys(
-            e["msg"].removeprefix("Input should be ")
-            for e in errors
-            if _path(e.get("loc", ())) == path and e["type"].endswith("_type")
-        )
-        msg = "Input should be " + " or ".join(expected)
-    if err["type"] == "missing":
-        code = "missing_required_parameter"
-        message = f"{_where(path)}: {msg}"
-    else:
-        code = "invalid_type" if err["type"].endswith("_type") else "invalid_value"
-        message = f"{_where(path)}: {msg} (got {_shown(err.get('input'))})"
-    return APIError(message, param=str(path[0]), code=code)
-
-
-def parse_request(model: type[GenerateRequest], body: bytes) -> Any:
-    """Validate a JSON body; malformed JSON, wrong types and out-of-range values -> 400."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None

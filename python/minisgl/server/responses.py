@@ -91,10 +91,13 @@ class ResponseFormatter:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         prompt_logprobs: list[Any] | None = None,
+        usage_body: dict[str, Any] | None = None,
     ) -> str:
         """One SSE event: a choice's new text (with its tokens' logprobs where asked), its role
-        (chat's first event) or its finish."""
-        if text and finish is None and not role and logprobs is None and prompt_logprobs is None:
+        (chat's first event) or its finish; with `usage_body`, the usage so far too (vLLM's
+        continuous_usage_stats)."""
+        plain = logprobs is None and prompt_logprobs is None and usage_body is None
+        if text and finish is None and not role and plain:
             return (
                 f'{self._text_head}[{{"index": {index}, {self._text_key}'
                 f"{json.dumps(text, ensure_ascii=False)}{self._text_tail}"
@@ -109,6 +112,8 @@ class ResponseFormatter:
         choice.update(logprobs=logprobs, finish_reason=finish)
         if prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs
+        if usage_body is not None:
+            return self._sse({"choices": [choice], "usage": usage_body})
         return self._sse({"choices": [choice]})
 
     def _sse(self, payload: dict[str, Any]) -> str:

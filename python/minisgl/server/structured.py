@@ -22,6 +22,10 @@ GUIDED_FIELDS = {
 }
 
 
+# Every field read here (from the request's extras).
+STRUCTURED_FIELDS = ("response_format", *GUIDED_FIELDS, "structured_outputs")
+
+
 def _invalid(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param, code="invalid_value")
 

@@ -17,7 +17,7 @@ class IncrementalDetokenizer:
     possible beginning of a stop string (held back until it either completes, and is then cut
     with everything after it, or turns out to be ordinary text). `finish` releases what is
     still held. The deltas concatenate to `tokenizer.decode(token_ids)` cut before the first
-    stop string.
+    stop string (after it with `include_stop_str`).
 
     Each step decodes a short window: the tokens since the last release (`read_offset`) plus
     the ones before them (from `prefix_offset`) as context, because some tokenizers decode a
@@ -25,7 +25,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str: bool = False,
     ) -> None:
         if isinstance(stop, str):
             stop = [stop]
@@ -34,6 +39,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.skip_special_tokens = skip_special_tokens
+        # Honoured by tokenizers that join added tokens themselves (transformers' Python
+        # tokenizers); the Rust-backed ones decode them without spaces whatever it says.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.include_stop_str = include_stop_str  # the text ends with the matched stop string
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (whole characters only), cut at a stop string
         self.released = 0  # characters of `text` handed out
@@ -52,7 +61,11 @@ class IncrementalDetokenizer:
         return self.text[: self.released]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def add_token(self, token: int) -> str:
         """`add_tokens([token])`."""
@@ -100,6 +113,8 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
         if hits:
             end, self.matched_stop = min(hits)
+            if self.include_stop_str:
+                end += len(self.matched_stop)
             self.text = self.text[:end]
         elif final:
             end = len(self.text)

@@ -1,7 +1,10 @@
 """The tokenizer and detokenizer worker processes.
 
 tokenizer:   API server --TokenizeMsg/AbortMsg--> [encode] --UserMsg/AbortMsg--> scheduler
+             API server --FlushCacheMsg--> scheduler (passed on)
+             API server --EncodeMsg/DecodeMsg--> [answer] --> detokenizer --> API server
 detokenizer: scheduler --AcceptedMsg/TokenMsg/StatsMsg--> [decode, stop strings] --> API server
+             scheduler --FlushCacheReply--> API server (passed on)
 
 A failure while handling one request's message ends that request alone (an ErrorMsg to the API
 server; from the detokenizer also an AbortMsg to the scheduler), never the worker.
@@ -16,7 +19,13 @@ from typing import Any
 from minisgl.message import (
     AbortMsg,
     AcceptedMsg,
+    DecodedMsg,
+    DecodeMsg,
+    EncodedMsg,
+    EncodeMsg,
     ErrorMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
     OutputMsg,
     StatsMsg,
     TokenizeMsg,
@@ -44,7 +53,13 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
     """Encode the request's prompt; raises ValueError for prompts that cannot be encoded."""
     if msg.messages is not None:
         inject_fault("tokenize", (m["content"] for m in msg.messages))
-        ids = encode_chat(tokenizer, msg.messages)
+        ids = encode_chat(
+            tokenizer,
+            msg.messages,
+            msg.add_generation_prompt,
+            msg.continue_final_message,
+            msg.chat_template_kwargs,
+        )
     elif msg.text is not None:
         inject_fault("tokenize", (msg.text,))
         ids = encode_text(tokenizer, msg.text)
@@ -52,7 +67,48 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
         ids = list(msg.input_ids)
     else:
         raise ValueError("the request has no prompt")
-    return UserMsg(msg.rid, ids, msg.sampling_params, msg.skip_special_tokens, msg.echo)
+    return UserMsg(
+        msg.rid,
+        ids,
+        msg.sampling_params,
+        msg.skip_special_tokens,
+        msg.spaces_between_special_tokens,
+        echo=msg.echo,
+    )
+
+
+def answer_text_request(tokenizer: Any, msg: EncodeMsg | DecodeMsg) -> EncodedMsg | DecodedMsg:
+    """/tokenize's and /detokenize's work; ValueError/TypeError for what cannot be encoded."""
+    if isinstance(msg, DecodeMsg):
+        # Special tokens kept, as vLLM's /detokenize: the text holds what the ids say.
+        return DecodedMsg(msg.rid, tokenizer.decode(msg.tokens, skip_special_tokens=False))
+    if msg.messages is not None:
+        ids = encode_chat(
+            tokenizer,
+            msg.messages,
+            msg.add_generation_prompt,
+            msg.continue_final_message,
+            msg.chat_template_kwargs,
+            msg.add_special_tokens,
+        )
+    elif msg.text is not None:
+        ids = encode_text(tokenizer, msg.text, msg.add_special_tokens)
+    else:
+        raise ValueError("nothing to tokenize")
+    strs = tokenizer.convert_ids_to_tokens(ids) if msg.return_token_strs else None
+    return EncodedMsg(msg.rid, ids, strs)
+
+
+def text_request_error(msg: EncodeMsg | DecodeMsg, exc: Exception) -> ErrorMsg:
+    """The error of a /tokenize or /detokenize request, naming its parameter."""
+    if isinstance(msg, DecodeMsg):
+        param = "tokens"
+    else:
+        param = "messages" if msg.messages is not None else "prompt"
+    if isinstance(exc, (*_PROMPT_ERRORS, OverflowError)):
+        return ErrorMsg(msg.rid, f"cannot process the {param}: {exc}", param, "invalid_value")
+    logger.error("text request %s failed", msg.rid, exc_info=exc)
+    return ErrorMsg(msg.rid, f"processing the request failed: {exc}", None, "request_failed")
 
 
 def tokenize_error(msg: TokenizeMsg, exc: Exception) -> ErrorMsg:
@@ -73,6 +129,9 @@ class _DetokState:
     text: list[str] = field(default_factory=list)
     logprobs: list[list[Any]] | None = None  # entries since the last OutputMsg, where asked
     prompt_logprobs: list[Any] | None = None  # until the next OutputMsg carries them
+    # The EOS / stop token id that ended the request: counted, its text left out unless the
+    # request includes stop strings in its output (as vLLM and SGLang).
+    stop_token: int | None = None
 
 
 class DetokenizeManager:
@@ -125,7 +184,13 @@ class DetokenizeManager:
         touched: dict[int, _DetokState],
     ) -> None:
         if isinstance(msg, AcceptedMsg):
-            detok = IncrementalDetokenizer(self.tokenizer, msg.stop, msg.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                msg.stop,
+                msg.skip_special_tokens,
+                msg.spaces_between_special_tokens,
+                msg.include_stop_str,
+            )
             self.states[msg.rid] = _DetokState(detok)
             if msg.prompt_ids is not None:  # echo: the API server wants the prompt's text
                 msg.prompt_text = self.tokenizer.decode(msg.prompt_ids)
@@ -138,8 +203,8 @@ class DetokenizeManager:
         elif isinstance(msg, ErrorMsg):
             self.states.pop(msg.rid, None)
             to_api.append(msg)
-        elif isinstance(msg, StatsMsg):
-            to_api.append(msg)
+        elif isinstance(msg, (StatsMsg, EncodedMsg, DecodedMsg, FlushCacheReply)):
+            to_api.append(msg)  # answers to the API server from the other processes
         else:
             logger.warning("detokenizer: ignoring unexpected %s", type(msg).__name__)
 
@@ -161,7 +226,10 @@ class DetokenizeManager:
                     state.logprobs = []
                 state.logprobs.append(self.token_texts.entry(msg.token, logprob, top))
             state.pending_tokens += 1
-            state.text.append(state.detok.add_token(msg.token))
+            if msg.finish_reason == "stop" and not state.detok.include_stop_str:
+                state.stop_token = msg.token  # the scheduler stops on EOS / stop ids only
+            else:
+                state.text.append(state.detok.add_token(msg.token))
         if state.detok.stopped:
             aborts.append(AbortMsg(msg.rid))
             return self._finish(msg.rid, state, "stop")
@@ -177,15 +245,22 @@ class DetokenizeManager:
         return self._output(rid, state, reason)
 
     def _output(self, rid: int, state: _DetokState, reason: str | None) -> OutputMsg:
+        detok = state.detok
+        matched: str | int | None = None
+        if reason == "stop":
+            matched = detok.matched_stop if detok.stopped else state.stop_token
+            if matched is None and detok.token_ids:  # included in the text: the last token
+                matched = detok.token_ids[-1]
         out = OutputMsg(
             rid,
             "".join(state.text),
             state.pending_tokens,
             reason,
-            completion_tokens=len(state.detok.token_ids),
+            completion_tokens=len(detok.token_ids) + (state.stop_token is not None),
             cached_tokens=state.cached_tokens,
             logprobs=state.logprobs,
             prompt_logprobs=state.prompt_logprobs,
+            matched_stop=matched,
         )
         state.text.clear()
         state.pending_tokens = 0
@@ -208,14 +283,19 @@ def run_tokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None
     ready.close()
     while True:
         forward: list[Any] = []
-        errors: list[ErrorMsg] = []
+        errors: list[Any] = []  # and the answers to text requests, all for the API server
         for msg in inbox.get():
             if isinstance(msg, TokenizeMsg):
                 try:
                     forward.append(tokenize_request(tokenizer, msg))
                 except Exception as exc:
                     errors.append(tokenize_error(msg, exc))
-            elif isinstance(msg, AbortMsg):
+            elif isinstance(msg, (EncodeMsg, DecodeMsg)):
+                try:
+                    errors.append(answer_text_request(tokenizer, msg))
+                except Exception as exc:
+                    errors.append(text_request_error(msg, exc))
+            elif isinstance(msg, (AbortMsg, FlushCacheMsg)):
                 forward.append(msg)
             else:
                 logger.warning("tokenizer: ignoring unexpected %s", type(msg).__name__)

@@ -28,15 +28,70 @@ def extra_eos_ids(model_path: str | os.PathLike, tokenizer: Any) -> tuple[int, .
     return tuple(sorted(ids))
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
+# apply_chat_template's own arguments (and the template's `messages`): what
+# chat_template_kwargs may not set, as they are the request's other fields or not text options.
+CHAT_TEMPLATE_RESERVED = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """A completion prompt, with the tokenizer's special tokens (as the offline LLM does)."""
-    return list(tokenizer(text).input_ids)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Render a conversation with the model's chat template, ready for the assistant's turn."""
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """A conversation as the model's chat template writes it: ready for the assistant's turn
+    (`add_generation_prompt`), or ending inside the last message (`continue_final_message`);
+    `chat_template_kwargs` are the template's own variables (e.g. Qwen3's enable_thinking)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions instead")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template already holds the special tokens (BOS, role markers): add none twice.
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(CHAT_TEMPLATE_RESERVED.intersection(extra))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}")
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **extra,
+    )
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The tokens of `render_chat`. The template already holds the special tokens (BOS, role
+    markers), so by default none is added twice."""
+    text = render_chat(
+        tokenizer, messages, add_generation_prompt, continue_final_message, chat_template_kwargs
+    )
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -1,0 +1,238 @@
+"""The native endpoints beside the OpenAI API: SGLang's /generate, /get_model_info,
+/get_server_info, /health_generate, /flush_cache and /version, and vLLM's /tokenize and
+/detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from minisgl import __version__
+from minisgl.core import SamplingParams
+from minisgl.message import DecodeMsg, EncodeMsg, ErrorMsg, FlushCacheMsg, TokenizeMsg
+from minisgl.utils import init_logger
+
+from .frontend import RequestGroup, api_error
+from .generation import ChoiceOutput, collect_outputs, sse, start_group
+from .native_protocol import (
+    SAMPLING_NAMES,
+    DetokenizeRequest,
+    NativeGenerateRequest,
+    TokenizeRequest,
+)
+from .responses import APIError
+from .sampling import sample_seed
+from .state import ServerState
+from .validation import parse_request
+
+logger = init_logger(__name__)
+
+# /health_generate's one-token generation must finish within this (SGLang's default).
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def finish_reason_json(out: ChoiceOutput) -> dict[str, Any] | None:
+    """SGLang's finish_reason object: what ended the request and the detail that says how."""
+    reason = out.finish_reason
+    if reason is None:
+        return None
+    if reason == "stop":
+        return {"type": "stop", "matched": out.matched_stop}
+    if reason == "length":
+        return {"type": "length", "length": out.completion_tokens}
+    return {"type": reason, "message": f"the request ended with {reason!r}"}
+
+
+@dataclasses.dataclass
+class _NativeChoice:
+    """One sub-request of a /generate call, as its response names it."""
+
+    meta_id: str
+    prompt_tokens: int = 0
+    output: ChoiceOutput = dataclasses.field(default_factory=ChoiceOutput)
+
+    def body(self, arrival: float, index: int | None = None) -> dict[str, Any]:
+        out = self.output
+        meta = {
+            "id": self.meta_id,
+            "finish_reason": finish_reason_json(out),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "e2e_latency": time.perf_counter() - arrival,
+        }
+        body: dict[str, Any] = {"text": out.text, "meta_info": meta}
+        if index is not None:
+            body["index"] = index
+        return body
+
+
+def _model_config(model_path: str) -> dict[str, Any]:
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def register_native_routes(
+    app: FastAPI, state: ServerState, check_model: Callable[[str | None], None]
+) -> None:
+    """Add the native routes to the app (`check_model`: the OpenAI routes' model check)."""
+    frontend = state.frontend
+    config = _model_config(state.model_path)
+
+    async def call(msg: Any) -> Any:
+        reply = await frontend.call(msg)
+        if isinstance(reply, ErrorMsg):
+            raise api_error(reply, {})
+        return reply
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path,
+            "served_model_name": state.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"),
+            "max_model_len": state.max_model_len,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {**state.server_info, "max_model_len": state.max_model_len, "version": __version__}
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """A one-token generation through every process: 200 once it is done, else 503."""
+        if not frontend.healthy:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        msg = TokenizeMsg(frontend.new_rid(), SamplingParams(max_tokens=1), input_ids=[0])
+
+        async def run(group: RequestGroup) -> None:
+            await group.wait_accepted()
+            async for _ in group.outputs():
+                pass
+
+        try:
+            group = RequestGroup(frontend, [msg], {})
+        except APIError as exc:
+            return JSONResponse({"status": "unhealthy", "error": exc.message}, status_code=503)
+        try:
+            await asyncio.wait_for(run(group), HEALTH_GENERATE_TIMEOUT_S)
+        except (APIError, asyncio.TimeoutError) as exc:
+            why = getattr(exc, "message", None) or "no token within the time limit"
+            logger.error("health_generate failed: %s", why)
+            return JSONResponse({"status": "unhealthy", "error": why}, status_code=503)
+        finally:
+            group.abort("health check over", client_gone=False)  # no-op once finished
+        return JSONResponse({"status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """Empty the prefix cache; refused (400) while requests are queued or running."""
+        reply = await call(FlushCacheMsg(frontend.new_rid()))
+        return PlainTextResponse(reply.message + "\n", status_code=200 if reply.flushed else 400)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_request(TokenizeRequest, await request.body())
+        check_model(req.model)
+        reply = await call(EncodeMsg(frontend.new_rid(), **req.encode_fields()))
+        return {
+            "count": len(reply.tokens),
+            "max_model_len": state.max_model_len,
+            "tokens": reply.tokens,
+            "token_strs": reply.token_strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_request(DetokenizeRequest, await request.body())
+        check_model(req.model)
+        vocab = state.vocab_size
+        outside = [t for t in req.tokens if vocab is not None and t >= vocab]
+        if outside:
+            raise APIError(
+                f"tokens must lie in [0, {vocab}), got {outside[:8]}",
+                param="tokens",
+                code="invalid_value",
+            )
+        reply = await call(DecodeMsg(frontend.new_rid(), list(req.tokens)))
+        return {"prompt": reply.text}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        """SGLang's native generation: text or token ids, one or a batch, n samples each."""
+        arrival = time.perf_counter()
+        req = parse_request(NativeGenerateRequest, await request.body())
+        req.check_unsupported()
+        param, prompts = req.prompts()
+        sampling = req.sampling(len(prompts))
+        msgs: list[TokenizeMsg] = []
+        choices: list[_NativeChoice] = []
+        for prompt, options, meta_id in zip(prompts, sampling, req.request_ids(len(prompts))):
+            sp = options.to_sampling_params(state.max_model_len, state.vocab_size)
+            for j in range(options.n):
+                sp_j = sp if j == 0 else dataclasses.replace(sp, seed=sample_seed(sp.seed, j))
+                text_options = {
+                    "skip_special_tokens": options.skip_special_tokens,
+                    "spaces_between_special_tokens": options.spaces_between_special_tokens,
+                }
+                msgs.append(TokenizeMsg(frontend.new_rid(), sp_j, **prompt, **text_options))
+                choices.append(_NativeChoice(meta_id if options.n == 1 else f"{meta_id}-{j}"))
+        group = await start_group(frontend, msgs, {"prompt": param, **SAMPLING_NAMES})
+        for choice, prompt_tokens in zip(choices, group.prompt_tokens):
+            choice.prompt_tokens = prompt_tokens
+        single = req.is_single and len(choices) == 1
+        if req.stream:
+            events = _stream(group, choices, arrival, single)
+            return StreamingResponse(events, media_type="text/event-stream")
+        outputs = await collect_outputs(request, group)
+        if outputs is None:
+            return Response(status_code=499)  # the client went away
+        for choice, out in zip(choices, outputs):
+            choice.output = out
+        bodies = [choice.body(arrival) for choice in choices]
+        return JSONResponse(bodies[0] if single else bodies)
+
+
+async def _stream(
+    group: RequestGroup, choices: list[_NativeChoice], arrival: float, single: bool
+) -> AsyncIterator[str]:
+    """SGLang's stream: one event per output of a sub-request, carrying its whole text so far
+    (and `index` in a batch), then [DONE]."""
+    try:
+        async for i, out in group.outputs():
+            o = choices[i].output
+            o.pieces.append(out.text)
+            o.completion_tokens, o.cached_tokens = out.completion_tokens, out.cached_tokens
+            o.finish_reason, o.matched_stop = out.finish_reason, out.matched_stop
+            if out.text or out.finish_reason is not None:
+                yield sse(choices[i].body(arrival, None if single else i))
+        yield sse("[DONE]")
+    except Exception as exc:  # headers are sent already: report in the stream
+        if not isinstance(exc, APIError):
+            logger.exception("streaming a /generate response failed")
+            exc = APIError(f"internal error: {exc}", status=500, type="server_error")
+        yield sse(exc.body())
+        yield sse("[DONE]")
+    finally:
+        group.abort("client disconnected mid-stream")

@@ -1,0 +1,234 @@
+"""Request models of the native endpoints: SGLang's /generate (its sampling parameters by their
+SGLang names) and vLLM's /tokenize and /detokenize. Checked as strictly as the OpenAI ones
+(`protocol.py`): a 400 naming the parameter, unknown fields ignored with a WARNING."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import Field
+
+from minisgl.core import SamplingParams
+
+from .protocol import ChatMessage, ChatTemplateOptions
+from .responses import APIError
+from .sampling import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_N,
+    LogitBias,
+    Stop,
+    StopTokenIds,
+    TokenId,
+    make_sampling_params,
+    unsupported,
+)
+from .validation import Strict, parse_object
+
+# SGLang's /generate inputs minisgl cannot honour: refused unless off, never dropped.
+GENERATE_UNSUPPORTED = (
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "lora_path",
+    "return_hidden_states",
+    "custom_logit_processor",
+    "session_params",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+)
+# Constrained decoding (structured output) is not implemented yet.
+SAMPLING_UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def _refuse_set(extra: dict[str, Any] | None, names: tuple[str, ...], prefix: str = "") -> None:
+    for name in names:
+        if (extra or {}).get(name) not in (None, False, [], {}, ""):
+            raise unsupported(f"{prefix}{name}")
+
+
+class NativeSamplingParams(Strict):
+    """SGLang's `sampling_params` object, with SGLang's names and defaults."""
+
+    handled_extras = SAMPLING_UNSUPPORTED
+
+    max_new_tokens: int | None = Field(128, ge=1)  # null: what the context leaves
+    min_new_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string (include_stop_str_in_output)
+    logit_bias: LogitBias | None = None
+    sampling_seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
+
+    def to_sampling_params(self, max_model_len: int, vocab_size: int | None) -> SamplingParams:
+        _refuse_set(self.model_extra, SAMPLING_UNSUPPORTED, "sampling_params.")
+        values = {
+            name: getattr(self, name)
+            for name in (
+                "temperature top_p top_k min_p frequency_penalty presence_penalty "
+                "repetition_penalty stop stop_token_ids ignore_eos logit_bias"
+            ).split()
+        }
+        values.update(
+            max_tokens=self.max_new_tokens,
+            min_tokens=self.min_new_tokens,
+            seed=self.sampling_seed,
+            include_stop_str_in_output=self.no_stop_trim,
+        )
+        return make_sampling_params(values, max_model_len, vocab_size, SAMPLING_NAMES)
+
+
+# SamplingParams' field -> how /generate names it in errors.
+SAMPLING_NAMES = {
+    name: f"sampling_params.{name}"
+    for name in (
+        "temperature top_p top_k min_p frequency_penalty presence_penalty repetition_penalty "
+        "stop stop_token_ids ignore_eos logit_bias"
+    ).split()
+} | {
+    "max_tokens": "sampling_params.max_new_tokens",
+    "min_tokens": "sampling_params.min_new_tokens",
+    "seed": "sampling_params.sampling_seed",
+    "include_stop_str_in_output": "sampling_params.no_stop_trim",
+}
+
+
+class NativeGenerateRequest(Strict):
+    """SGLang's /generate body: one prompt or a batch, as text or token ids."""
+
+    handled_extras = GENERATE_UNSUPPORTED
+
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    # An object, or one per prompt; validated as NativeSamplingParams by `prompts`.
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    # Log-probabilities are not returned yet: refused unless off.
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+
+    @property
+    def is_single(self) -> bool:
+        """One prompt (the response is an object), not a batch (a list)."""
+        if self.text is not None:
+            return isinstance(self.text, str)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], int)  # type: ignore[index]
+
+    def check_unsupported(self) -> None:
+        _refuse_set(self.model_extra, GENERATE_UNSUPPORTED)
+        if any(_as_list(self.return_logprob)):
+            raise unsupported("return_logprob")
+        if any(n != 0 for n in _as_list(self.top_logprobs_num)):
+            raise unsupported("top_logprobs_num")
+        if any(n != -1 for n in _as_list(self.logprob_start_len)):
+            raise unsupported("logprob_start_len")
+
+    def prompts(self) -> tuple[str, list[dict[str, Any]]]:
+        """The name of the prompt's parameter and the prompts as TokenizeMsg fields."""
+        if (self.text is None) == (self.input_ids is None):
+            raise APIError(
+                "give exactly one of 'text' and 'input_ids'", param="text", code="invalid_value"
+            )
+        if self.text is not None:
+            texts = [self.text] if isinstance(self.text, str) else self.text
+            prompts: list[dict[str, Any]] = [{"text": t} for t in texts]
+            param = "text"
+        else:
+            ids = self.input_ids
+            batch = [ids] if self.is_single else ids
+            prompts = [{"input_ids": list(x)} for x in batch]  # type: ignore[union-attr]
+            param = "input_ids"
+        if not prompts or any(p.get("input_ids") == [] for p in prompts):
+            raise APIError(f"'{param}' must not be empty", param=param, code="invalid_value")
+        return param, prompts
+
+    def sampling(self, count: int) -> list[NativeSamplingParams]:
+        """One parameter set per prompt (`count` of them)."""
+        given = self.sampling_params
+        if isinstance(given, list):
+            if len(given) != count:
+                raise APIError(
+                    f"sampling_params has {len(given)} entries for {count} prompts",
+                    param="sampling_params",
+                    code="invalid_value",
+                )
+            return [parse_object(NativeSamplingParams, x, "sampling_params") for x in given]
+        one = parse_object(NativeSamplingParams, given or {}, "sampling_params")
+        return [one] * count
+
+    def request_ids(self, count: int) -> list[str]:
+        """meta_info ids: the request's `rid`(s), else fresh ones."""
+        if self.rid is None:
+            return [uuid.uuid4().hex for _ in range(count)]
+        rids = [self.rid] if isinstance(self.rid, str) else self.rid
+        if len(rids) != count:
+            raise APIError(
+                f"rid has {len(rids)} entries for {count} prompts",
+                param="rid",
+                code="invalid_value",
+            )
+        return rids
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a `prompt`, or `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: true for a prompt, false for messages (the template holds the special tokens).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def encode_fields(self) -> dict[str, Any]:
+        """The EncodeMsg fields (less rid); the prompt or the conversation checked."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(
+                "give exactly one of 'prompt' and 'messages'", param="prompt", code="invalid_value"
+            )
+        fields: dict[str, Any] = {"return_token_strs": self.return_token_strs}
+        if self.prompt is not None:
+            add = True if self.add_special_tokens is None else self.add_special_tokens
+            return fields | {"text": self.prompt, "add_special_tokens": add}
+        chat = ChatTemplateOptions.model_construct(
+            messages=self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        chat.check_template_options()
+        return fields | {
+            "messages": chat.chat_messages(),
+            "add_special_tokens": bool(self.add_special_tokens),
+            **chat.template_fields(),
+        }
+
+
+class DetokenizeRequest(Strict):
+    """vLLM's /detokenize: token ids to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]

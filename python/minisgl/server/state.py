@@ -1,0 +1,31 @@
+"""What the HTTP endpoints know about the running server."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .frontend import FrontendManager
+from .metrics import ServerMetrics
+from .responses import now
+
+
+@dataclass
+class ServerState:
+    """What the endpoints need to know about the running server."""
+
+    model_name: str
+    model_path: str
+    max_model_len: int  # the effective context: prompt + output tokens of one request
+    frontend: FrontendManager
+    metrics: ServerMetrics
+    api_key: str | None = None
+    created: int = dataclasses.field(default_factory=now)
+    vocab_size: int | None = None  # bounds logit_bias and /detokenize token ids
+    # /get_server_info: the launch arguments and the engine's limits.
+    server_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# Open without the API key (SGLang's rule): liveness, metrics and the version.
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/version"})
