@@ -470,12 +470,8 @@ BAD_REQUESTS = [
     _bad("chat", _chat(logprobs="yes"), "logprobs", "invalid_type"),
     # Unknown model, unsupported parameters.
     _bad("completions", _cmpl(model="gpt-9"), "model", "model_not_found", status=404),
-    _bad(
-        "chat",
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        "tools",
-        "unsupported_parameter",
-    ),
+    _bad("chat", _chat(tools=[{"type": "function", "function": {}}]), "tools", "invalid_value"),
+    _bad("chat", _chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
     # Refused by the scheduler: over-context prompts, prompt + max_tokens past the context,
     # token ids outside the vocabulary.
     _bad("completions", _cmpl(prompt=LONG), "prompt", "context_length_exceeded", at_edge=False),

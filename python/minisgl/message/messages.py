@@ -32,8 +32,9 @@ class TokenizeMsg:
     sampling_params: SamplingParams
     text: str | None = None
     input_ids: list[int] | None = None
-    # Chat messages ({"role", "content"} with string content), rendered by the chat template.
-    messages: list[dict[str, str]] | None = None
+    # Chat messages ({"role", "content"} with string content, an assistant's tool_calls, a
+    # tool result's tool_call_id), rendered by the chat template.
+    messages: list[dict[str, Any]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # How the chat template renders `messages` (see tokenizer.encode_chat).
@@ -41,6 +42,8 @@ class TokenizeMsg:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the API server wants the prompt's text back (AcceptedMsg.prompt_text)
+    # Function tools the chat template renders (OpenAI's `tools`), where the request has any.
+    tools: list[dict[str, Any]] | None = None
 
 
 @register_message

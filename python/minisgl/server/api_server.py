@@ -28,6 +28,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .responses import APIError, ResponseFormatter, new_id, now, total_usage, usage
 from .sampling import sample_seed
 from .state import OPEN_PATHS, ServerState
+from .tools import ToolCalls, template_tools
 from .validation import parse_request
 
 logger = init_logger(__name__)
@@ -149,9 +150,11 @@ def create_app(state: ServerState) -> FastAPI:
         sp = req.sampling_params(max_tokens, param, state.max_model_len, state.vocab_size)
         endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
         names = {"prompt": "messages", "max_tokens": param}
-        prompt = {"messages": messages, **req.template_fields()}
+        tools = req.tool_choice_spec()
+        prompt = {"messages": messages, **req.template_fields(), "tools": template_tools(tools)}
         logprobs = ChoiceLogprobs(True, req.n, False, False) if req.logprobs else None
-        return await serve(request, req, endpoint, [prompt], sp, names, logprobs)
+        calls = ToolCalls(tools, state.tool_parser) if tools.active else None
+        return await serve(request, req, endpoint, [prompt], sp, names, logprobs, None, calls)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -183,9 +186,11 @@ def create_app(state: ServerState) -> FastAPI:
         param_names: dict[str, str],
         logprobs: ChoiceLogprobs | None = None,
         echo: list[str | None] | None = None,
+        calls: ToolCalls | None = None,
     ) -> Response:
         """Run the request's prompts x n; logprobs: where asked, their bodies per choice;
-        echo: per prompt its text (None: the detokenizer's decode) put before the output."""
+        echo: per prompt its text (None: the detokenizer's decode) put before the output;
+        calls: where tools are on, how the output becomes tool calls."""
         text_options = {
             "skip_special_tokens": req.skip_special_tokens,
             "spaces_between_special_tokens": req.spaces_between_special_tokens,
@@ -205,10 +210,10 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             include_usage, continuous = req.usage_options
             return StreamingResponse(
-                stream(group, endpoint, include_usage, continuous, logprobs, prefixes),
+                stream(group, endpoint, include_usage, continuous, logprobs, prefixes, calls),
                 media_type="text/event-stream",
             )
-        return await collect(request, group, endpoint, logprobs, prefixes)
+        return await collect(request, group, endpoint, logprobs, prefixes, calls)
 
     async def stream(
         group: RequestGroup,
@@ -217,6 +222,7 @@ def create_app(state: ServerState) -> FastAPI:
         continuous: bool,
         logprobs: ChoiceLogprobs | None,
         prefixes: list[str | None] | None,
+        calls: ToolCalls | None,
     ) -> AsyncIterator[str]:
         k = len(group.rids)
         completion, cached = [0] * k, [0] * k
@@ -235,8 +241,18 @@ def create_app(state: ServerState) -> FastAPI:
                 if prefixes is not None:  # echo: the prompt's text comes first
                     text, prefixes[i] = (prefixes[i] or "") + text, None
                 body, prompt_body = logprobs.piece(i, out) if logprobs else (None, None)
+                if calls is not None:  # the text is read for calls once it is whole
+                    calls.texts[i].append(text)
+                    text = ""
                 if text or body is not None or prompt_body is not None:
                     yield endpoint.chunk(i, text, None, False, body, prompt_body, so_far(i))
+                if calls is not None and out.finish_reason is not None:
+                    content, found = calls.parse(i)
+                    if content:
+                        yield endpoint.chunk(i, content, None, usage_body=so_far(i))
+                    if found:
+                        yield endpoint.tool_calls_chunk(i, found)
+                        out.finish_reason = "tool_calls"
                 if out.finish_reason is not None:  # the reason comes on a chunk of its own
                     yield endpoint.chunk(i, None, out.finish_reason, usage_body=so_far(i))
             if include_usage:
@@ -261,20 +277,32 @@ def create_app(state: ServerState) -> FastAPI:
         endpoint: ResponseFormatter,
         logprobs: ChoiceLogprobs | None,
         prefixes: list[str | None] | None,
+        calls: ToolCalls | None,
     ) -> Response:
         outputs = await collect_outputs(request, group, logprobs.piece if logprobs else None)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         completion = [o.completion_tokens for o in outputs]
         cached = [o.cached_tokens for o in outputs]
-        texts = [o.text for o in outputs]
+        texts: list[str | None] = [o.text for o in outputs]
+        finish = [o.finish_reason for o in outputs]
         if prefixes is not None:
-            texts = [(prefix or "") + text for prefix, text in zip(prefixes, texts)]
+            texts = [(prefix or "") + (text or "") for prefix, text in zip(prefixes, texts)]
+        found = None
+        if calls is not None:
+            found = []
+            for i, o in enumerate(outputs):
+                calls.texts[i].append(o.text)
+                texts[i], choice_calls = calls.parse(i)
+                found.append(choice_calls)
+                if choice_calls:
+                    finish[i] = "tool_calls"
         body = endpoint.response(
             texts,
-            [o.finish_reason for o in outputs],
+            finish,
             total_usage(group.prompt_tokens, endpoint.n, completion, cached),
             None if logprobs is None else [logprobs.whole(i) for i in range(len(outputs))],
+            found,
         )
         return JSONResponse(body)
 

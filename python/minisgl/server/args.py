@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .tools import TOOL_CALL_PARSERS
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
 
@@ -33,6 +35,7 @@ class ServerArgs:
     schedule_policy: str | None = None
     overlap_schedule: bool | None = None
     log_level: str = "info"
+    tool_call_parser: str = "auto"
     shell: bool = False
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
@@ -151,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's spelling of --overlap-schedule off",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *TOOL_CALL_PARSERS],
+        help="how tool calls are read from the model's output: hermes (<tool_call> JSON "
+        "blocks, Qwen's), llama3_json (bare JSON); auto: from the chat template",
+    )
     p.add_argument(
         "--shell",
         "--shell-mode",

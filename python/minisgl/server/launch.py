@@ -26,6 +26,7 @@ import torch
 from minisgl.utils import init_logger
 
 from .args import ServerArgs, parse_args
+from .tools import tool_parser_for
 
 logger = init_logger(__name__)
 
@@ -173,6 +174,7 @@ def launch_server(args: ServerArgs) -> int:
             api_key=args.api_key,
             vocab_size=info.get("vocab_size"),
             server_info=server_info(args, config, info),
+            tool_parser=tool_parser_for(args.tool_call_parser, path),
         )
         server = uvicorn.Server(
             uvicorn.Config(

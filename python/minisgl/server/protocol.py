@@ -12,11 +12,12 @@ chat `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field
 
-from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.core import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from minisgl.tokenizer.tokenize import CHAT_TEMPLATE_RESERVED
 
 from .responses import APIError
@@ -33,13 +34,12 @@ from .sampling import (
     unsupported,
 )
 from .structured import STRUCTURED_FIELDS, structured_output
+from .tools import ToolChoice, check_tools
 from .validation import Strict
 
 # Parameters of the OpenAI API that minisgl does not implement: rejected when given a
 # value other than their "off" value, never silently dropped.
 UNSUPPORTED_PARAMS = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "audio",
@@ -60,9 +60,52 @@ class ContentPart(Strict):
     text: str | None = None
 
 
+class ToolCallFunction(Strict):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
+
+    def template_fields(self) -> dict[str, Any]:
+        """What the chat template reads of the message beyond role and content: the calls'
+        arguments as objects (templates write them with tojson), the tool result's call id."""
+        fields: dict[str, Any] = {}
+        if self.tool_calls:
+            fields["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class GenerateRequest(Strict):
@@ -104,6 +147,10 @@ class GenerateRequest(Strict):
             if value not in (None, [], {}, "none"):
                 raise unsupported(name)
 
+    def constraint(self) -> StructuredOutput | None:
+        """The request's structured-output constraint (see server/structured.py)."""
+        return structured_output(self.model_extra or {})
+
     def sampling_params(
         self,
         max_tokens: int | None,
@@ -120,7 +167,7 @@ class GenerateRequest(Strict):
         values = {name: getattr(self, name) for name in fields}
         values["max_tokens"] = max_tokens
         values["logprobs"], values["prompt_logprobs"] = self.logprob_counts()
-        values["structured"] = structured_output(self.model_extra or {})
+        values["structured"] = self.constraint()
         names = {"max_tokens": max_tokens_param}
         return make_sampling_params(values, max_model_len, vocab_size, names)
 
@@ -167,7 +214,7 @@ class ChatTemplateOptions(Strict):
             "chat_template_kwargs": self.chat_template_kwargs,
         }
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         """Messages with string content (text parts joined); other part types -> 400."""
         if not self.messages:
             raise APIError("'messages' must not be empty", param="messages", code="invalid_value")
@@ -187,7 +234,7 @@ class ChatTemplateOptions(Strict):
                         )
                     parts.append(part.text)
                 content = "".join(parts)
-            out.append({"role": m.role, "content": content})
+            out.append({"role": m.role, "content": content, **m.template_fields()})
         return out
 
 
@@ -195,6 +242,26 @@ class ChatCompletionRequest(ChatTemplateOptions, GenerateRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call where it is forced
+
+    def tool_choice_spec(self) -> ToolChoice:
+        """The request's tools and tool_choice, checked."""
+        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> StructuredOutput | None:
+        """`required` / a named tool choice holds the output to its calls' JSON schema."""
+        given = super().constraint()
+        forced = self.tool_choice_spec().constraint()
+        if given is not None and forced is not None:
+            raise APIError(
+                "tool_choice required or a named function cannot be combined with another "
+                "structured output constraint",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        return given or forced
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(alternatives per generated token, per prompt token): None where not asked."""

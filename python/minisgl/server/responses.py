@@ -122,22 +122,29 @@ class ResponseFormatter:
     def usage_chunk(self, usage_body: dict[str, Any]) -> str:
         return self._sse({"choices": [], "usage": usage_body})
 
+    def tool_calls_chunk(self, index: int, calls: list[dict[str, Any]]) -> str:
+        """One SSE event with a choice's tool calls, each whole (as a first delta carries)."""
+        deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+        choice = {"index": index, "delta": {"tool_calls": deltas}}
+        return self._sse({"choices": [choice | {"logprobs": None, "finish_reason": None}]})
+
     def response(
         self,
-        texts: list[str],
+        texts: list[str | None],
         finish: list[str | None],
         usage_body: dict[str, Any],
         logprobs: list[tuple[dict[str, Any], Any]] | None = None,
+        tool_calls: list[list[dict[str, Any]]] | None = None,
     ) -> dict[str, Any]:
         """The whole completion; logprobs: each choice's (`logprobs`, `prompt_logprobs` or
-        None) where the request asked for them."""
+        None) where the request asked for them; tool_calls: each chat choice's calls."""
         choices = []
         for i, (text, reason) in enumerate(zip(texts, finish)):
             if self.chat:
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                }
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if tool_calls is not None and tool_calls[i]:
+                    message["tool_calls"] = tool_calls[i]
+                choice: dict[str, Any] = {"index": i, "message": message}
             else:
                 choice = {"index": i, "text": text}
             body, prompt_body = logprobs[i] if logprobs is not None else (None, None)

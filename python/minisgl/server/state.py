@@ -25,6 +25,7 @@ class ServerState:
     vocab_size: int | None = None  # bounds logit_bias and /detokenize token ids
     # /get_server_info: the launch arguments and the engine's limits.
     server_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tool_parser: str = "hermes"  # how tool calls are read from the output (server/tools.py)
 
 
 # Open without the API key (SGLang's rule): liveness, metrics and the version.

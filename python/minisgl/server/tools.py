@@ -6,8 +6,10 @@ model then writes the calls as JSON, which become the message's tool_calls)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ class ToolChoice:
     tools: list[dict[str, Any]]
     mode: str
     name: str | None = None
+    parallel: bool = True  # parallel_tool_calls: several calls in one turn
 
     @property
     def active(self) -> bool:
@@ -54,7 +57,9 @@ class ToolChoice:
             }
             for tool in self.tools
         ]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # At most one call per tool (one without parallel calls) keeps the array bounded.
+        most = len(self.tools) if self.parallel else 1
+        schema = {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": calls}}
         return StructuredOutput("json", json.dumps(schema))
 
     def _tool(self, name: str | None) -> dict[str, Any]:
@@ -66,7 +71,7 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) else {"type": "object", "properties": {}}
 
 
-def check_tools(tools: Any, tool_choice: Any) -> ToolChoice:
+def check_tools(tools: Any, tool_choice: Any, parallel: bool | None = None) -> ToolChoice:
     """The request's tools and choice, checked (a 400 naming `tools` / `tool_choice`)."""
     if tools is None:
         tools = []
@@ -84,23 +89,24 @@ def check_tools(tools: Any, tool_choice: Any) -> ToolChoice:
             raise _invalid("tools", f"tools[{i}].function.parameters must be a JSON schema")
         names.append(name)
     if tool_choice is None:
-        return ToolChoice(tools, "auto" if tools else "none")
+        return ToolChoice(tools, "auto" if tools else "none", None, parallel is not False)
     if isinstance(tool_choice, str):
         if tool_choice not in ("auto", "none", "required"):
             raise _invalid("tool_choice", f"{tool_choice!r} is not auto, none or required")
         if tool_choice == "required" and not tools:
             raise _invalid("tool_choice", "'required' needs tools")
-        return ToolChoice(tools, tool_choice)
+        return ToolChoice(tools, tool_choice, None, parallel is not False)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if name not in names:
         raise _invalid("tool_choice", f"names no function among the tools ({names})")
-    return ToolChoice(tools, "named", name)
+    return ToolChoice(tools, "named", name, parallel is not False)
 
 
 def template_tools(choice: ToolChoice) -> list[dict[str, Any]] | None:
-    """What the chat template renders: the tools, unless turned off ('none')."""
-    return choice.tools if choice.active else None
+    """What the chat template renders: the tools, also with tool_choice 'none' (as vLLM: the
+    model still knows them; its output is just not read for calls)."""
+    return choice.tools or None
 
 
 def call_dict(name: str, arguments: Any) -> dict[str, Any]:
@@ -120,13 +126,28 @@ def parse_tool_calls(
     if choice.mode == "named":
         return None, [call_dict(choice.name or "", text.strip())]
     if choice.mode == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut short (max_tokens): no valid call to report
+        calls = _complete_items(text)
+        if not calls:
+            return text, []  # cut short (max_tokens) before the first call was whole
         return None, [call_dict(c["name"], c.get("parameters", {})) for c in calls]
     parse = _parse_hermes if parser == "hermes" else _parse_llama3_json
     return parse(text, {t["function"]["name"] for t in choice.tools})
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The whole items of a JSON array, also when the text was cut off after some of them."""
+    decoder, items, pos = json.JSONDecoder(), [], text.find("[") + 1
+    while 0 < pos < len(text):
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+        while pos < len(text) and text[pos] in " ,\n":
+            pos += 1
+        if pos < len(text) and text[pos] == "]":
+            break
+    return items
 
 
 def _call_of(obj: Any, names: set[str]) -> dict[str, Any] | None:
@@ -169,6 +190,15 @@ def _parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[dic
     return None, calls
 
 
+def tool_parser_for(choice: str, model_path: str | os.PathLike) -> str:
+    """--tool-call-parser: the given parser, or (auto) the one the model's template teaches."""
+    if choice != "auto":
+        return choice
+    from minisgl.tokenizer import load_tokenizer
+
+    return detect_parser(getattr(load_tokenizer(model_path), "chat_template", None))
+
+
 def detect_parser(chat_template: str | None) -> str:
     """The output format a chat template teaches: Llama 3's python tag or bare JSON, else
     Hermes / Qwen `<tool_call>` blocks."""
@@ -179,3 +209,16 @@ def detect_parser(chat_template: str | None) -> str:
     ):
         return "llama3_json"
     return "hermes"
+
+
+class ToolCalls:
+    """One request's choices read for tool calls once their text is whole (streamed text is
+    held back while tools are on: a call's opening tag may arrive in pieces)."""
+
+    def __init__(self, choice: ToolChoice, parser: str) -> None:
+        self.choice, self.parser = choice, parser
+        self.texts: defaultdict[int, list[str]] = defaultdict(list)
+
+    def parse(self, index: int) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, calls) of a finished choice's text."""
+        return parse_tool_calls("".join(self.texts.pop(index, [])), self.choice, self.parser)

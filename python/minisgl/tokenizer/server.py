@@ -59,6 +59,7 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
             msg.add_generation_prompt,
             msg.continue_final_message,
             msg.chat_template_kwargs,
+            tools=msg.tools,
         )
     elif msg.text is not None:
         inject_fault("tokenize", (msg.text,))

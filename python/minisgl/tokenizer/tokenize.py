@@ -58,14 +58,16 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> l
 
 def render_chat(
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """A conversation as the model's chat template writes it: ready for the assistant's turn
     (`add_generation_prompt`), or ending inside the last message (`continue_final_message`);
-    `chat_template_kwargs` are the template's own variables (e.g. Qwen3's enable_thinking)."""
+    `chat_template_kwargs` are the template's own variables (e.g. Qwen3's enable_thinking);
+    `tools`: the function tools it presents to the model (OpenAI's shape)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions instead")
     extra = dict(chat_template_kwargs or {})
@@ -77,21 +79,28 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        tools=tools,
         **extra,
     )
 
 
 def encode_chat(
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The tokens of `render_chat`. The template already holds the special tokens (BOS, role
     markers), so by default none is added twice."""
     text = render_chat(
-        tokenizer, messages, add_generation_prompt, continue_final_message, chat_template_kwargs
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        continue_final_message,
+        chat_template_kwargs,
+        tools,
     )
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
