@@ -4,8 +4,10 @@ prompts, vLLM's prompt_logprobs, chunked prefill, overlap and radix-cache hits."
 
 from __future__ import annotations
 
+import json
 import signal
 
+import httpx
 import openai
 import pytest
 import torch
@@ -199,3 +201,32 @@ def test_echo_of_token_ids_and_without_logprobs(client, model, tokenizer) -> Non
     assert by_text.choices[0].text == text + plain.choices[0].text
     assert lp.top_logprobs[1] == {lp.tokens[1]: lp.token_logprobs[1]}
     assert len(lp.tokens) == len(ids) + 4
+
+
+def test_sglang_generate_logprobs(server) -> None:
+    """SGLang's /generate: return_logprob with logprob_start_len 0 and top_logprobs_num, the
+    [logprob, token id, text] triples against HF (streamed: the same, cumulative)."""
+    prompt = PROMPTS[2]
+    ids = hf_encode(MODEL, prompt)
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
+    meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
+    inputs, outputs = meta["input_token_logprobs"], meta["output_token_logprobs"]
+    assert [t[1] for t in inputs] == ids and inputs[0][0] is None
+    assert len(outputs) == meta["completion_tokens"] == 4
+    full = ids + [t[1] for t in outputs]
+    ref = hf_logprobs(full)
+    for j, (logprob, token, _text) in enumerate(inputs[1:] + outputs, start=1):
+        assert token == full[j] and abs(logprob - ref[j - 1, token].item()) <= TOL
+    for j, top in enumerate(meta["input_top_logprobs"][1:] + meta["output_top_logprobs"], 1):
+        assert_top([v for v, _, _ in top], ref[j - 1].topk(2).values)
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    last = json.loads(events[-2])["meta_info"]  # the one before [DONE]: everything so far
+    assert last["output_token_logprobs"] == outputs

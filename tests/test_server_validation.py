@@ -234,9 +234,10 @@ REFUSED = [
         {"messages": CHAT, "min_tokens": 9, "max_completion_tokens": 2},
         "min_tokens",
     ),
-    ("/generate", {"text": "x", "return_logprob": True}, "return_logprob"),
-    ("/generate", {"text": "x", "top_logprobs_num": 2}, "top_logprobs_num"),
-    ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"text": "x", "return_logprob": "yes"}, "return_logprob"),
+    ("/generate", {"text": "x", "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("/generate", {"text": "x", "logprob_start_len": -2}, "logprob_start_len"),
+    ("/generate", {"text": ["x", "y", "z"], "return_logprob": [True, False]}, "return_logprob"),
     ("/generate", {"text": "x", "image_data": "a.png"}, "image_data"),
     ("/generate", {"sampling_params": {}}, "text"),
     ("/generate", {"text": "x", "input_ids": [1]}, "text"),
@@ -271,8 +272,13 @@ REFUSED = [
     ),
     (
         "/generate",
-        {"text": "x", "sampling_params": {"json_schema": "{}"}},
+        {"text": "x", "sampling_params": {"json_schema": "{not json"}},
         "sampling_params.json_schema",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+        "sampling_params.ebnf",
     ),
     ("/generate", {"text": ["x", "y"], "sampling_params": [{}]}, "sampling_params"),
     (

@@ -120,3 +120,14 @@ def test_bad_constraints_are_400_naming_the_parameter(server, model, body, param
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_sglang_generate_constraints(server) -> None:
+    for params, check in [
+        ({"regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+        ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+        ({"json_schema": json.dumps({"enum": ["a", "b"]})}, lambda t: json.loads(t) in "ab"),
+    ]:
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 16, **params}}
+        text = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["text"]
+        assert check(text), (params, text)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from minisgl import __version__
 from minisgl.core import SamplingParams
-from minisgl.message import DecodeMsg, EncodeMsg, ErrorMsg, FlushCacheMsg, TokenizeMsg
+from minisgl.message import DecodeMsg, EncodeMsg, ErrorMsg, FlushCacheMsg, OutputMsg, TokenizeMsg
 from minisgl.utils import init_logger
 
 from .frontend import RequestGroup, api_error
@@ -58,6 +58,42 @@ class _NativeChoice:
     meta_id: str
     prompt_tokens: int = 0
     output: ChoiceOutput = dataclasses.field(default_factory=ChoiceOutput)
+    # SGLang's logprobs: asked for, from which prompt position (-1: none), with token texts.
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    text_in_logprobs: bool = False
+    output_logprobs: list[list[Any]] = dataclasses.field(default_factory=list)
+    input_logprobs: list[list[Any]] = dataclasses.field(default_factory=list)
+
+    def add_logprobs(self, out: OutputMsg) -> None:
+        """Keep an output's log-probability entries (see OutputMsg.logprobs)."""
+        self.output_logprobs.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.input_logprobs = out.prompt_logprobs[max(self.logprob_start_len, 0) :]
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        """meta_info's input/output token logprobs and top logprobs, as SGLang lays them out:
+        [logprob, token id, text or None] each (the first prompt token's logprob None)."""
+
+        def triple(token: int, text: str, logprob: float | None) -> list[Any]:
+            return [logprob, token, text if self.text_in_logprobs else None]
+
+        def fields(entries: list[list[Any]]) -> tuple[list[Any], list[Any]]:
+            tokens = [triple(token, text, lp) for token, text, lp, _ in entries]
+            tops = [
+                None if lp is None else [triple(t, x, v) for t, x, v in top]
+                for _, _, lp, top in entries
+            ]
+            return tokens, tops
+
+        input_tokens, input_tops = fields(self.input_logprobs)
+        output_tokens, output_tops = fields(self.output_logprobs)
+        return {
+            "input_token_logprobs": input_tokens,
+            "output_token_logprobs": output_tokens,
+            "input_top_logprobs": input_tops,
+            "output_top_logprobs": output_tops,
+        }
 
     def body(self, arrival: float, index: int | None = None) -> dict[str, Any]:
         out = self.output
@@ -69,6 +105,8 @@ class _NativeChoice:
             "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - arrival,
         }
+        if self.return_logprob:
+            meta.update(self._logprob_fields())
         body: dict[str, Any] = {"text": out.text, "meta_info": meta}
         if index is not None:
             body["index"] = index
@@ -186,10 +224,15 @@ def register_native_routes(
         req.check_unsupported()
         param, prompts = req.prompts()
         sampling = req.sampling(len(prompts))
+        logprob_options = req.logprob_options(len(prompts))
         msgs: list[TokenizeMsg] = []
         choices: list[_NativeChoice] = []
-        for prompt, options, meta_id in zip(prompts, sampling, req.request_ids(len(prompts))):
-            sp = options.to_sampling_params(state.max_model_len, state.vocab_size)
+        ids = req.request_ids(len(prompts))
+        for prompt, options, meta_id, (ret, start, top) in zip(
+            prompts, sampling, ids, logprob_options
+        ):
+            logprobs = (top, top if start >= 0 else None) if ret else (None, None)
+            sp = options.to_sampling_params(state.max_model_len, state.vocab_size, logprobs)
             for j in range(options.n):
                 sp_j = sp if j == 0 else dataclasses.replace(sp, seed=sample_seed(sp.seed, j))
                 text_options = {
@@ -197,7 +240,10 @@ def register_native_routes(
                     "spaces_between_special_tokens": options.spaces_between_special_tokens,
                 }
                 msgs.append(TokenizeMsg(frontend.new_rid(), sp_j, **prompt, **text_options))
-                choices.append(_NativeChoice(meta_id if options.n == 1 else f"{meta_id}-{j}"))
+                choice = _NativeChoice(meta_id if options.n == 1 else f"{meta_id}-{j}")
+                choice.return_logprob, choice.logprob_start_len = ret, start
+                choice.text_in_logprobs = req.return_text_in_logprobs
+                choices.append(choice)
         group = await start_group(frontend, msgs, {"prompt": param, **SAMPLING_NAMES})
         for choice, prompt_tokens in zip(choices, group.prompt_tokens):
             choice.prompt_tokens = prompt_tokens
@@ -205,7 +251,7 @@ def register_native_routes(
         if req.stream:
             events = _stream(group, choices, arrival, single)
             return StreamingResponse(events, media_type="text/event-stream")
-        outputs = await collect_outputs(request, group)
+        outputs = await collect_outputs(request, group, lambda i, out: choices[i].add_logprobs(out))
         if outputs is None:
             return Response(status_code=499)  # the client went away
         for choice, out in zip(choices, outputs):
@@ -221,6 +267,7 @@ async def _stream(
     (and `index` in a batch), then [DONE]."""
     try:
         async for i, out in group.outputs():
+            choices[i].add_logprobs(out)
             o = choices[i].output
             o.pieces.append(out.text)
             o.completion_tokens, o.cached_tokens = out.completion_tokens, out.cached_tokens

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from minisgl.core import SamplingParams
+from minisgl.core import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from .protocol import ChatMessage, ChatTemplateOptions
 from .responses import APIError
@@ -25,6 +25,7 @@ from .sampling import (
     make_sampling_params,
     unsupported,
 )
+from .structured import check_builds
 from .validation import Strict, parse_object
 
 # SGLang's /generate inputs minisgl cannot honour: refused unless off, never dropped.
@@ -38,10 +39,10 @@ GENERATE_UNSUPPORTED = (
     "custom_logit_processor",
     "session_params",
     "token_ids_logprob",
-    "return_text_in_logprobs",
 )
-# Constrained decoding (structured output) is not implemented yet.
-SAMPLING_UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag")
+SAMPLING_UNSUPPORTED = ("structural_tag",)
+# SGLang's constraint fields -> StructuredOutput kinds.
+SAMPLING_CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 
 
 def _refuse_set(extra: dict[str, Any] | None, names: tuple[str, ...], prefix: str = "") -> None:
@@ -55,6 +56,9 @@ class NativeSamplingParams(Strict):
 
     handled_extras = SAMPLING_UNSUPPORTED
 
+    json_schema: str | None = None  # a JSON schema, as a string (SGLang's)
+    regex: str | None = None
+    ebnf: str | None = None
     max_new_tokens: int | None = Field(128, ge=1)  # null: what the context leaves
     min_new_tokens: int = Field(0, ge=0, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0)
@@ -74,7 +78,30 @@ class NativeSamplingParams(Strict):
     sampling_seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
 
-    def to_sampling_params(self, max_model_len: int, vocab_size: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutput | None:
+        """SGLang's json_schema / regex / ebnf as one constraint (at most one per request)."""
+        given = [(name, v) for name in SAMPLING_CONSTRAINTS if (v := getattr(self, name))]
+        if len(given) > 1:
+            raise APIError(
+                f"sampling_params.{given[1][0]}: a request takes one constraint, "
+                f"{given[0][0]} is given",
+                param=f"sampling_params.{given[1][0]}",
+                code="invalid_value",
+            )
+        if not given:
+            return None
+        name, value = given[0]
+        spec = StructuredOutput(SAMPLING_CONSTRAINTS[name], value)
+        check_builds(f"sampling_params.{name}", spec)
+        return spec
+
+    def to_sampling_params(
+        self,
+        max_model_len: int,
+        vocab_size: int | None,
+        logprobs: tuple[int | None, int | None] = (None, None),
+    ) -> SamplingParams:
+        """logprobs: (alternatives per output token, per prompt token), None where not asked."""
         _refuse_set(self.model_extra, SAMPLING_UNSUPPORTED, "sampling_params.")
         values = {
             name: getattr(self, name)
@@ -88,6 +115,9 @@ class NativeSamplingParams(Strict):
             min_tokens=self.min_new_tokens,
             seed=self.sampling_seed,
             include_stop_str_in_output=self.no_stop_trim,
+            logprobs=logprobs[0],
+            prompt_logprobs=logprobs[1],
+            structured=self.constraint(),
         )
         return make_sampling_params(values, max_model_len, vocab_size, SAMPLING_NAMES)
 
@@ -118,10 +148,12 @@ class NativeGenerateRequest(Strict):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    # Log-probabilities are not returned yet: refused unless off.
+    # Log-probabilities (SGLang's): of the output tokens, and of the prompt's from
+    # logprob_start_len on (-1: none), each with its top_logprobs_num alternatives.
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
 
     @property
     def is_single(self) -> bool:
@@ -132,12 +164,37 @@ class NativeGenerateRequest(Strict):
 
     def check_unsupported(self) -> None:
         _refuse_set(self.model_extra, GENERATE_UNSUPPORTED)
-        if any(_as_list(self.return_logprob)):
-            raise unsupported("return_logprob")
-        if any(n != 0 for n in _as_list(self.top_logprobs_num)):
-            raise unsupported("top_logprobs_num")
-        if any(n != -1 for n in _as_list(self.logprob_start_len)):
-            raise unsupported("logprob_start_len")
+
+    def logprob_options(self, count: int) -> list[tuple[bool, int, int]]:
+        """Per prompt: (return_logprob, logprob_start_len, top_logprobs_num), checked."""
+        options = []
+        for name, values in (
+            ("return_logprob", self.return_logprob),
+            ("logprob_start_len", self.logprob_start_len),
+            ("top_logprobs_num", self.top_logprobs_num),
+        ):
+            values = _as_list(values)
+            if len(values) not in (1, count):
+                raise APIError(
+                    f"{name} has {len(values)} entries for {count} prompts",
+                    param=name,
+                    code="invalid_value",
+                )
+            options.append(values * count if len(values) == 1 else values)
+        for start, top in zip(options[1], options[2]):
+            if not (isinstance(start, int) and start >= -1):
+                raise APIError(
+                    f"logprob_start_len={start!r} is not an integer >= -1",
+                    param="logprob_start_len",
+                    code="invalid_value",
+                )
+            if not (isinstance(top, int) and 0 <= top <= MAX_LOGPROBS):
+                raise APIError(
+                    f"top_logprobs_num={top!r} is outside 0..{MAX_LOGPROBS}",
+                    param="top_logprobs_num",
+                    code="invalid_value",
+                )
+        return list(zip(*options))
 
     def prompts(self) -> tuple[str, list[dict[str, Any]]]:
         """The name of the prompt's parameter and the prompts as TokenizeMsg fields."""

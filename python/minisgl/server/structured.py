@@ -70,7 +70,7 @@ def _from_guided(param: str, kind: str, value: Any) -> StructuredOutput:
     return StructuredOutput(kind, value)
 
 
-def _check_builds(param: str, spec: StructuredOutput) -> None:
+def check_builds(param: str, spec: StructuredOutput) -> None:
     """Build the constraint's grammar once (no tokenizer): its errors are the client's."""
     import xgrammar as xgr
 
@@ -108,5 +108,5 @@ def structured_output(fields: dict[str, Any]) -> StructuredOutput | None:
         return None
     param, spec = found[0]
     assert spec is not None
-    _check_builds(param, spec)
+    check_builds(param, spec)
     return spec
