@@ -8,7 +8,6 @@ import json
 import signal
 
 import httpx
-import openai
 import pytest
 import torch
 from helpers import (
@@ -96,16 +95,6 @@ def tiny_server(tmp_path_factory):
 
 
 server = pytest.fixture(scope="module", name="server")(tiny_server)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

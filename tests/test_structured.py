@@ -9,7 +9,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 import torch
 from helpers import assert_all_pages_free, build_llm
@@ -48,16 +47,6 @@ def test_json_schemas_regexes_and_choices_hold_at_temperature_one() -> None:
     assert all(o["text"] in choices for o in outs[1 + len(regexes) :])
     assert_all_pages_free(llm)
     llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_openai_and_vllm_fields_over_http(client, model) -> None:

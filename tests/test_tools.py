@@ -11,7 +11,6 @@ import signal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from helpers import tiny_model
 from test_server import spawn_server, wait_healthy
@@ -102,16 +101,6 @@ def server(tmp_path_factory):
     finally:
         srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def assert_valid(call) -> None:

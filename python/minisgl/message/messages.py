@@ -162,12 +162,13 @@ class EncodeMsg:
 
     rid: int
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 @register_message

@@ -49,18 +49,27 @@ except ImportError:  # without jinja2 there are no chat templates to refuse anyt
     _PROMPT_ERRORS = (ValueError, TypeError)
 
 
+def _chat_ids(
+    tokenizer: Any, msg: TokenizeMsg | EncodeMsg, add_special_tokens: bool = False
+) -> list[int]:
+    """A message's conversation through the chat template, rendered as the message asks."""
+    assert msg.messages is not None
+    return encode_chat(
+        tokenizer,
+        msg.messages,
+        msg.add_generation_prompt,
+        msg.continue_final_message,
+        msg.chat_template_kwargs,
+        add_special_tokens,
+        tools=msg.tools,
+    )
+
+
 def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
     """Encode the request's prompt; raises ValueError for prompts that cannot be encoded."""
     if msg.messages is not None:
         inject_fault("tokenize", (m["content"] for m in msg.messages))
-        ids = encode_chat(
-            tokenizer,
-            msg.messages,
-            msg.add_generation_prompt,
-            msg.continue_final_message,
-            msg.chat_template_kwargs,
-            tools=msg.tools,
-        )
+        ids = _chat_ids(tokenizer, msg)
     elif msg.text is not None:
         inject_fault("tokenize", (msg.text,))
         ids = encode_text(tokenizer, msg.text)
@@ -84,14 +93,7 @@ def answer_text_request(tokenizer: Any, msg: EncodeMsg | DecodeMsg) -> EncodedMs
         # Special tokens kept, as vLLM's /detokenize: the text holds what the ids say.
         return DecodedMsg(msg.rid, tokenizer.decode(msg.tokens, skip_special_tokens=False))
     if msg.messages is not None:
-        ids = encode_chat(
-            tokenizer,
-            msg.messages,
-            msg.add_generation_prompt,
-            msg.continue_final_message,
-            msg.chat_template_kwargs,
-            msg.add_special_tokens,
-        )
+        ids = _chat_ids(tokenizer, msg, msg.add_special_tokens)
     elif msg.text is not None:
         ids = encode_text(tokenizer, msg.text, msg.add_special_tokens)
     else:
