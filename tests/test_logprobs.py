@@ -22,6 +22,7 @@ from helpers import (
 from helpers import tiny_model as tiny_model_path
 from test_server import spawn_server, wait_healthy
 
+from minisgl.core import SamplingParams
 from minisgl.tokenizer import encode_chat, load_tokenizer
 
 MODEL = "qwen3"
@@ -79,6 +80,23 @@ def test_offline_logprobs_equal_hf_with_chunks_and_cache_hits(overlap) -> None:
         ids = hf_encode(MODEL, prompt)
         assert_entries_match(out["logprobs"], ids + out["token_ids"], len(ids))
     assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def test_processed_logprobs_are_the_distribution_sampled_from() -> None:
+    """processed_logprobs: log_softmax of HF's logits / temperature with top-k applied."""
+    llm = build_llm(MODEL, logprobs_mode="processed_logprobs")
+    temperature, top_k = 0.7, 5
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=5, seed=1, logprobs=3)
+    out = llm.generate([PROMPTS[1]], params)[0]
+    ids = hf_encode(MODEL, PROMPTS[1])
+    logits = hf_logits(MODEL, ids + out["token_ids"]).double()
+    for j, (token, logprob, top) in enumerate(out["logprobs"]):
+        row = logits[len(ids) - 1 + j] / temperature
+        row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+        ref = torch.log_softmax(row, dim=-1)
+        assert torch.isfinite(ref[token]) and abs(logprob - ref[token].item()) <= TOL
+        assert_top([lp for _, lp in top], ref.topk(3).values)
     llm.shutdown()
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 
 @dataclass
 class EngineConfig:
@@ -17,6 +19,9 @@ class EngineConfig:
     num_page_override: int | None = None
     max_seq_len_override: int | None = None
     attention_backend: str = "auto"  # "auto": "cpu" on a CPU with the C kernels, else "torch"
+    # What log-probabilities report (vLLM's names): the model's distribution, or the one the
+    # sampler draws from (after masks, penalties, logit_bias, temperature and top-k/p, min-p).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -27,5 +32,9 @@ class EngineConfig:
             raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
             raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -18,7 +18,13 @@ from minisgl.utils.memory import keep_freed_memory
 
 from .config import EngineConfig
 from .cpu_threads import CpuThreads
-from .logprobs import LogprobRows, TokenLogprobs, prompt_token_logprobs, token_logprobs
+from .logprobs import (
+    LogprobRows,
+    TokenLogprobs,
+    processed_logits,
+    prompt_token_logprobs,
+    token_logprobs,
+)
 from .sample import SampleArgs, Sampler
 
 logger = init_logger(__name__)
@@ -183,8 +189,14 @@ class Engine:
         finally:
             self.ctx.set_batch(None)
         wanted = forward_input.logprob_rows
-        # The raw distribution, before the sampler applies penalties to the logits.
-        raw = None if wanted is None else logits.index_select(0, wanted.rows).float()
+        # Before sampling, which may change the logits in place.
+        raw = None
+        if wanted is not None and self.config.logprobs_mode == "processed_logprobs":
+            args = forward_input.sample_args
+            adjusted = self.sampler.adjusted_logits(logits, args, self.token_pool)
+            raw = processed_logits(adjusted, args).index_select(0, wanted.rows)
+        elif wanted is not None:
+            raw = logits.index_select(0, wanted.rows).float()
         sampled = self.sampler.sample(logits, forward_input.sample_args, self.token_pool)
         next_tokens, pool_tokens = flag_non_finite(logits, sampled)
         self.token_pool[forward_input.token_rows, forward_input.token_cols] = pool_tokens

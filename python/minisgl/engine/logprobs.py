@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sample import SampleArgs
+
 # Prompt rows whose logits are materialised at once: 128 x 151,936 float32 is 78 MB.
 PROMPT_ROWS_PER_SLICE = 128
 
@@ -51,6 +53,26 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> To
         top_logprobs = logprobs.new_empty(len(logprobs), 0)
         top_ids = torch.empty(len(logprobs), 0, dtype=torch.int64, device=logprobs.device)
     return TokenLogprobs(chosen, top_ids, top_logprobs)
+
+
+def processed_logits(adjusted: torch.Tensor, args: SampleArgs) -> torch.Tensor:
+    """The logits the sampler draws from (`Sampler.adjusted_logits`, then divided by the
+    temperature), with what top-k, top-p and min-p drop at -inf; greedy rows unscaled."""
+    x = adjusted if args.temperatures is None else adjusted / args.temperatures
+    if args.top_k is not None or args.top_p is not None:
+        ordered, order = x.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(ordered, dtype=torch.bool)
+        if args.top_k is not None:
+            ranks = torch.arange(ordered.shape[-1], device=x.device)[None, :]
+            drop |= ranks >= args.top_k
+        if args.top_p is not None:
+            probs = torch.softmax(ordered, dim=-1)
+            drop |= probs.cumsum(dim=-1) - probs >= args.top_p  # the first always stays
+        x = x.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    if args.min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < args.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return x
 
 
 def prompt_token_logprobs(

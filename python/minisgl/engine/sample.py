@@ -233,6 +233,21 @@ class Sampler:
             return sampled.to(torch.int32)
         return torch.where(args.greedy_rows, _argmax(logits), sampled).to(torch.int32)
 
+    def adjusted_logits(
+        self, logits: torch.Tensor, args: SampleArgs, token_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """A float32 copy of the logits as `sample` adjusts them before temperature: the
+        grammar mask, penalties, logit_bias and min_tokens (the input is left as it is)."""
+        adjusted = logits.float().clone()
+        if args.allowed is not None:
+            mask_disallowed(adjusted, *args.allowed)
+        if args.penalties is not None:  # into a kept buffer: copied out before sampling
+            adjusted = self._apply_penalties(adjusted, args.penalties, token_pool).clone()
+        if args.adjust is not None:
+            a = args.adjust
+            adjusted.index_put_((a.rows, a.cols), a.values, accumulate=True)
+        return adjusted
+
     def _sample_filtered(
         self, logits: torch.Tensor, args: SampleArgs, uniforms: torch.Tensor
     ) -> torch.Tensor:

@@ -54,6 +54,7 @@ class LLM(Scheduler):
         attention_backend: str = "auto",
         schedule_policy: str = "fcfs",
         overlap_schedule: bool | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -81,6 +82,7 @@ class LLM(Scheduler):
             attention_backend=attention_backend,
             schedule_policy=schedule_policy,
             overlap_schedule=overlap_schedule,
+            logprobs_mode=logprobs_mode,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from minisgl.engine.config import LOGPROBS_MODES
+
 from .tools import TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -36,6 +38,7 @@ class ServerArgs:
     overlap_schedule: bool | None = None
     log_level: str = "info"
     tool_call_parser: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
     shell: bool = False
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
@@ -50,6 +53,7 @@ class ServerArgs:
             cache_type=self.cache_type,
             max_prefill_length=self.max_prefill_length,
             attention_backend=self.attention_backend,
+            logprobs_mode=self.logprobs_mode,
         )
         if self.schedule_policy is not None:
             kwargs["schedule_policy"] = self.schedule_policy
@@ -154,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's spelling of --overlap-schedule off",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=list(LOGPROBS_MODES),
+        help="what logprobs report: the model's distribution (raw_logprobs, default) or the one "
+        "the sampler draws from (processed_logprobs: after grammar masks, penalties, logit_bias, "
+        "min_tokens, temperature, top-k/top-p/min-p)",
+    )
     p.add_argument(
         "--tool-call-parser",
         default="auto",
