@@ -39,6 +39,7 @@ GENERATE_UNSUPPORTED = (
     "custom_logit_processor",
     "session_params",
     "token_ids_logprob",
+    "return_routed_experts",  # SGLang's client sends false on every request
 )
 SAMPLING_UNSUPPORTED = ("structural_tag",)
 # SGLang's constraint fields -> StructuredOutput kinds.
