@@ -15,7 +15,7 @@ import pytest
 from helpers import tiny_model
 from test_server import spawn_server, wait_healthy
 
-from minisgl.server.tools import ToolChoice, detect_parser, parse_tool_calls
+from minisgl.server.tools import ToolCalls, ToolChoice, detect_parser, parse_tool_calls
 from minisgl.tokenizer import load_tokenizer
 
 # A chat template of our own in the Hermes / Qwen style: tools listed in the system turn, calls
@@ -208,3 +208,21 @@ def test_bad_tools_are_400_naming_the_parameter(server, model, body, param) -> N
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_streamed_content_goes_out_until_a_call_may_start(parser) -> None:
+    calls = ToolCalls(ToolChoice(TOOLS, "auto"), parser)
+    if parser == "hermes":
+        pieces = ["Sure, ", "checking <to", "ol_call>", '{"name": "get_time", ', '"arguments": {}}']
+        sent = "".join(calls.feed(0, p) for p in pieces)
+        assert sent == "Sure, checking "  # the tag's start was held, then never sent
+    else:
+        pieces = ['{"name": "get_time", ', '"parameters": {"zone": 3}}']
+        sent = "".join(calls.feed(0, p) for p in pieces)
+        assert sent == ""  # a bare JSON opening: held
+    rest, found = calls.finish(0)
+    assert rest == "" and [c["function"]["name"] for c in found] == ["get_time"]
+    plain = ToolCalls(ToolChoice(TOOLS, "auto"), parser)
+    sent = "".join(plain.feed(1, p) for p in ["It is ", "sunny <b>", "today."])
+    assert sent + plain.finish(1)[0] == "It is sunny <b>today."

@@ -241,13 +241,12 @@ def create_app(state: ServerState) -> FastAPI:
                 if prefixes is not None:  # echo: the prompt's text comes first
                     text, prefixes[i] = (prefixes[i] or "") + text, None
                 body, prompt_body = logprobs.piece(i, out) if logprobs else (None, None)
-                if calls is not None:  # the text is read for calls once it is whole
-                    calls.texts[i].append(text)
-                    text = ""
+                if calls is not None:  # content goes out until a call may be starting
+                    text = calls.feed(i, text)
                 if text or body is not None or prompt_body is not None:
                     yield endpoint.chunk(i, text, None, False, body, prompt_body, so_far(i))
                 if calls is not None and out.finish_reason is not None:
-                    content, found = calls.parse(i)
+                    content, found = calls.finish(i)
                     if content:
                         yield endpoint.chunk(i, content, None, usage_body=so_far(i))
                     if found:

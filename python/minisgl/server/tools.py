@@ -211,13 +211,54 @@ def detect_parser(chat_template: str | None) -> str:
     return "hermes"
 
 
+HERMES_OPEN = "<tool_call>"
+
+
 class ToolCalls:
-    """One request's choices read for tool calls once their text is whole (streamed text is
-    held back while tools are on: a call's opening tag may arrive in pieces)."""
+    """One request's choices read for tool calls. Streamed, a choice's text goes out as it
+    comes until a call may be starting (Hermes: a possible `<tool_call>` prefix is held back;
+    Llama 3 JSON: an output that opens with `{` or `<`; forced choices: everything), and the
+    calls are read once the text is whole."""
 
     def __init__(self, choice: ToolChoice, parser: str) -> None:
         self.choice, self.parser = choice, parser
         self.texts: defaultdict[int, list[str]] = defaultdict(list)
+        self._sent: defaultdict[int, int] = defaultdict(int)  # characters streamed as content
+
+    def feed(self, index: int, text: str) -> str:
+        """Take a streamed piece; return the content that can go out now."""
+        self.texts[index].append(text)
+        whole = "".join(self.texts[index])
+        sent = self._sent[index]
+        safe = self._safe_length(whole)
+        if safe <= sent:
+            return ""
+        self._sent[index] = safe
+        return whole[sent:safe]
+
+    def _safe_length(self, whole: str) -> int:
+        """How much of the text so far is content for sure."""
+        if self.choice.mode != "auto":
+            return 0
+        if self.parser == "llama3_json":
+            head = whole.lstrip()
+            return 0 if not head or head[0] in "{<" else len(whole)
+        opened = whole.find(HERMES_OPEN)
+        if opened >= 0:
+            return opened
+        for keep in range(min(len(HERMES_OPEN) - 1, len(whole)), 0, -1):
+            if HERMES_OPEN.startswith(whole[-keep:]):  # the tag may be arriving in pieces
+                return len(whole) - keep
+        return len(whole)
+
+    def finish(self, index: int) -> tuple[str, list[dict[str, Any]]]:
+        """At a streamed choice's end: (the content not yet sent, its calls)."""
+        sent = self._sent.pop(index, 0)
+        content, calls = self.parse(index)
+        if not calls:
+            return (content or "")[sent:], []
+        # Content before the calls was sent already, as far as it went.
+        return (content or "")[sent:].rstrip() if content else "", calls
 
     def parse(self, index: int) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, calls) of a finished choice's text."""
