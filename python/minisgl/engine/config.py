@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.layers.quantized import QUANTIZATIONS
+
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
@@ -22,6 +24,8 @@ class EngineConfig:
     # What log-probabilities report (vLLM's names): the model's distribution, or the one the
     # sampler draws from (after masks, penalties, logit_bias, temperature and top-k/p, min-p).
     logprobs_mode: str = "raw_logprobs"
+    # Weights quantized at load ("int8": weight-only, per output channel), None: as loaded.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -32,6 +36,11 @@ class EngineConfig:
             raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
             raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)} or None, "
+                f"got {self.quantization!r}"
+            )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"

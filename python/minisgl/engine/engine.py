@@ -93,7 +93,12 @@ class Engine:
         model_max = self.model_config.max_position_embeddings
         self.max_seq_len = min(config.max_seq_len_override or model_max, model_max)
         self.model = create_model(
-            self.model_config, config.model_path, config.dtype, self.device, self.max_seq_len
+            self.model_config,
+            config.model_path,
+            config.dtype,
+            self.device,
+            self.max_seq_len,
+            config.quantization,
         )
         self.page_size = config.page_size
         self.num_pages = config.num_page_override or self._pages_from_memory_budget()

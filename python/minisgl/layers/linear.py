@@ -12,6 +12,7 @@ from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
+from .quantized import Int8Projection
 
 # Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
 # (benchmark/kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
@@ -244,7 +245,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.gated = in_features, out_features, gated
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.cpu_projection: CpuProjection | None = None
+        self.cpu_projection: CpuProjection | Int8Projection | None = None
+        self.quantization: str | None = None  # set before loading: quantize the weight then
 
     def prepare_for_cpu(
         self,
@@ -257,6 +259,10 @@ class Linear(nn.Module):
         weight where the module's own parameter does not hold it (e.g. is on the meta device)."""
         handed_over = weight is not None
         weight = self.weight.data if weight is None else weight
+        if self.quantization == "int8":
+            self.cpu_projection = Int8Projection(weight)
+            self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+            return
         if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
             bias = None if self.bias is None else self.bias.data
             self.cpu_projection = CpuProjection(

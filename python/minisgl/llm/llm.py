@@ -55,6 +55,7 @@ class LLM(Scheduler):
         schedule_policy: str = "fcfs",
         overlap_schedule: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
+        quantization: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -83,6 +84,7 @@ class LLM(Scheduler):
             schedule_policy=schedule_policy,
             overlap_schedule=overlap_schedule,
             logprobs_mode=logprobs_mode,
+            quantization=quantization,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 

@@ -33,6 +33,7 @@ def create_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the model on `device` in `dtype` and load its checkpoint into it tensor by tensor,
     each weight resident once: on the CPU every parameter and packed copy in one buffer on
@@ -41,6 +42,12 @@ def create_model(
     rotary = rotary_for(config, max_positions).to(device)
     with torch.device("meta"):
         model = CausalLM(config, max_positions, rotary)
+    if quantization is not None:
+        if device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only for now")
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.quantization = quantization
     if device.type != "cpu":
         for name, param in list(model.named_parameters()):
             _replace_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
@@ -75,10 +82,14 @@ class _CpuPlacement:
         # Parameter name -> the module whose packed copy replaces it, and that copy's elements
         # in the tile layout (None: oneDNN's copy).
         self.packed: dict[str, tuple[Linear | LMHead, int | None]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and module.quantization is not None:
+                self.packed[f"{name}.weight"] = (module, None)  # quantized as it is handed over
         if not keeps_weight(dtype, kernels):
             for name, module in model.named_modules():
                 untied_head = isinstance(module, LMHead) and module.tied is None
-                if isinstance(module, Linear) or untied_head:
+                quantized = isinstance(module, Linear) and module.quantization is not None
+                if (isinstance(module, Linear) and not quantized) or untied_head:
                     self.packed[f"{name}.weight"] = (module, self._tile_elems(module.weight))
         head, embed = model.lm_head, model.model.embed_tokens
         tied_elems = self._tile_elems(embed.weight)

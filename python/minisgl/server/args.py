@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.engine.config import LOGPROBS_MODES
+from minisgl.layers.quantized import QUANTIZATIONS
 
 from .tools import TOOL_CALL_PARSERS
 
@@ -39,6 +40,7 @@ class ServerArgs:
     log_level: str = "info"
     tool_call_parser: str = "auto"
     logprobs_mode: str = "raw_logprobs"
+    quantization: str | None = None
     shell: bool = False
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
@@ -54,6 +56,7 @@ class ServerArgs:
             max_prefill_length=self.max_prefill_length,
             attention_backend=self.attention_backend,
             logprobs_mode=self.logprobs_mode,
+            quantization=self.quantization,
         )
         if self.schedule_policy is not None:
             kwargs["schedule_policy"] = self.schedule_policy
@@ -158,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's spelling of --overlap-schedule off",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="quantize the projections' weights at load: int8 (weight-only, a scale per output "
+        "channel; CPU); default: the checkpoint's dtype",
+    )
     p.add_argument(
         "--logprobs-mode",
         default="raw_logprobs",
