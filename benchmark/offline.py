@@ -118,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cache-type", default="radix", help="minisgl prefix cache: radix or naive")
     p.add_argument("--max-prefill-length", type=int, default=None, help="minisgl prefill budget")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="minisgl quantizes its projections at load (the peers run the checkpoint's dtype)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test, < 1 minute")
     add_no_bracket_option(p, ": also again after HF / vLLM")
     add_contention_option(p, "run every engine's timed runs")

@@ -165,6 +165,7 @@ def run_all(
             cache_type=args.cache_type,
             page_size=args.page_size,
             max_prefill_length=args.max_prefill_length,
+            quantization=args.quantization,
         )
         try:
             return timed_runs(minisgl, shapes, tokens, args)
