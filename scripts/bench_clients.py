@@ -32,16 +32,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from minisgl_server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".peers" / "vllm" / "bin" / "python"
@@ -66,69 +65,6 @@ NOISE = re.compile(
     r"^(Namespace\(|benchmark_args=|nanobind: | - leaked |See https://nanobind|"
     r"\[transformers\] PyTorch was not found|None of PyTorch, TensorFlow)"
 )
-
-
-# ------------------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m minisgl` in its own process group; stop() ends the whole group."""
-
-    def __init__(self, model: str, log: Path, extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(self.port), *extra]
-        print("$ " + " ".join(cmd), flush=True)
-        self._log_file = log.open("wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not answer /health within {timeout:.0f}s")
-
-    def get_json(self, path: str) -> dict:
-        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as r:
-            return json.loads(r.read())
-
-    def stop(self, grace: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left of the group (the tokenizer, scheduler, detokenizer workers).
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self._log_file.close()
-
-    def log_tail(self, n: int = 40) -> str:
-        lines = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
 
 
 # ------------------------------------------------------------------------------- the clients

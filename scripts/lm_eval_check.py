@@ -31,14 +31,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from minisgl_server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 LM_EVAL = ROOT / ".peers" / "lm-eval" / "bin" / "lm_eval"
@@ -152,66 +151,6 @@ def write_tasks(folder: Path) -> None:
     gen.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in GEN_ITEMS))
     (folder / f"{MC_TASK}.yaml").write_text(MC_YAML.format(task=MC_TASK, data=mc))
     (folder / f"{GEN_TASK}.yaml").write_text(GEN_YAML.format(task=GEN_TASK, data=gen))
-
-
-# ------------------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m minisgl` in its own process group; stop() ends the whole group."""
-
-    def __init__(self, model: str, log: Path, extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(self.port)]
-        cmd += ["--dtype", "float32", *extra]
-        print("$ " + " ".join(cmd), flush=True)
-        self._log_file = log.open("wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not answer /health within {timeout:.0f}s")
-
-    def stop(self, grace: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left of the group (the tokenizer, scheduler, detokenizer workers).
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self._log_file.close()
-
-    def log_tail(self, n: int = 40) -> str:
-        lines = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
 
 
 # ------------------------------------------------------------------------------- lm-eval
@@ -397,7 +336,7 @@ def main() -> int:
     t_start = time.monotonic()
     server = None
     try:
-        server = Server(model, work / "server.log", args.server_arg)
+        server = Server(model, work / "server.log", ["--dtype", "float32", *args.server_arg])
         t0 = time.monotonic()
         server.wait_healthy(args.health_timeout)
         print(f"server healthy at {server.url} after {time.monotonic() - t0:.0f}s", flush=True)
