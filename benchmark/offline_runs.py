@@ -142,6 +142,7 @@ def _vllm_runs(
         threads=args.threads,
         log=log,
         after_run=after_run,
+        out_dir=args.out,
     )
 
 

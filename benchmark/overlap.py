@@ -10,6 +10,7 @@ import argparse
 import statistics
 import time
 
+import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
 import torch
 
 from minisgl.core import SamplingParams

@@ -11,6 +11,8 @@ import argparse
 import random
 import time
 
+import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
+
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 

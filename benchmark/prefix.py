@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_gb=args.vllm_kv_gb,
             threads=args.threads,
             log=log,
+            out_dir=args.out,
         )
         if peer is None:
             print("vLLM peer: ABSENT or failed (see above); its rows are missing.")

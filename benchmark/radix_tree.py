@@ -9,6 +9,7 @@ Run from the repo root: `python benchmark/radix_tree.py`.
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import random
 import time
@@ -129,15 +130,20 @@ def _bench_one(page_size: int, num_nodes: int) -> tuple[int, float, float, float
 
     # One page per call: the cheapest request, where per-call overhead dominates.
     evict_us = _micros_per_call(TIMED_CALLS, lambda i: cache.evict(page_size))
-    full_walk_calls = FULL_WALK_CALLS[num_nodes]
+    full_walk_calls = FULL_WALK_CALLS.get(num_nodes, max(5, 200_000 // num_nodes))
     full_walk_us = _micros_per_call(full_walk_calls, lambda i: _full_walk_evict(cache, page_size))
     cache.check_integrity()
     reset_global_ctx()
     return built_nodes, match_us, insert_us, evict_us, full_walk_us
 
 
-def main() -> None:
-    """Time every tree size at every page size and print the table."""
+def main(argv: list[str] | None = None) -> None:
+    """Time every tree size at every page size (or the ones given) and print the table."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--tree-sizes", default=",".join(map(str, TREE_SIZES)), help="node counts")
+    p.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)), help="KV page sizes")
+    args = p.parse_args(argv)
+    tree_sizes = [int(x) for x in args.tree_sizes.split(",")]
     torch.set_num_threads(1)
     print("radix prefix cache: microseconds per call, best of 5 chunks (evict frees one page)")
     header = (
@@ -145,8 +151,8 @@ def main() -> None:
         f"{'full-walk evict':>16} {'full-walk / evict':>18}"
     )
     print(header)
-    for page_size in PAGE_SIZES:
-        for num_nodes in TREE_SIZES:
+    for page_size in (int(x) for x in args.page_sizes.split(",")):
+        for num_nodes in tree_sizes:
             nodes, match_us, insert_us, evict_us, full_walk_us = _bench_one(page_size, num_nodes)
             print(
                 f"{page_size:>4} {nodes:>8} {match_us:>8.1f} {insert_us:>8.1f} {evict_us:>8.1f} "

@@ -94,13 +94,15 @@ def run_vllm_peer(
     timeout_s: float = 3600.0,
     log: Callable[[str], None] = print,
     after_run: Callable[[int], None] | None = None,
+    out_dir: Path = OUT_DIR,
 ) -> list[RunResult] | None:
     """Run the workloads through vLLM's CPU backend in `.peers/vllm`; None when unavailable.
 
     One engine serves every run (its ~60 s start-up is not timed). Run names become the
     results' workload names; repeats of a name are separate runs. `after_run(i)` is called on
     a reader thread when the peer reports that runs[i] ended; the peer does not wait for it, so
-    runs[i + 1] sees its effect within the thread's wake-up (about a millisecond).
+    runs[i + 1] sees its effect within the thread's wake-up (about a millisecond). The peer's
+    log goes to `out_dir` (the script's --out).
     """
     python = vllm_python()
     if python is None:
@@ -121,8 +123,8 @@ def run_vllm_peer(
         warmup=phases_to_json(warmup),
         runs=[dict(name=r.name, repeat=r.repeat, phases=phases_to_json(r.phases)) for r in runs],
     )
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = OUT_DIR / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.log"
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
