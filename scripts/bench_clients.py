@@ -34,13 +34,12 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minisgl_server import Server
+from minisgl_server import Server, exit_on_termination, resolve_model, work_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".peers" / "vllm" / "bin" / "python"
@@ -255,25 +254,12 @@ def main() -> int:
         print("missing peer venv(s): " + "; ".join(missing), file=sys.stderr)
         return 2
 
-    if a.model is None:
-        from minisgl.utils.hf import default_model_path
-
-        a.model = str(default_model_path())
-    model = str(Path(a.model).resolve())
+    model = resolve_model(a.model)
     # The work folder (server and client logs, the clients' result files) is always kept.
-    if a.keep:
-        work = Path(a.keep).resolve()
-        work.mkdir(parents=True, exist_ok=True)
-    else:
-        work = Path(tempfile.mkdtemp(prefix="minisgl-bench-clients-"))
+    work = work_folder(a.keep, "minisgl-bench-clients-")
     print(f"model: {model}\nwork folder: {work}", flush=True)
 
-    # SIGTERM (or SIGHUP) ends the script through its finally clause: the server goes too.
-    def _raise(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _raise)
-    signal.signal(signal.SIGHUP, _raise)
+    exit_on_termination()
 
     t_start = time.monotonic()
     server = None

@@ -30,14 +30,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from minisgl_server import Server
+from minisgl_server import Server, exit_on_termination, resolve_model, work_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 LM_EVAL = ROOT / ".peers" / "lm-eval" / "bin" / "lm_eval"
@@ -307,17 +305,8 @@ def main() -> int:
     if not LM_EVAL.exists():
         print(f"{LM_EVAL} is missing: run bash scripts/setup_lm_eval.sh first", file=sys.stderr)
         return 2
-    if args.model is None:
-        from minisgl.utils.hf import default_model_path
-
-        args.model = str(default_model_path())
-    model = str(Path(args.model).resolve())
-
-    if args.keep:
-        work = Path(args.keep).resolve()
-        work.mkdir(parents=True, exist_ok=True)
-    else:
-        work = Path(tempfile.mkdtemp(prefix="minisgl-lm-eval-"))
+    model = resolve_model(args.model)
+    work = work_folder(args.keep, "minisgl-lm-eval-")
     tasks = work / "tasks"
     tasks.mkdir(exist_ok=True)
     write_tasks(tasks)
@@ -326,12 +315,7 @@ def main() -> int:
         shutil.rmtree(d, ignore_errors=True)
     print(f"model: {model}\nwork folder: {work}", flush=True)
 
-    # SIGTERM (or SIGHUP) ends the script through its finally clauses: the server goes too.
-    def _raise(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _raise)
-    signal.signal(signal.SIGHUP, _raise)
+    exit_on_termination()
 
     t_start = time.monotonic()
     server = None

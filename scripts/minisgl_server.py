@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -81,3 +82,31 @@ class Server:
         """The last n lines of the server's log."""
         lines = self.log.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def resolve_model(path: str | None) -> str:
+    """The model folder a script serves: the given path, else the default model's."""
+    if path is None:
+        from minisgl.utils.hf import default_model_path
+
+        path = str(default_model_path())
+    return str(Path(path).resolve())
+
+
+def work_folder(keep: str | None, prefix: str) -> Path:
+    """Where a run's logs and outputs go: `keep` (created), else a fresh temporary folder."""
+    if keep:
+        work = Path(keep).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def exit_on_termination() -> None:
+    """SIGTERM or SIGHUP end the script through its finally clauses, so the server goes too."""
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    signal.signal(signal.SIGHUP, _raise)
