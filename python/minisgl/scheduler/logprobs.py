@@ -3,6 +3,7 @@ once the step is processed (a request's prompt log-probabilities ride on its fir
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,13 +15,38 @@ from minisgl.engine.logprobs import LogprobRows
 from .output import InFlight
 
 
-def logprob_rows(sampled: list[Req], device: torch.device) -> LogprobRows | None:
-    """The sampled rows whose requests want their tokens' log-probabilities."""
-    wanted = [i for i, r in enumerate(sampled) if r.sampling_params.logprobs is not None]
-    if not wanted:
-        return None
-    top_k = max(sampled[i].sampling_params.logprobs or 0 for i in wanted)
-    return LogprobRows(torch.tensor(wanted, dtype=torch.int64).to(device), top_k)
+@dataclass
+class LogprobPlan:
+    """Which rows of a step get log-probabilities, decided once at launch (before the step
+    moves cached_len): indices into the sampled requests, and each request's prompt span
+    [start, end) in batch order."""
+
+    indices: list[int]
+    spans: list[tuple[Req, int, int]]
+
+    def token_rows(self, sampled: list[Req], device: torch.device) -> LogprobRows | None:
+        """The sampled rows whose requests want their tokens' log-probabilities."""
+        if not self.indices:
+            return None
+        top_k = max(sampled[i].sampling_params.logprobs or 0 for i in self.indices)
+        return LogprobRows(torch.tensor(self.indices, dtype=torch.int64).to(device), top_k)
+
+    def prompt_rows(self, reqs: list[Req], device: torch.device) -> LogprobRows | None:
+        """The prefill's token rows whose next prompt token's log-probability is wanted."""
+        spans = {id(req): (start, end) for req, start, end in self.spans if end > start}
+        if not spans:
+            return None
+        rows: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        top_k, offset = 0, 0
+        for req in reqs:
+            if id(req) in spans:
+                start, end = spans[id(req)]
+                rows.append(torch.arange(offset, offset + end - start))
+                targets.append(req.input_ids[start + 1 : end + 1].long())
+                top_k = max(top_k, req.sampling_params.prompt_logprobs or 0)
+            offset += req.extend_len
+        return LogprobRows(torch.cat(rows).to(device), top_k, torch.cat(targets).to(device))
 
 
 def prompt_logprob_span(req: Req) -> tuple[int, int] | None:
@@ -32,33 +58,13 @@ def prompt_logprob_span(req: Req) -> tuple[int, int] | None:
     return req.cached_len, max(req.cached_len, min(req.device_len, req.prompt_len - 1))
 
 
-def prompt_logprob_rows(reqs: list[Req], device: torch.device) -> LogprobRows | None:
-    """The prefill's token rows whose next prompt token's log-probability is wanted."""
-    rows: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
-    top_k, offset = 0, 0
-    for req in reqs:
-        span = prompt_logprob_span(req)
-        if span is not None and span[1] > span[0]:
-            start, end = span
-            rows.append(torch.arange(offset, offset + end - start))
-            targets.append(req.input_ids[start + 1 : end + 1].long())
-            top_k = max(top_k, req.sampling_params.prompt_logprobs or 0)
-        offset += req.extend_len
-    if not rows:
-        return None
-    return LogprobRows(torch.cat(rows).to(device), top_k, torch.cat(targets).to(device))
-
-
-def logprob_plan(batch: Batch, sampled: list[Req]) -> tuple[list[int], list[tuple[Req, int, int]]]:
-    """At launch (before the step moves cached_len): the indices into sampled that get token
-    log-probabilities, and each request's prompt span, in the order `prompt_logprob_rows`
-    lays out their rows."""
+def logprob_plan(batch: Batch, sampled: list[Req]) -> LogprobPlan:
+    """The step's LogprobPlan."""
     indices = [i for i, r in enumerate(sampled) if r.sampling_params.logprobs is not None]
     if batch.is_decode:
-        return indices, []
+        return LogprobPlan(indices, [])
     spans = [(r, prompt_logprob_span(r)) for r in batch.reqs]
-    return indices, [(r, *span) for r, span in spans if span is not None]
+    return LogprobPlan(indices, [(r, *span) for r, span in spans if span is not None])
 
 
 def collect_logprobs(step: InFlight, output: ForwardOutput) -> dict[int, list[Any]]:

@@ -8,7 +8,7 @@ from minisgl.core import Batch, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput
 
 from .grammar import GrammarQueue
-from .logprobs import logprob_rows, prompt_logprob_rows
+from .logprobs import LogprobPlan, logprob_plan
 
 
 def validate_request(
@@ -61,10 +61,11 @@ def prepare_forward_input(
     engine: Engine,
     eos_ids: frozenset[int] = frozenset(),
     grammars: GrammarQueue | None = None,
+    plan: LogprobPlan | None = None,
 ) -> ForwardInput:
     """Positions, KV slots, logits rows, attention metadata and sampling args of a batch
     (`eos_ids`: the tokens min_tokens keeps from being drawn; `grammars`: the constrained
-    requests' token masks)."""
+    requests' token masks; `plan`: the rows that get log-probabilities)."""
     reqs, device = batch.reqs, engine.device
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
     if batch.is_decode:
@@ -84,6 +85,7 @@ def prepare_forward_input(
     batch.logits_indices = logits_indices
     engine.attn_backend.prepare_metadata(batch)
     sampled = [r for r in reqs if not r.is_chunked]
+    plan = plan if plan is not None else logprob_plan(batch, sampled)
     sample_args = engine.sampler.prepare(sampled, eos_ids)
     if grammars is not None:
         sample_args.allowed = grammars.bitmask(sampled)
@@ -93,6 +95,6 @@ def prepare_forward_input(
         input_rows=input_rows,
         token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
         token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),
-        logprob_rows=logprob_rows(sampled, device),
-        prompt_logprob_rows=None if batch.is_decode else prompt_logprob_rows(reqs, device),
+        logprob_rows=plan.token_rows(sampled, device),
+        prompt_logprob_rows=plan.prompt_rows(reqs, device),
     )

@@ -171,8 +171,9 @@ class Scheduler(ResultsMixin):
         return self.engine.forward(forward_input)
 
     def _launch(self, batch: Batch) -> InFlight:
-        forward_input = prepare_forward_input(batch, self.engine, self.eos_ids, self.grammars)
         sampled = [r for r in batch.reqs if not r.is_chunked]
+        plan = logprob_plan(batch, sampled)  # before the step moves cached_len
+        forward_input = prepare_forward_input(batch, self.engine, self.eos_ids, self.grammars, plan)
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":
             # PyTorch releases the GIL inside ops, so the next step is scheduled meanwhile.
@@ -181,7 +182,7 @@ class Scheduler(ResultsMixin):
             result = self._executor.submit(self._forward, forward_input)
         else:
             result = self._forward(forward_input)
-        step = InFlight(batch, sampled, result, *logprob_plan(batch, sampled))
+        step = InFlight(batch, sampled, result, plan.indices, plan.spans)
         for req in batch.reqs:  # steps run in order: later steps see this step's KV
             req.cached_len = req.device_len
         return step

@@ -33,6 +33,9 @@ def chat_logprobs(entries: list[list[Any]]) -> dict[str, Any]:
     return {"content": content}
 
 
+LEGACY_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
 @dataclass
 class CompletionLogprobs:
     """The legacy completions' `logprobs` of one choice, built a piece at a time (the text
@@ -62,7 +65,7 @@ class CompletionLogprobs:
         self.text_offset.append(self.offset)
         self.offset += len(text)
 
-    def take(self) -> dict[str, Any]:
+    def take(self) -> dict[str, list[Any]]:
         """The body of what was added since the last take, and start afresh (a stream's next
         piece continues the offsets)."""
         body = {
@@ -99,7 +102,7 @@ class ChoiceLogprobs:
         self.chat, self.prompt, self.echo = chat, prompt, echo
         self._content: list[list[dict[str, Any]]] = [[] for _ in range(choices)]
         self._legacy = [CompletionLogprobs() for _ in range(choices)]
-        self._legacy_whole = [CompletionLogprobs() for _ in range(choices)]
+        self._pieces: list[list[dict[str, Any]]] = [[] for _ in range(choices)]
         self._prompt: list[list[dict[str, Any] | None] | None] = [None] * choices
 
     def piece(self, index: int, out: OutputMsg) -> tuple[dict[str, Any] | None, Any]:
@@ -122,11 +125,14 @@ class ChoiceLogprobs:
         if not entries:
             return None, prompt_body
         self._legacy[index].add(entries)
-        self._legacy_whole[index].add(entries)
-        return self._legacy[index].take(), prompt_body
+        body = self._legacy[index].take()
+        self._pieces[index].append(body)
+        return body, prompt_body
 
     def whole(self, index: int) -> tuple[dict[str, Any], Any]:
         """(the choice's whole `logprobs` body, its `prompt_logprobs` body or None)."""
         if self.chat:
             return {"content": self._content[index]}, None
-        return self._legacy_whole[index].take(), self._prompt[index]
+        pieces = self._pieces[index]
+        whole = {key: [x for piece in pieces for x in piece[key]] for key in LEGACY_KEYS}
+        return whole, self._prompt[index]
