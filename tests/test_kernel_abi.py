@@ -22,6 +22,7 @@ _CTYPE_CLASSES = {
     ctypes.c_float: "float",
     None: "void",
     abi.ProjectionParams: "projection",  # a struct nested in decode_layer
+    abi.QuantizedWeightParams: "quantized_weight",  # nested in projection
 }
 _C_SCALARS = {"int64_t": "int64", "int": "int", "float": "float", "void": "void"}
 
@@ -109,6 +110,7 @@ def _c_struct_fields(name: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(
     "c_name,struct",
     [
+        ("quantized_weight", abi.QuantizedWeightParams),
         ("projection", abi.ProjectionParams),
         ("decode_layer", cpu.DecodeLayerParams),
         ("decode_model", cpu.DecodeModelParams),

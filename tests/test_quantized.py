@@ -1,64 +1,244 @@
-"""int8 weight-only quantization at load: each quantized projection equals dequantize-then-
-matmul within its dtype's rounding, and a quantized engine's top-1 next tokens agree with the
-same model unquantized (teacher-forced over the test prompts)."""
+"""Quantized weights: every layout the kernels take equals dequantize-then-matmul within its
+arithmetic's rounding (exact dequantization, bf16 rounding where the activations are bf16),
+stacked and re-laid-out weights keep their values exactly, and quantized engines agree with the
+dense model: int8/int4 at load, and the default model served from its own Q4_1 GGUF against
+HF's float32 dequantization of the same file."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MIXED_PROMPTS, assert_all_pages_free, build_llm, greedy
+from helpers import (
+    MIXED_PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    greedy,
+    hf_logits,
+    spy_logits,
+)
 
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig
-from minisgl.layers.quantized import Int8Projection, quantize_int8
+from minisgl.kernel.cpu import cpu_kernels
+from minisgl.layers.quant_weight import (
+    QuantizedWeight,
+    as_8bit,
+    concat_rows,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+)
+from minisgl.layers.quantized import QUANTIZED_GEMV_MAX_ROWS, QuantizedProjection, quantize
+
+KERNELS = cpu_kernels()
+PROMPTS = [p for p in MIXED_PROMPTS if isinstance(p, str)]
 
 
-def test_quantize_int8_rounds_to_the_nearest_step() -> None:
+def _layouts(weight: torch.Tensor) -> dict[str, QuantizedWeight]:
+    """Every layout the kernels take, from one weight [N, 256]."""
+    gen = torch.Generator().manual_seed(3)
+    g32 = quantize_int4(weight, 32)
+    symmetric4 = QuantizedWeight(g32.values, g32.scales, None, 4, 32)
+    k_quant_like = QuantizedWeight(  # float32 scales and mins, as Q4_K's
+        g32.values, g32.scales.float() * 1.5, g32.mins.float(), 4, 32
+    )
+    # Float32 scales with few significant bits, as every source's are (Q6_K: d * sc), so that
+    # values * scales is exact and the kernels' fused multiply-add rounds as the reference.
+    int8_mins = QuantizedWeight(
+        quantize_int8(weight, 16).values,
+        (torch.rand(weight.shape[0], 16, generator=gen) / 64).half().float(),
+        (torch.randn(weight.shape[0], 16, generator=gen) / 64).half().float(),
+        8,
+        16,
+    )
+    return {
+        "int8 per row": quantize_int8(weight),
+        "int8 g32 (Q8_0)": quantize_int8(weight, 32),
+        "int8 g16 with mins": int8_mins,
+        "int4 g32 (Q4_1)": g32,
+        "int4 g32 symmetric": symmetric4,
+        "int4 g32 float32 scales": k_quant_like,
+        "int4 g64": quantize_int4(weight, 64),
+        "int4 g128": quantize_int4(weight, 128),
+        "int4 as 8-bit": as_8bit(g32),
+    }
+
+
+def test_quantize_rounds_to_the_nearest_step() -> None:
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 64, generator=gen)
-    weight[3] = 0.0  # an all-zero channel keeps a usable scale
-    q, scales = quantize_int8(weight)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127
-    assert torch.all((q.float() * scales[:, None] - weight).abs() <= scales[:, None] / 2 + 1e-7)
-    assert scales[3] == 1.0 and not q[3].any()
+    weight = torch.randn(48, 128, generator=gen)
+    weight[3] = 0.0  # an all-zero row keeps a usable scale
+    q8 = quantize_int8(weight)
+    assert q8.values.abs().max() <= 127 and q8.scales[3, 0] == 1.0
+    step8 = q8.scales.repeat_interleave(q8.group, dim=1)
+    assert torch.all((q8.dequantize() - weight).abs() <= step8 / 2 + 1e-7)
+    q4 = quantize_int4(weight, 32)
+    assert q4.values.dtype == torch.uint8 and q4.scales.dtype == torch.float16
+    step4 = q4.scales.float().repeat_interleave(32, dim=1)
+    # The float16 offset and scale round too: at most a step off, never more.
+    assert torch.all((q4.dequantize() - weight).abs() <= step4 * 1.01 + 1e-3)
+    assert torch.equal(q4.dequantize()[3], torch.zeros(128))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_projection_equals_dequantize_then_matmul(dtype) -> None:
+def test_nibbles_round_trip_and_layouts_convert_exactly() -> None:
     gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(96, 128, generator=gen).to(dtype)
-    bias = torch.randn(96, generator=gen).to(dtype)
-    x = torch.randn(2, 5, 128, generator=gen).to(dtype)
-    projection = Int8Projection(weight)
-    got = projection(x, weight.new_empty(0), bias)
-    scales = projection.scales.to(dtype).float()  # what the kernel multiplies with
-    want = x.float() @ (projection.qweight.float() * scales[:, None]).T + bias.float()
-    assert got.shape == (2, 5, 96) and got.dtype == dtype
-    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    integers = torch.randint(0, 16, (5, 192), generator=gen)
+    packed = pack_nibbles(integers)
+    assert packed.shape == (5, 96) and packed.dtype == torch.uint8
+    weight = QuantizedWeight(packed, torch.ones(5, 6, dtype=torch.float16), None, 4, 32)
+    assert torch.equal(weight.integers(), integers.to(torch.int16))
+    layouts = list(_layouts(torch.randn(24, 256, generator=gen)).values())
+    stacked = concat_rows(layouts)
+    assert stacked.bits == 8 and stacked.group == 16 and stacked.scales.dtype == torch.float32
+    assert torch.equal(stacked.dequantize(), torch.cat([w.dequantize() for w in layouts]))
+    same = concat_rows(layouts[3:4] * 2)
+    assert same.bits == 4 and torch.equal(same.values, torch.cat([layouts[3].values] * 2))
 
 
-def test_int8_engine_agrees_with_the_unquantized_model() -> None:
+def test_bad_layouts_are_refused_naming_the_field() -> None:
+    values = torch.zeros(4, 96, dtype=torch.int8)
+    with pytest.raises(ValueError, match="group"):
+        QuantizedWeight(values, torch.ones(4, 4), None, 8, 24)
+    with pytest.raises(ValueError, match="scales"):
+        QuantizedWeight(values, torch.ones(4, 5), None, 8, 32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        QuantizedWeight(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 3), None, 4, 32)
+    assert quantize(torch.randn(8, 40), "int8") is None  # no group fits: stays dense
+
+
+@pytest.mark.parametrize("kernels", [KERNELS, None], ids=["C kernels", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype) -> None:
+    if kernels is None and dtype == torch.bfloat16:
+        pytest.skip("the torch path is one F.linear: covered in float32")
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(52, 256, generator=gen)  # 52: a last block of 4 rows is partial
+    bias = torch.randn(52, generator=gen).to(dtype)
+    for name, qweight in _layouts(weight).items():
+        projection = QuantizedProjection(qweight, kernels)
+        dense = qweight.dequantize()
+        for rows in (1, 3, 5, 9, QUANTIZED_GEMV_MAX_ROWS + 6):
+            x = torch.randn(rows, 256, generator=gen).to(dtype)
+            got = projection(x, torch.empty(0), bias)
+            want = x.float() @ dense.T + bias.float()
+            assert got.dtype == dtype and got.shape == (rows, 52)
+            # float32: reassociation only. bf16: the output's rounding, and from 5 rows on the
+            # weights dequantized to bf16 once per call (one more bf16 rounding each).
+            tol = 1e-5 if dtype == torch.float32 else 2**-8 if rows <= 4 else 2**-6
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * scale, msg=name)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="the C kernels' lookups")
+def test_quantized_rows_are_the_dequantized_rows() -> None:
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([0, 17, 5, 51, 17])
+    for name, qweight in _layouts(torch.randn(52, 256, generator=gen)).items():
+        projection = QuantizedProjection(qweight, KERNELS)
+        want = qweight.dequantize()[ids]
+        assert torch.equal(projection.rows(ids, torch.float32), want), name
+        assert torch.equal(projection.rows(ids, torch.bfloat16), want.bfloat16()), name
+    with pytest.raises(IndexError, match="52"):
+        projection.rows(torch.tensor([52]), torch.float32)
+
+
+def _prompt_top1(llm) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    return [[top[0][0] for _, _, top in out["prompt_logprobs"][1:]] for out in outs]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
+    pairs = [(x, y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    return sum(x == y for x, y in pairs) / len(pairs), len(pairs)
+
+
+def test_quantized_at_load_agrees_with_the_dense_model() -> None:
     torch.set_num_threads(2)
-    prompts = [p for p in MIXED_PROMPTS if isinstance(p, str)]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
     top1 = {}
-    for quantization in (None, "int8"):
+    for quantization in (None, "int8", "int4-g32"):
         llm = build_llm("qwen3", quantization=quantization)  # float32: quantization alone differs
-        outs = llm.generate(prompts, params)
-        top1[quantization] = [
-            [top[0][0] for _, _, top in out["prompt_logprobs"][1:]] for out in outs
-        ]
-        assert llm.generate(prompts[:2], greedy(8))[0]["token_ids"]
+        top1[quantization] = _prompt_top1(llm)
+        assert llm.generate(PROMPTS[:2], greedy(8))[0]["token_ids"]
         assert_all_pages_free(llm)
         llm.shutdown()
-    pairs = [(a, b) for x, y in zip(top1[None], top1["int8"]) for a, b in zip(x, y)]
-    agreement = sum(a == b for a, b in pairs) / len(pairs)
-    # 0.964 here; a random-weight model's flat distributions make near ties common, so the
-    # bound leaves room for another CPU's rounding (the default model: 0.964 against bf16).
-    assert len(pairs) > 100 and agreement >= 0.93, agreement
+    int8, positions = _agreement(top1[None], top1["int8"])
+    int4, _ = _agreement(top1[None], top1["int4-g32"])
+    # A random-weight model's flat distributions make near ties common (here 0.952 and 0.735;
+    # a broken kernel scores near 0): the bounds leave room for another CPU's rounding. The
+    # default model's figures are benchmark/quantized_quality.py's.
+    assert positions > 100 and int8 >= 0.9 and int4 >= 0.65, (int8, int4)
+
+
+def test_default_model_served_from_its_gguf_agrees_with_hf() -> None:
+    """The default model from its Q4_1 GGUF, quantized as the file holds it (bf16
+    activations), against HF float32 on the same file's dequantized weights: top-1 prefill
+    agreement >= 95%; greedy decode runs through the fused layers and the page accounting
+    holds."""
+    torch.set_num_threads(2)
+    from minisgl.llm import LLM
+
+    llm = LLM(None, num_page_override=512)
+    assert llm.config.quantization == "gguf"
+    ours = _prompt_top1(llm)
+    hf = [hf_logits("smollm2", p)[:-1].argmax(dim=-1).tolist() for p in PROMPTS]
+    agreement, positions = _agreement(hf, ours)
+    assert positions > 150 and agreement >= 0.95, agreement
+    out = llm.generate(["The capital of France is"], greedy(4))[0]
+    assert out["text"].startswith(" Paris")
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.has_avx512_bf16, reason="the fused decode layer's bf16 dots"
+)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_fused_decode_layers_take_quantized_weights(quantization, monkeypatch) -> None:
+    """bf16 decode with quantized projections runs whole layers in C (every row count's path:
+    the exact ones up to 4 rows, then bf16-dequantized weights) and equals the module-by-module
+    path bit for bit."""
+    from minisgl.models.fused_decode import FusedDecode
+
+    torch.set_num_threads(2)
+    prompts = PROMPTS + [p + " again" for p in PROMPTS] + [p + " once more" for p in PROMPTS]
+    max_new = [3 + i % 7 for i in range(len(prompts))]
+    fused_batches: list[int] = []
+    run = FusedDecode.run
+
+    def counting_run(self, model, x, *args):
+        out = run(self, model, x, *args)
+        if out is not None:
+            fused_batches.append(x.shape[0])
+        return out
+
+    def decode(fused: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        monkeypatch.setattr(
+            FusedDecode, "run", counting_run if fused else (lambda self, *args: None)
+        )
+        llm = build_llm(
+            "qwen3",
+            dtype=torch.bfloat16,
+            quantization=quantization,
+            overlap_schedule=False,
+            cache_type="naive",
+            max_running_req=len(prompts),
+        )
+        logits = spy_logits(llm, "decode")
+        outputs = llm.generate(prompts, [greedy(n) for n in max_new])
+        assert_all_pages_free(llm)
+        llm.shutdown()
+        return logits, [o["token_ids"] for o in outputs]
+
+    fused_logits, fused_ids = decode(True)
+    module_logits, module_ids = decode(False)
+    assert fused_batches and max(fused_batches) > 16 and min(fused_batches) <= 4, fused_batches
+    assert fused_ids == module_ids
+    for got, want in zip(fused_logits, module_logits, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model_path="x", quantization="int3")
+    with pytest.raises(ValueError, match="gguf"):
+        EngineConfig(model_path="x", quantization="gguf")

@@ -24,8 +24,12 @@ class EngineConfig:
     # What log-probabilities report (vLLM's names): the model's distribution, or the one the
     # sampler draws from (after masks, penalties, logit_bias, temperature and top-k/p, min-p).
     logprobs_mode: str = "raw_logprobs"
-    # Weights quantized at load ("int8": weight-only, per output channel), None: as loaded.
+    # layers.quantized.QUANTIZATIONS: quantized at load ("int8", "int4[-gN]"), a GGUF file's
+    # own quantized tensors ("gguf"), every weight dense ("none"); None: "gguf" where gguf_path
+    # is set and the device is a CPU, else as the checkpoint holds them.
     quantization: str | None = None
+    # The GGUF file model_path (its converted folder: config, tokenizer) was made from.
+    gguf_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -41,6 +45,10 @@ class EngineConfig:
                 f"quantization must be one of {list(QUANTIZATIONS)} or None, "
                 f"got {self.quantization!r}"
             )
+        if self.quantization is None and self.gguf_path is not None and self.device.type == "cpu":
+            self.quantization = "gguf"
+        if self.quantization == "gguf" and self.gguf_path is None:
+            raise ValueError("quantization='gguf' needs a .gguf file as the model path")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"

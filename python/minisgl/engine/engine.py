@@ -99,6 +99,7 @@ class Engine:
             self.device,
             self.max_seq_len,
             config.quantization,
+            config.gguf_path,
         )
         self.page_size = config.page_size
         self.num_pages = config.num_page_override or self._pages_from_memory_budget()

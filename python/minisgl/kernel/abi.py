@@ -59,6 +59,8 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_int],
     "minisgl_packed_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_quantized_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int, _int],
+    "minisgl_quantized_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
 }
 # None: void. The int results of the kernels that can fail are status codes (`check_status`).
 RESTYPES: dict[str, type | None] = {
@@ -87,6 +89,8 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_decode_layer_begin": _int,
     "minisgl_decode_layer_end": _int,
     "minisgl_packed_rows": _int,
+    "minisgl_quantized_linear": _int,
+    "minisgl_quantized_rows": _int,
 }
 
 
@@ -204,11 +208,21 @@ def check_prefill_tokens(kernel: str, tokens: int, extend_lens: torch.Tensor) ->
         raise ValueError(f"{kernel}: {tokens} query rows for {new_tokens} new tokens")
 
 
+class QuantizedWeightParams(ctypes.Structure):
+    """A quantized weight's integers, per-group scales and mins (NULL: none) for the C
+    kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight)."""
+
+    _fields_ = [("values", _ptr), ("scales", _ptr), ("mins", _ptr)]
+    _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64)]
+
+
 class ProjectionParams(ctypes.Structure):
     """One projection for the C decode layer: its row-major weight (read only without a packed
-    copy), packed copy and bias (NULL: absent); gated: a gate_up with SiLU fused."""
+    copy), packed copy and bias (NULL: absent); gated: a gate_up with SiLU fused; quantized:
+    its quantized weight where it has one (values NULL: none)."""
 
     _fields_ = [("weight", _ptr), ("tiles", _ptr), ("bias", _ptr), ("gated", _i64)]
+    _fields_ += [("quantized", QuantizedWeightParams)]
 
 
 class DecodeLayerParams(ctypes.Structure):

@@ -33,6 +33,7 @@ SOURCES = tuple(
         "gemv.c",
         "matmul.c",
         "packing.c",
+        "quantized.c",
         "sampling.c",
     )
 )

@@ -30,6 +30,7 @@ from minisgl.kernel.build import NATIVE_FLAGS, TARGETS, build_library, can_run
 from minisgl.kernel.elementwise import ElementwiseKernels
 from minisgl.kernel.fused_layer import FusedLayerKernels
 from minisgl.kernel.gemm import GemmKernels
+from minisgl.kernel.quantized import QuantizedKernels
 from minisgl.kernel.sampling import SamplingKernels
 from minisgl.kernel.threads import NO_CAP, kernel_threads, set_thread_cap
 
@@ -46,7 +47,12 @@ _build = build_library
 
 
 class CpuKernels(
-    GemmKernels, FusedLayerKernels, AttentionKernels, ElementwiseKernels, SamplingKernels
+    GemmKernels,
+    QuantizedKernels,
+    FusedLayerKernels,
+    AttentionKernels,
+    ElementwiseKernels,
+    SamplingKernels,
 ):
     """Typed wrappers over the C kernels; every tensor must be contiguous and on the CPU. Shapes
     a kernel cannot take raise ValueError, a failed C allocation MemoryError."""

@@ -15,29 +15,54 @@ from .linear import (
     onednn_packing_available,
     tile_copy_elems,
 )
+from .quant_weight import QuantizedWeight
+from .quantized import QuantizedProjection, quantize_head
 
 
 class VocabEmbedding(nn.Module):
-    """Token ids to rows of the weight; where a tied output head's packed copy is the weight's
-    only copy, the rows are read from it (`read_rows_from`)."""
+    """Token ids to rows of the weight; where a tied output head's packed or quantized copy is
+    the weight's only copy, the rows are read from it (`read_rows_from`)."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.rows_from: CpuProjection | None = None
+        self.rows_from: CpuProjection | QuantizedProjection | None = None
+        self.dtype = torch.float32  # of the rows read from a quantized copy
 
-    def read_rows_from(self, projection: CpuProjection) -> None:
-        """Look rows up in `projection`'s tile copy of this weight, which replaces the weight."""
-        if projection.kernels is None or projection.tiles is None:
+    def read_rows_from(
+        self, projection: CpuProjection | QuantizedProjection, dtype: torch.dtype
+    ) -> None:
+        """Look rows up in `projection`'s tile or quantized copy of this weight (rows in
+        `dtype`), which replaces the weight."""
+        if isinstance(projection, CpuProjection) and (
+            projection.kernels is None or projection.tiles is None
+        ):
             raise ValueError("read_rows_from needs a projection holding a tile-layout copy")
-        self.rows_from = projection
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.rows_from, self.dtype = projection, dtype
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def prepare_for_cpu(
+        self,
+        kernels: CpuKernels | None,
+        tiles_out: torch.Tensor | None = None,
+        weight: torch.Tensor | QuantizedWeight | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """Take a quantized weight handed over by the loader (rows dequantized per lookup)."""
+        del tiles_out
+        if isinstance(weight, QuantizedWeight):
+            self.read_rows_from(QuantizedProjection(weight, kernels), dtype)
+        elif weight is not None:
+            self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         source = self.rows_from
         if source is None:
             return F.embedding(input_ids, self.weight)
+        if isinstance(source, QuantizedProjection):
+            rows = source.rows(input_ids.reshape(-1), self.dtype)
+            return rows.view(*input_ids.shape, self.hidden_size)
         assert source.kernels is not None and source.tiles is not None
         rows = source.kernels.packed_rows(
             source.tiles, input_ids.reshape(-1), self.vocab_size, self.hidden_size
@@ -53,7 +78,9 @@ class LMHead(nn.Module):
         self.tied = tied
         if tied is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.cpu_projection: CpuProjection | None = None
+        self.cpu_projection: CpuProjection | QuantizedProjection | None = None
+        # Set before loading: quantize the weight for this method (quantized.quantize_head).
+        self.quantization: str | None = None
         # A tied float32 head without the C kernels: oneDNN reads the embedding's weight as it
         # lies (Qwen3-0.6B's head at 8 rows: 76 ms, 62 on a packed copy of its own, F.linear 170).
         self._onednn_on_weight = False
@@ -66,16 +93,27 @@ class LMHead(nn.Module):
         self,
         kernels: CpuKernels | None,
         tiles_out: torch.Tensor | None = None,
-        weight: torch.Tensor | None = None,
+        weight: torch.Tensor | QuantizedWeight | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         """Pick the CPU matmul path (see layers.linear), holding the weight once: untied, a
-        packed copy replaces the weight; tied, the C kernels' tile copy (into `tiles_out` where
-        given) replaces the embedding's weight too (its lookups read the copy), and other paths
-        multiply the embedding's weight itself. weight: the loaded weight where the parameter
-        does not hold it (e.g. is on the meta device). Where the C packed matmul computes the
-        head, logits come out float32."""
+        packed or quantized copy replaces the weight; tied, the C kernels' tile copy (into
+        `tiles_out` where given) or the quantized copy replaces the embedding's weight too (its
+        lookups read the copy, rows in `dtype`), and other paths multiply the embedding's
+        weight itself. weight: the loaded weight where the parameter does not hold it (e.g. is
+        on the meta device), quantized where the checkpoint held it so. Where the C matmuls
+        compute the head, logits come out float32."""
         handed_over = weight is not None
         weight = self._weight().data if weight is None else weight
+        if isinstance(weight, torch.Tensor) and self.quantization is not None:
+            weight = quantize_head(weight, self.quantization) or weight
+        if isinstance(weight, QuantizedWeight):
+            self.cpu_projection = QuantizedProjection(weight, kernels, float_out=True)
+            if self.tied is not None:
+                self.tied.read_rows_from(self.cpu_projection, dtype)
+            else:
+                self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            return
         if weight.device.type != "cpu" or weight.dtype not in CPU_PROJECTION_DTYPES:
             return
         if self.tied is None:
@@ -97,7 +135,7 @@ class LMHead(nn.Module):
             self._onednn_on_weight = weight.dtype == torch.float32 and onednn_packing_available()
             return
         self.cpu_projection = CpuProjection(weight, kernels, float_out=True, tiles_out=tiles_out)
-        self.tied.read_rows_from(self.cpu_projection)
+        self.tied.read_rows_from(self.cpu_projection, weight.dtype)
 
     def forward(self, hidden: torch.Tensor, reuse_output: bool = False) -> torch.Tensor:
         """Logits [rows, vocab]. reuse_output: on the C matmul's path they are written into a

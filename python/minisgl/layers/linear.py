@@ -12,7 +12,8 @@ from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
-from .quantized import Int8Projection
+from .quant_weight import QuantizedWeight
+from .quantized import QuantizedProjection, quantize
 
 # Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
 # (benchmark/kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
@@ -245,23 +246,27 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.gated = in_features, out_features, gated
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.cpu_projection: CpuProjection | Int8Projection | None = None
-        self.quantization: str | None = None  # set before loading: quantize the weight then
+        self.cpu_projection: CpuProjection | QuantizedProjection | None = None
+        # Set before loading: quantize the weight by this method (quantized.LOAD_QUANTIZATIONS).
+        self.quantization: str | None = None
 
     def prepare_for_cpu(
         self,
         kernels: CpuKernels | None,
         tiles_out: torch.Tensor | None = None,
-        weight: torch.Tensor | None = None,
+        weight: torch.Tensor | QuantizedWeight | None = None,
     ) -> None:
         """Pick the CPU matmul path for the weight (after loading); a packed copy (into
-        `tiles_out` where given, see CpuProjection) replaces the weight. weight: the loaded
-        weight where the module's own parameter does not hold it (e.g. is on the meta device)."""
+        `tiles_out` where given, see CpuProjection) or a quantized one replaces the weight.
+        weight: the loaded weight where the module's own parameter does not hold it (e.g. is
+        on the meta device), already quantized where the checkpoint held it so."""
         handed_over = weight is not None
         weight = self.weight.data if weight is None else weight
-        if self.quantization == "int8":
-            self.cpu_projection = Int8Projection(weight)
-            self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        if isinstance(weight, torch.Tensor) and self.quantization is not None:
+            weight = quantize(weight, self.quantization) or weight
+        if isinstance(weight, QuantizedWeight):
+            self.cpu_projection = QuantizedProjection(weight, kernels)
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             return
         if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
             bias = None if self.bias is None else self.bias.data

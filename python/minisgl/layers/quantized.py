@@ -1,8 +1,8 @@
-"""Quantized projections, chosen per layer at load time behind Linear's interface. int8
-weight-only: one int8 per weight and one float scale per output channel (symmetric, the
-channel's largest magnitude maps to 127), half the bytes a decode step streams in bf16;
-activations stay in the model's dtype. bf16/fp16 multiply through PyTorch's int8-weight kernel
-(`torch._weight_int8pack_mm`), float32 through the weight dequantized per call."""
+"""Quantized projections behind Linear's interface, chosen per layer at load time: a weight held
+as a QuantizedWeight (quant_weight.py), quantized at load (`--quantization int8|int4`) or
+repacked from a quantized checkpoint (GGUF, compressed-tensors). Activations stay in the model's
+dtype: a decode step streams the small integers (8 bits: half of bf16's bytes; 4 bits with a
+float16 scale and offset per 32 columns: 0.625 of a byte a weight) through the C kernels."""
 
 from __future__ import annotations
 
@@ -10,37 +10,76 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernel.abi import ProjectionParams
+from minisgl.kernel.cpu import CpuKernels
+from minisgl.kernel.quantized import quantized_weight_params
 
-QUANTIZATIONS = ("int8",)
+from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
+
+# Quantized at load: "int8" (a scale per output row), "int4" (a float16 scale and offset per 32
+# columns, Q4_1's scheme; "-g64"/"-g128": per 64/128, fewer bytes, coarser: the default model
+# kept 97% of bf16's top-1 at 32, 74% at 64-128, benchmark/quantized_quality.py). "gguf": a
+# GGUF file's own quantized tensors. "none": every weight dense, even from a quantized file.
+LOAD_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
+
+# Rows up to which the C kernels multiply the quantized weight as it is (measured: above,
+# dequantizing it to the activations' dtype once per call and multiplying through oneDNN is
+# faster; benchmark/kernels_quantized.py).
+QUANTIZED_GEMV_MAX_ROWS = 128
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight [N, K], float32 scales [N]) with weight ~= q * scale per row."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scales
+def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
+    """A dense weight quantized by a LOAD_QUANTIZATIONS method; None where its in_features fit
+    no group of the kernels (int8: a multiple of 16; int4: of 32), which then stays dense.
+    int4's group is the largest of the one asked (32 unless named), 64 and 32 dividing
+    in_features."""
+    in_features = weight.shape[1]
+    if method == "int8":
+        return quantize_int8(weight) if in_features % 16 == 0 else None
+    if method.startswith("int4"):
+        group = int(method.partition("-g")[2] or 32)
+        while group > 32 and in_features % group:
+            group //= 2
+        return quantize_int4(weight, group) if in_features % group == 0 else None
+    raise ValueError(f"quantization {method!r} is not one of {list(LOAD_QUANTIZATIONS)}")
 
 
-class Int8Projection:
-    """x @ (q * scales)^T (+ bias) for a weight quantized at load; the Linear's only copy."""
+def quantize_head(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
+    """An output head (or tied embedding) quantized for `method`: always int8 per row, as
+    llama.cpp keeps its output layer at higher precision (4 bits lose logit order)."""
+    del method
+    return quantize(weight, "int8")
 
-    gemv_max_rows = 0  # never multiplied by the C kernels
+
+class QuantizedProjection:
+    """x @ W^T (+ bias) for a QuantizedWeight, the module's only copy of its weight. float_out
+    (an output head): float32 results. Without the C kernels: dequantized per call."""
+
     needs_weight = False
     gated = False
+    gemv_max_rows = 0  # never the bf16 GEMV (Linear's module path reads this)
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.qweight, self.scales = quantize_int8(weight)
-        self._scales_as: dict[torch.dtype, torch.Tensor] = {}
+    def __init__(
+        self, weight: QuantizedWeight, kernels: CpuKernels | None, float_out: bool = False
+    ) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.kernels = kernels
+        self.float_out = float_out
+        self.params = quantized_weight_params(
+            weight.values, weight.scales, weight.mins, weight.bits, weight.group
+        )
 
-    def scales_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The scales in the activations' dtype (what the int8 kernel multiplies with)."""
-        scales = self._scales_as.get(dtype)
-        if scales is None:
-            scales = self._scales_as[dtype] = self.scales.to(dtype)
-        return scales
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in `dtype` (a temporary)."""
+        if self.kernels is not None and self.kernels.supports(dtype):
+            ids = torch.arange(self.out_features)
+            return self.kernels.quantized_rows(self.params, self.shape, ids, dtype)
+        return self.weight.dequantize().to(dtype)
 
     def __call__(
         self,
@@ -49,19 +88,38 @@ class Int8Projection:
         bias: torch.Tensor | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`weight` (the module's emptied parameter) and `out` are not read."""
+        """`weight` (the module's emptied parameter) is not read; `out` [rows, out_features]
+        takes the result where the C kernel computes it."""
         rows = x.reshape(-1, self.in_features)
-        if rows.dtype in (torch.bfloat16, torch.float16):
-            y = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales_as(x.dtype))
-        else:  # PyTorch's int8 kernel is ~20x slower in float32 than this
-            y = F.linear(rows, self.qweight.to(rows.dtype)) * self.scales_as(rows.dtype)
-        if bias is not None:
-            y = y + bias
+        kernels = self.kernels
+        on_kernels = kernels is not None and kernels.supports(x.dtype)
+        if on_kernels and rows.shape[0] <= QUANTIZED_GEMV_MAX_ROWS:
+            assert kernels is not None
+            y = kernels.quantized_linear(
+                rows.contiguous(), self.params, self.shape, bias, self.float_out, out
+            )
+        else:
+            y = F.linear(rows, self.dequantized(rows.dtype), bias)
+            if self.float_out:
+                y = y.float()
         return y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight dequantized (an embedding lookup): [len(ids), in]."""
+        if self.kernels is not None and self.kernels.supports(dtype):
+            return self.kernels.quantized_rows(self.params, self.shape, ids, dtype)
+        return self.weight.dequantize(ids.reshape(-1).long()).to(dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         return None  # no fused activation: the Linear applies it after the matmul
 
     def fused_params(self, weight: torch.Tensor, bias: torch.Tensor | None) -> ProjectionParams:
-        """No packed copy: the fused C decode layer does not take this model."""
-        return ProjectionParams(weight=None, tiles=None, bias=None, gated=0)
+        """The quantized weight for the C decode layer (which multiplies it as __call__ does)."""
+        del weight
+        return ProjectionParams(
+            weight=None,
+            tiles=None,
+            bias=None if bias is None else bias.data_ptr(),
+            gated=0,
+            quantized=self.params,
+        )

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from minisgl.core import SamplingParams
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
-from minisgl.utils.hf import resolve_model_path
+from minisgl.utils.hf import gguf_source, resolve_model_path
 
 Prompt = str | list[int]
 _DTYPES = {
@@ -60,6 +60,7 @@ class LLM(Scheduler):
         from transformers import AutoTokenizer, GenerationConfig
 
         path = resolve_model_path(model_path)
+        gguf = gguf_source(model_path)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model_path = path
@@ -85,6 +86,7 @@ class LLM(Scheduler):
             overlap_schedule=overlap_schedule,
             logprobs_mode=logprobs_mode,
             quantization=quantization,
+            gguf_path=None if gguf is None else str(gguf),
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 

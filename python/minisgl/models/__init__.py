@@ -8,17 +8,20 @@ import torch
 from torch import nn
 
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
-from minisgl.layers import Linear, LMHead
+from minisgl.layers import Linear, LMHead, VocabEmbedding
 from minisgl.layers.linear import keeps_weight, tile_copy_elems
+from minisgl.layers.quant_weight import QuantizedWeight
+from minisgl.layers.quantized import LOAD_QUANTIZATIONS
 from minisgl.utils.memory import (
     empty_on_huge_pages,
     freed_memory_returned,
     release_freed_memory,
 )
 
+from .checkpoint import open_checkpoint
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM, rotary_for
-from .weight import load_weights
+from .weight import Checkpoint, load_weights, quantized_targets
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -34,29 +37,34 @@ def create_model(
     device: torch.device,
     max_positions: int,
     quantization: str | None = None,
+    gguf_path: str | Path | None = None,
 ) -> CausalLM:
     """Build the model on `device` in `dtype` and load its checkpoint into it tensor by tensor,
     each weight resident once: on the CPU every parameter and packed copy in one buffer on
-    huge pages, a projection's packed copy in place of its weight (see `_CpuPlacement`)."""
+    huge pages, a projection's packed or quantized copy in place of its weight (see
+    `_CpuPlacement`). quantization: quantized.QUANTIZATIONS ("gguf": the quantized tensors of
+    `gguf_path`; None: as the checkpoint holds them)."""
     # Rotary tables are computed, not loaded: on the CPU in float32, like transformers'.
     rotary = rotary_for(config, max_positions).to(device)
     with torch.device("meta"):
         model = CausalLM(config, max_positions, rotary)
-    if quantization is not None:
+    with open_checkpoint(Path(model_dir), quantization, gguf_path) as checkpoint:
+        prequantized = quantized_targets(checkpoint, model)
         if device.type != "cpu":
-            raise ValueError(f"quantization={quantization!r} runs on the CPU only for now")
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.quantization = quantization
-    if device.type != "cpu":
-        for name, param in list(model.named_parameters()):
-            _replace_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
-        load_weights(model, Path(model_dir), dtype)
-        return model.eval()
-    with freed_memory_returned():
-        placement = _CpuPlacement(model, dtype, cpu_kernels())
-        load_weights(model, Path(model_dir), dtype, placement.take_packed)
-        placement.finish()
+            if quantization in LOAD_QUANTIZATIONS or prequantized:
+                raise ValueError(f"quantized weights ({quantization}) run on the CPU only for now")
+            for name, param in list(model.named_parameters()):
+                _replace_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
+            load_weights(model, checkpoint, dtype)
+            return model.eval()
+        if quantization in LOAD_QUANTIZATIONS:
+            for module in model.modules():
+                if isinstance(module, (Linear, LMHead)):
+                    module.quantization = quantization
+        with freed_memory_returned():
+            placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized)
+            load_weights(model, checkpoint, dtype, placement.take_packed)
+            placement.finish()
     release_freed_memory()
     return model.eval()
 
@@ -76,25 +84,43 @@ class _CpuPlacement:
     pages are only taken as the loader fills them, so memory grows by each weight as it lands.
     The fused decode layer takes raw pointers into it at the first forward."""
 
-    def __init__(self, model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        dtype: torch.dtype,
+        kernels: CpuKernels | None,
+        prequantized: set[str],
+    ) -> None:
         self.kernels, self.dtype = kernels, dtype
         params = dict(model.named_parameters())
-        # Parameter name -> the module whose packed copy replaces it, and that copy's elements
-        # in the tile layout (None: oneDNN's copy).
-        self.packed: dict[str, tuple[Linear | LMHead, int | None]] = {}
+        # Parameter name -> the module whose packed or quantized copy replaces it, and that
+        # copy's elements in the tile layout (None: oneDNN's copy, or quantized).
+        self.packed: dict[str, tuple[Linear | LMHead | VocabEmbedding, int | None]] = {}
+        head, embed = model.lm_head, model.model.embed_tokens
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and module.quantization is not None:
-                self.packed[f"{name}.weight"] = (module, None)  # quantized as it is handed over
+            if isinstance(module, Linear) and (
+                module.quantization is not None or f"{name}.weight" in prequantized
+            ):
+                self.packed[f"{name}.weight"] = (module, None)  # quantized as handed over
+        head_quantized = head.quantization is not None or "lm_head.weight" in prequantized
+        embed_quantized = "model.embed_tokens.weight" in prequantized
+        if head.tied is not None and (head_quantized or embed_quantized):
+            self.packed["model.embed_tokens.weight"] = (head, None)
+        elif head.tied is None:
+            if head_quantized:
+                self.packed["lm_head.weight"] = (head, None)
+            if embed_quantized:
+                self.packed["model.embed_tokens.weight"] = (embed, None)
         if not keeps_weight(dtype, kernels):
             for name, module in model.named_modules():
                 untied_head = isinstance(module, LMHead) and module.tied is None
-                quantized = isinstance(module, Linear) and module.quantization is not None
-                if (isinstance(module, Linear) and not quantized) or untied_head:
+                if (isinstance(module, Linear) or untied_head) and f"{name}.weight" not in (
+                    self.packed
+                ):
                     self.packed[f"{name}.weight"] = (module, self._tile_elems(module.weight))
-        head, embed = model.lm_head, model.model.embed_tokens
         tied_elems = self._tile_elems(embed.weight)
         if head.tied is not None and tied_elems is not None:
-            self.packed["model.embed_tokens.weight"] = (head, tied_elems)
+            self.packed.setdefault("model.embed_tokens.weight", (head, tied_elems))
         stays = [name for name in params if name not in self.packed]
         tiles = [(name, elems) for name, (_, elems) in self.packed.items() if elems is not None]
         specs = [(params[name].shape, dtype) for name in stays]
@@ -103,17 +129,22 @@ class _CpuPlacement:
         for name, slot in zip(stays, slots):
             _replace_param(model, name, slot)
         self.tile_slots = {name: slot for (name, _), slot in zip(tiles, slots[len(stays) :])}
-        self.prepared: set[Linear | LMHead] = set()
-        self.modules = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
+        self.prepared: set[Linear | LMHead | VocabEmbedding] = set()
+        self.modules: list[Linear | LMHead | VocabEmbedding] = [
+            m for m in model.modules() if isinstance(m, (Linear, LMHead))
+        ]
 
     def _tile_elems(self, weight: torch.Tensor) -> int | None:
         out_features, in_features = weight.shape
         return tile_copy_elems(out_features, in_features, self.dtype, self.kernels)
 
-    def take_packed(self, name: str, weight: torch.Tensor) -> None:
+    def take_packed(self, name: str, weight: torch.Tensor | QuantizedWeight) -> None:
         """The loader's hand-over of a weight that a packed copy replaces."""
         module, _ = self.packed[name]
-        module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight)
+        if isinstance(module, Linear):
+            module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight)
+        else:  # rows of a quantized embedding come out in the model's dtype
+            module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)
         self.prepared.add(module)
 
     def finish(self) -> None:
@@ -125,6 +156,7 @@ class _CpuPlacement:
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "Checkpoint",
     "CausalLM",
     "ModelConfig",
     "create_model",

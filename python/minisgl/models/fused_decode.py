@@ -29,6 +29,8 @@ from minisgl.kernel.cpu import (
     cpu_kernels,
 )
 from minisgl.layers import AttentionLayer, Linear, RMSNorm, RotaryEmbedding
+from minisgl.layers.linear import GEMV_MAX_ROWS
+from minisgl.layers.quantized import QUANTIZED_GEMV_MAX_ROWS, QuantizedProjection
 
 from .config import ModelConfig
 
@@ -81,9 +83,9 @@ def _layer_parts(model: DecoderModel) -> list[LayerParts]:
     return [layer.parts() for layer in layers]
 
 
-def _packed(params: ProjectionParams | None) -> bool:
-    """Whether the C layer multiplies this projection from a packed copy (its only copy)."""
-    return params is not None and bool(params.tiles)
+def _fused_takes(params: ProjectionParams | None) -> bool:
+    """Whether the C layer multiplies this projection from its only copy: packed or quantized."""
+    return params is not None and bool(params.tiles or params.quantized.values)
 
 
 class FusedDecode:
@@ -95,13 +97,19 @@ class FusedDecode:
         self.kernels = kernels
         self.kv_cache, self.page_table = ctx.kv_cache, ctx.page_table
         layers = _layer_parts(model)
-        gemv_max_rows = min(
-            linear.cpu_projection.gemv_max_rows
+        projections = [
+            linear.cpu_projection
             for parts in layers
             for linear in parts.projections()
             if linear.cpu_projection is not None
+        ]
+        quantized = [isinstance(p, QuantizedProjection) for p in projections]
+        gemv_max_rows = min(
+            (p.gemv_max_rows for p, q in zip(projections, quantized) if not q),
+            default=GEMV_MAX_ROWS,
         )
-        self.max_tokens = TILES_MAX_TOKENS
+        # Larger batches multiply quantized weights dequantized, module by module.
+        self.max_tokens = QUANTIZED_GEMV_MAX_ROWS if any(quantized) else TILES_MAX_TOKENS
         self.model_params = DecodeModelParams(
             hidden=config.hidden_size,
             inter=config.intermediate_size,
@@ -146,9 +154,9 @@ class FusedDecode:
         kernels = cpu_kernels() if x.device.type == "cpu" else None
         if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
             return None
-        # Every projection multiplied from its packed copy, the only copy of its weight.
+        # Every projection multiplied from its packed or quantized copy, its only one.
         layers = _layer_parts(model)
-        if not all(_packed(m.fused_params()) for parts in layers for m in parts.projections()):
+        if not all(_fused_takes(m.fused_params()) for parts in layers for m in parts.projections()):
             return None
         fits = (
             config.head_dim <= MAX_HEAD_DIM

@@ -1,5 +1,7 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded) into a CausalLM, tensor by
-tensor from the memory-mapped files, each straight into the target dtype and device."""
+"""Load checkpoints into a CausalLM tensor by tensor: Hugging Face safetensors (single file or
+sharded) from the memory-mapped files, each straight into the target dtype and device, or any
+other `Checkpoint` (a GGUF file, a quantized folder), whose quantized tensors are handed over
+as they are."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
+from minisgl.layers.quant_weight import QuantizedWeight, concat_rows
 from minisgl.utils.memory import drop_pages
 
 from .decoder import CausalLM
@@ -78,6 +82,15 @@ class MappedCheckpoint:
         self._viewed[name] = (view.data_ptr(), view.numel() * view.element_size())
         return view
 
+    @property
+    def quantized_names(self) -> frozenset[str]:
+        return frozenset()
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """None: a plain safetensors checkpoint holds every tensor dense."""
+        del name
+        return None
+
     def release(self, name: str) -> None:
         """Drop the pages of a tensor read through `tensor` (a later read maps them again)."""
         if name in self._viewed:
@@ -91,6 +104,23 @@ class MappedCheckpoint:
         self._files.clear()
 
 
+class Checkpoint(Protocol):
+    """Tensors by Hugging Face name, dense shapes in `entries`; `quantized` gives a tensor the
+    checkpoint holds quantized as a QuantizedWeight (None: dense), `tensor` any as a dense
+    tensor, `quantized_names` which are quantized (without reading them)."""
+
+    entries: dict[str, TensorEntry]
+
+    @property
+    def quantized_names(self) -> frozenset[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def quantized(self, name: str) -> QuantizedWeight | None: ...
+
+    def release(self, name: str) -> None: ...
+
+
 def _model_name(checkpoint_name: str) -> str:
     for old, new in _RENAMES:
         checkpoint_name = checkpoint_name.replace(old, new)
@@ -101,7 +131,7 @@ def _model_name(checkpoint_name: str) -> str:
 Sources = list[tuple[str, int]]
 
 
-def _sources(checkpoint: MappedCheckpoint, model: CausalLM) -> dict[str, Sources]:
+def _sources(checkpoint: Checkpoint, model: CausalLM) -> dict[str, Sources]:
     """Every parameter of `model` and where it comes from; raises for a tensor without a place
     and for a parameter (or part of a fused one) the checkpoint lacks."""
     params = dict(model.named_parameters())
@@ -143,7 +173,30 @@ def _sources(checkpoint: MappedCheckpoint, model: CausalLM) -> dict[str, Sources
     return sources
 
 
-def _copy_rows(checkpoint: MappedCheckpoint, parts: Sources, into: torch.Tensor) -> None:
+def quantized_targets(checkpoint: Checkpoint, model: CausalLM) -> set[str]:
+    """The model parameters the checkpoint fills with quantized weights (every part of a fused
+    one quantized)."""
+    quantized = checkpoint.quantized_names
+    if not quantized:
+        return set()
+    return {
+        target
+        for target, parts in _sources(checkpoint, model).items()
+        if all(name in quantized for name, _ in parts)
+    }
+
+
+def _quantized_whole(checkpoint: Checkpoint, parts: Sources) -> QuantizedWeight | None:
+    """A parameter's quantized weight (parts stacked), or None where any part is dense."""
+    if not all(name in checkpoint.quantized_names for name, _ in parts):
+        return None
+    weights = [checkpoint.quantized(name) for name, _ in parts]
+    if any(w is None for w in weights):
+        return None
+    return weights[0] if len(weights) == 1 else concat_rows(weights)  # type: ignore[arg-type]
+
+
+def _copy_rows(checkpoint: Checkpoint, parts: Sources, into: torch.Tensor) -> None:
     """The parts into their rows of `into` (converted to its dtype and device as copied)."""
     for name, row in parts:
         source = checkpoint.tensor(name)
@@ -154,35 +207,41 @@ def _copy_rows(checkpoint: MappedCheckpoint, parts: Sources, into: torch.Tensor)
 
 def load_weights(
     model: CausalLM,
-    model_dir: Path,
+    checkpoint: Checkpoint,
     dtype: torch.dtype,
-    on_loaded: Callable[[str, torch.Tensor], None] | None = None,
+    on_loaded: Callable[[str, torch.Tensor | QuantizedWeight], None] | None = None,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`, in `dtype`, fusing
-    q/k/v and gate/up. A parameter with storage is written in place, converted as it is copied.
-    One on the meta device is handed whole to `on_loaded(name, tensor)` (a view of the mapped
-    file where the checkpoint holds it as it is, else a temporary), which must not keep it;
-    those come after every parameter with storage, so a module's bias is in place by then."""
+    """Fill every parameter of `model` from `checkpoint` (open), in `dtype`, fusing q/k/v and
+    gate/up. A parameter with storage is written in place, converted as it is copied. One on
+    the meta device is handed whole to `on_loaded(name, weight)`: its QuantizedWeight where the
+    checkpoint holds it quantized, else a tensor (a view of the mapped file where the
+    checkpoint holds it as it is, else a temporary), which must not be kept; those come after
+    every parameter with storage, so a module's bias is in place by then."""
     params = dict(model.named_parameters())
-    with MappedCheckpoint(Path(model_dir)) as checkpoint:
-        sources = _sources(checkpoint, model)
+    sources = _sources(checkpoint, model)
 
-        def file_order(target: str) -> tuple[bool, int]:
-            return params[target].is_meta, checkpoint.entries[sources[target][0][0]].file
+    def file_order(target: str) -> tuple[bool, int]:
+        return params[target].is_meta, checkpoint.entries[sources[target][0][0]].file
 
-        for target in sorted(sources, key=file_order):
-            param, parts = params[target], sources[target]
-            if not param.is_meta:
-                _copy_rows(checkpoint, parts, param.data)
-                continue
-            assert on_loaded is not None, f"{target} is on the meta device and nothing takes it"
-            whole = checkpoint.tensor(parts[0][0]) if len(parts) == 1 else None
-            if whole is None or whole.dtype != dtype:  # converted or fused: a temporary
-                whole = torch.empty(param.shape, dtype=dtype)
-                _copy_rows(checkpoint, parts, whole)
-            on_loaded(target, whole)
-            del whole
-            checkpoint.release(parts[0][0])
+    for target in sorted(sources, key=file_order):
+        param, parts = params[target], sources[target]
+        if not param.is_meta:
+            _copy_rows(checkpoint, parts, param.data)
+            continue
+        assert on_loaded is not None, f"{target} is on the meta device and nothing takes it"
+        quantized = _quantized_whole(checkpoint, parts)
+        if quantized is not None:
+            on_loaded(target, quantized)
+            for name, _ in parts:
+                checkpoint.release(name)
+            continue
+        whole = checkpoint.tensor(parts[0][0]) if len(parts) == 1 else None
+        if whole is None or whole.dtype != dtype:  # converted or fused: a temporary
+            whole = torch.empty(param.shape, dtype=dtype)
+            _copy_rows(checkpoint, parts, whole)
+        on_loaded(target, whole)
+        del whole
+        checkpoint.release(parts[0][0])
 
 
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, tied: bool) -> int:

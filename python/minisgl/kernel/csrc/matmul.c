@@ -196,6 +196,16 @@ static void vec_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
     }
 }
 
+// Every row of x (contiguous, K = ksteps * AMX_KSTEP) times one packed column block at n0
+// (wblock, 64-byte aligned) with vdpbf16ps, bf16 or float32 out: the quantized matmul's, on a
+// block it dequantized into the tile layout.
+void packed_block_rows(const bf16_t* x, const bf16_t* wblock, const bf16_t* bias, void* y,
+                       int64_t M, int64_t N, int64_t ksteps, int64_t n0, int out_f32) {
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_MGROUP)
+        vec_task(x, ksteps * AMX_KSTEP, wblock, bias, y, M, N, ksteps, m0, m0 + AMX_MGROUP, n0,
+                 out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16, 1, NULL);
+}
+
 #endif
 
 #ifdef HAVE_AMX

@@ -1,0 +1,112 @@
+"""Quantized projections against the bf16 ones they replace, on a model's decoder-layer shapes
+(the Qwen3-0.6B shape by default): per row count, the time of a layer's four projections from
+the bf16 packed copy (the engine's bf16 path) and from each quantized layout through the C
+kernel and through dequantize + oneDNN, and the ratio bf16 / quantized.
+
+Weights cycle through --layers layers, so they come from memory as in a decode step. Figures
+only: `python benchmark/kernels_quantized.py` (about a minute); --rows 1,8,64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
+import torch
+from timing import median_seconds
+
+from minisgl.kernel.cpu import cpu_kernels
+from minisgl.layers.quantized import QuantizedProjection, quantize
+
+BF16 = torch.bfloat16
+FORMATS = ("int8", "int4-g32", "int4-g128")
+
+
+def layer_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """[out, in] of qkv, o, gate_up and down."""
+    q_width, kv_width = args.heads * args.head_dim, args.kv_heads * args.head_dim
+    return [
+        (q_width + 2 * kv_width, args.hidden),
+        (args.hidden, q_width),
+        (2 * args.intermediate, args.hidden),
+        (args.hidden, args.intermediate),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4, help="weights cycled through (from memory)")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_avx512_bf16:
+        sys.exit("needs the C kernels with avx512_bf16 (the bf16 baseline's packed matmul)")
+    torch.manual_seed(0)
+    weights = [
+        torch.randn(shape, dtype=BF16) * 0.02
+        for _ in range(args.layers)
+        for shape in layer_shapes(args)
+    ]
+    packed = [kernels.pack_weight(w) for w in weights]
+    formats = args.formats.split(",")
+    projections = {
+        f: [QuantizedProjection(quantize(w.float(), f), kernels) for w in weights]  # type: ignore[arg-type]
+        for f in formats
+    }
+    print(f"# {torch.get_num_threads()} threads, amx: {kernels.has_amx}, {args.layers} layers")
+    mb = sum(w.numel() for w in weights[:4]) * 2 / 1e6
+    print(f"# one layer's projections: {mb:.1f} MB in bf16; times are per layer, in µs")
+    header = "| rows | bf16 packed |"
+    header += "".join(f" {f} C | {f} dequant | bf16/{f} |" for f in formats)
+    print(header)
+    print("|" + "---|" * (2 + 3 * len(formats)))
+    for rows in map(int, args.rows.split(",")):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
+        base = median_seconds(lambda xs=xs: bf16(weights, packed, xs), args.repeat)
+        base = base / args.layers * 1e6
+        cells = [f"{rows}", f"{base:.0f}"]
+        for f in formats:
+            projs = projections[f]
+            c_time = median_seconds(lambda p=projs, xs=xs: on_kernel(p, xs), args.repeat)
+            deq = median_seconds(
+                lambda p=projs, xs=xs: dequantized(p, xs), max(3, args.repeat // 3)
+            )
+            c_time, deq = c_time / args.layers * 1e6, deq / args.layers * 1e6
+            cells += [f"{c_time:.0f}", f"{deq:.0f}", f"{base / min(c_time, deq):.2f}x"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def bf16(weights: list[torch.Tensor], packed: list[torch.Tensor], xs: dict) -> None:
+    """Every weight from its bf16 packed copy (the engine's bf16 path)."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    for w, copy in zip(weights, packed):
+        kernels.packed_linear(xs[w.shape[1]], copy, w.shape[0], None)
+
+
+def on_kernel(projections: list[QuantizedProjection], xs: dict) -> None:
+    """Every quantized weight through the C kernel as it is."""
+    for proj in projections:
+        assert proj.kernels is not None
+        proj.kernels.quantized_linear(xs[proj.in_features], proj.params, proj.shape, None)
+
+
+def dequantized(projections: list[QuantizedProjection], xs: dict) -> None:
+    """Every quantized weight dequantized to bf16, then oneDNN."""
+    for proj in projections:
+        torch.nn.functional.linear(xs[proj.in_features], proj.dequantized(BF16))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,577 @@
+#include "common.h"
+#include "internal.h"
+#include "simd.h"
+
+// ------------------------------------------------------------------ quantized-weight matmul
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows m, where w is stored as small
+// integers and a float scale (and offset) per group of columns (layers/quant_weight.py's
+// QuantizedWeight): w[n, k] = q[n, k] * scale[n, g] + min[n, g], g = k / group. A decode step
+// reads every weight once, so it is bound by the weight bytes: 8 bits halve bf16's, 4 bits
+// (with a float16 scale and offset per 32) take 0.625 of a byte per weight.
+//
+// 8 bits: each 16 weights are made float32 exactly as the dequantization does (q * scale +
+// min, one rounding) and multiplied with the x rows in float32. 4 bits with bf16 x: the nibbles
+// become bf16 integers through a 16-entry table (exact), vdpbf16ps takes 32 a step against the
+// bf16 x rows, and the sums are scaled per group: sum_g scale_g * sum_k q_k x_k + sum_g min_g *
+// sum_k x_k, the second from each x row's group sums (computed once a call). Each thread takes
+// blocks of weight rows (guided, as the bf16 GEMV), every x row against the block.
+
+#define QBLOCK 4  // weight rows a work item takes
+#define QROWS 4   // x rows one pass over a weight row multiplies
+#define QROWS_WIDE 8  // the same on bf16 weights dequantized in registers (rows_wide)
+#define WIDE_MAX_ROWS 16  // x rows up to which rows_wide beats the packed-block path
+
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {  // subnormal: normalise
+        exp = 113;
+        while (!(mant & 0x400u)) mant <<= 1, exp--;
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Floats a row's scales (or mins) take in scratch: whole vectors of 16.
+static inline int64_t padded(int64_t groups) { return (groups + 15) / 16 * 16; }
+
+// A weight row's scales (or mins) as float32 into dst (padded(groups) floats).
+static inline void group_floats(const quantized_weight* w, const void* src, int64_t n,
+                                int64_t groups, float* dst) {
+    if (w->scales_f32) {
+        memcpy(dst, (const float*)src + n * groups, (size_t)groups * sizeof(float));
+        return;
+    }
+    const uint16_t* half = (const uint16_t*)src + n * groups;
+    int64_t g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    // Whole-vector stores: the kernels read the values back at once, and a masked store would
+    // not forward to those loads (a stall per weight row that cost as much as the row).
+    for (; g < groups; g += 16) {
+        const __mmask16 mask =
+            groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
+        _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, half + g)));
+    }
+#endif
+    for (; g < groups; g++) dst[g] = half_to_f32(half[g]);
+}
+
+#ifdef __AVX512F__
+// The 16 integers of row n at columns k..k+15 (k a multiple of 16) as float32 lanes: 8 bits
+// straight; 4 bits from the 64-column block's bytes (k & 31) on, low nibbles for the block's
+// first 32 columns, high ones for the last 32.
+static inline __m512 ints16(const quantized_weight* w, int64_t n, int64_t K, int64_t k) {
+    if (w->bits == 8) {
+        const int8_t* q = (const int8_t*)w->values + n * K + k;
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+    }
+    const uint8_t* q = (const uint8_t*)w->values + n * (K / 2) + (k >> 6) * 32 + (k & 31);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    const __m512i ints = (k & 32) ? _mm512_srli_epi32(bytes, 4)
+                                  : _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+    return _mm512_cvtepi32_ps(ints);
+}
+#endif
+
+// Weight row n dequantized (q * scale + min in float32, one rounding: the product is exact)
+// into out [K], float32 or (bf16_out) rounded to bf16; tmp: K floats of scratch.
+static void dequant_row(const quantized_weight* w, int64_t n, int64_t K, const float* scales,
+                        const float* mins, void* out, int bf16_out, float* tmp) {
+    const int64_t group = w->group, groups = K / group;
+#ifdef __AVX512F__
+    for (int64_t g = 0, k = 0; g < groups; g++) {
+        const __m512 scale = _mm512_set1_ps(scales[g]);
+        const __m512 offset = mins ? _mm512_set1_ps(mins[g]) : _mm512_setzero_ps();
+        for (const int64_t end = k + group; k < end; k += 16) {
+            const __m512 v = _mm512_fmadd_ps(ints16(w, n, K, k), scale, offset);
+            if (bf16_out)
+                store16(out, k, 1, round_bf16_512(v));
+            else
+                _mm512_storeu_ps((float*)out + k, v);
+        }
+    }
+    (void)tmp;
+#else
+    float* row = bf16_out ? tmp : (float*)out;
+    for (int64_t g = 0; g < groups; g++) {
+        const float scale = scales[g], offset = mins ? mins[g] : 0.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            int q;
+            if (w->bits == 8) {
+                q = ((const int8_t*)w->values)[n * K + k];
+            } else {
+                const uint8_t byte =
+                    ((const uint8_t*)w->values)[n * (K / 2) + (k / 64) * 32 + (k % 32)];
+                q = (k % 64) < 32 ? (byte & 15) : (byte >> 4);
+            }
+            row[k] = (float)q * scale + offset;
+        }
+    }
+    if (bf16_out) store_row(out, 0, 1, row, K);
+#endif
+}
+
+// Stores row m's sum for output n in y's dtype (bias added in float32).
+static inline void store_out(void* y, int64_t index, float sum, const void* bias, int64_t n,
+                             int x_dtype, int out_f32) {
+    if (bias) sum += x_dtype == 0 ? ((const float*)bias)[n] : bf16_to_f32(((const bf16_t*)bias)[n]);
+    if (out_f32 || x_dtype == 0)
+        ((float*)y)[index] = sum;
+    else
+        ((bf16_t*)y)[index] = f32_to_bf16(sum);
+}
+
+// Any target: the weight row dequantized once, then every x row against it.
+static void rows_generic(const void* x, const quantized_weight* w, const void* bias, void* y,
+                         int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, int x_dtype,
+                         int out_f32, float* scratch) {
+    const int64_t groups = K / w->group;
+    float *scales = scratch, *mins = scratch + padded(groups), *row = mins + padded(groups);
+    for (int64_t n = n0; n < n1; n++) {
+        group_floats(w, w->scales, n, groups, scales);
+        if (w->mins) group_floats(w, w->mins, n, groups, mins);
+        dequant_row(w, n, K, scales, w->mins ? mins : NULL, row, 0, NULL);
+        for (int64_t m = 0; m < M; m++) {
+            float sum = 0.0f;
+            if (x_dtype == 0) {
+                const float* xm = (const float*)x + m * K;
+                for (int64_t k = 0; k < K; k++) sum += xm[k] * row[k];
+            } else {
+                const bf16_t* xm = (const bf16_t*)x + m * K;
+                for (int64_t k = 0; k < K; k++) sum += bf16_to_f32(xm[k]) * row[k];
+            }
+            store_out(y, m * N + n, sum, bias, n, x_dtype, out_f32);
+        }
+    }
+}
+
+#ifdef __AVX512F__
+// Float32 x rows (M, at most QROWS, a constant where inlined): 16 weights at a time dequantized
+// to float32 (as dequant_row) and multiplied into two accumulators per x row (alternate 16s:
+// two independent chains).
+static inline __attribute__((always_inline)) void rows_f32_impl(
+    const float* xf, const quantized_weight* w, const void* bias, void* y, int64_t N, int64_t K,
+    int64_t n0, int64_t n1, int x_dtype, int out_f32, float* scratch, const int M) {
+    const int64_t group = w->group, groups = K / group;
+    float *scales = scratch, *mins = scratch + padded(groups);
+    const int64_t row_bytes = w->bits == 8 ? K : K / 2;
+    for (int64_t n = n0; n < n1; n++) {
+        if (n + 2 < n1) {
+            const char* ahead = (const char*)w->values + (n + 2) * row_bytes;
+            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line);
+        }
+        group_floats(w, w->scales, n, groups, scales);
+        if (w->mins) group_floats(w, w->mins, n, groups, mins);
+        __m512 even[QROWS], odd[QROWS];
+        for (int r = 0; r < M; r++) even[r] = odd[r] = _mm512_setzero_ps();
+        for (int64_t g = 0, k = 0; g < groups; g++) {
+            const __m512 scale = _mm512_set1_ps(scales[g]);
+            const __m512 offset = w->mins ? _mm512_set1_ps(mins[g]) : _mm512_setzero_ps();
+            const int64_t end = k + group;
+            for (; k + 32 <= end; k += 32) {
+                const __m512 w0 = _mm512_fmadd_ps(ints16(w, n, K, k), scale, offset);
+                const __m512 w1 = _mm512_fmadd_ps(ints16(w, n, K, k + 16), scale, offset);
+                for (int r = 0; r < M; r++) {
+                    even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + r * K + k), even[r]);
+                    odd[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + r * K + k + 16), odd[r]);
+                }
+            }
+            if (k < end) {  // a group of 16
+                const __m512 w0 = _mm512_fmadd_ps(ints16(w, n, K, k), scale, offset);
+                for (int r = 0; r < M; r++)
+                    even[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + r * K + k), even[r]);
+                k += 16;
+            }
+        }
+        for (int r = 0; r < M; r++)
+            store_out(y, r * N + n, _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])), bias,
+                      n, x_dtype, out_f32);
+    }
+}
+
+static void rows_f32(const float* xf, const quantized_weight* w, const void* bias, void* y,
+                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, int x_dtype,
+                     int out_f32, float* scratch) {
+    switch (M) {
+        case 1: rows_f32_impl(xf, w, bias, y, N, K, n0, n1, x_dtype, out_f32, scratch, 1); break;
+        case 2: rows_f32_impl(xf, w, bias, y, N, K, n0, n1, x_dtype, out_f32, scratch, 2); break;
+        case 3: rows_f32_impl(xf, w, bias, y, N, K, n0, n1, x_dtype, out_f32, scratch, 3); break;
+        default: rows_f32_impl(xf, w, bias, y, N, K, n0, n1, x_dtype, out_f32, scratch, 4);
+    }
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
+// bf16 of the integers 0..15, the nibbles' lookup table.
+static inline __m512i nibble_table(void) {
+    uint16_t table[32] = {0};
+    for (int i = 0; i < 16; i++) {
+        const float f = (float)i;
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        table[i] = (uint16_t)(bits >> 16);
+    }
+    return _mm512_loadu_si512(table);
+}
+
+// A 64-column block's 32 bytes as two vectors of 32 bf16 integers: columns 0..31 and 32..63.
+static inline void nibbles_bf16(const uint8_t* bytes, __m512i table, __m512bh* lo, __m512bh* hi) {
+    const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)bytes));
+    *lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(both, _mm512_set1_epi16(15)), table);
+    *hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(both, 4), table);
+}
+
+// 4 bits, bf16 x (M rows, at most QROWS, a constant where inlined): per block the nibbles as
+// bf16 integers (exact), one vdpbf16ps per 32 columns and x row, each scaled by its group's
+// scale; the offsets from the x rows' group sums.
+static inline __attribute__((always_inline)) void rows_int4_impl(
+    const bf16_t* x, const float* xsums, const quantized_weight* w, const void* bias, void* y,
+    int64_t N, int64_t K, int64_t n0, int64_t n1, int out_f32, float* scratch, const int M) {
+    const int64_t group = w->group, groups = K / group;
+    const int64_t blocks_per_group = group == 32 ? 1 : group / 64;
+    const __m512i table = nibble_table();
+    float *scales = scratch, *mins = scratch + padded(groups);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* q = (const uint8_t*)w->values + n * (K / 2);
+        if (n + 2 < n1) {
+            for (int64_t line = 0; line < K / 2; line += 64) __builtin_prefetch(q + K + line);
+        }
+        group_floats(w, w->scales, n, groups, scales);
+        if (w->mins) group_floats(w, w->mins, n, groups, mins);
+        __m512 lo_acc[QROWS], hi_acc[QROWS];
+        for (int r = 0; r < M; r++) lo_acc[r] = hi_acc[r] = _mm512_setzero_ps();
+        // Each half block's sums scaled into its accumulator (a dot product from zero, then a
+        // multiply-add: chains of one), by its group's scale: a block's two with groups of 32.
+        int64_t g = 0, blocks_left = blocks_per_group;
+        for (int64_t b = 0; b < K / 64; b++) {
+            float scale_lo, scale_hi;
+            if (group == 32) {
+                scale_lo = scales[2 * b], scale_hi = scales[2 * b + 1];
+            } else {
+                scale_lo = scale_hi = scales[g];
+                if (--blocks_left == 0) g++, blocks_left = blocks_per_group;
+            }
+            __m512bh wlo, whi;
+            nibbles_bf16(q + b * 32, table, &wlo, &whi);
+            const __m512 s_lo = _mm512_set1_ps(scale_lo), s_hi = _mm512_set1_ps(scale_hi);
+            for (int r = 0; r < M; r++) {
+                const bf16_t* xm = x + r * K + b * 64;
+                const __m512 plo = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo,
+                                                    (__m512bh)_mm512_loadu_si512(xm));
+                const __m512 phi = _mm512_dpbf16_ps(_mm512_setzero_ps(), whi,
+                                                    (__m512bh)_mm512_loadu_si512(xm + 32));
+                lo_acc[r] = _mm512_fmadd_ps(plo, s_lo, lo_acc[r]);
+                hi_acc[r] = _mm512_fmadd_ps(phi, s_hi, hi_acc[r]);
+            }
+        }
+        for (int r = 0; r < M; r++) {
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[r], hi_acc[r]));
+            if (w->mins) {
+                const float* xs = xsums + r * groups;
+                for (int64_t g = 0; g < groups; g++) sum += mins[g] * xs[g];
+            }
+            store_out(y, r * N + n, sum, bias, n, 1, out_f32);
+        }
+    }
+}
+
+static void rows_int4_bf16(const bf16_t* x, const float* xsums, const quantized_weight* w,
+                           const void* bias, void* y, int64_t M, int64_t N, int64_t K,
+                           int64_t n0, int64_t n1, int out_f32, float* scratch) {
+    switch (M) {
+        case 1: rows_int4_impl(x, xsums, w, bias, y, N, K, n0, n1, out_f32, scratch, 1); break;
+        case 2: rows_int4_impl(x, xsums, w, bias, y, N, K, n0, n1, out_f32, scratch, 2); break;
+        case 3: rows_int4_impl(x, xsums, w, bias, y, N, K, n0, n1, out_f32, scratch, 3); break;
+        default: rows_int4_impl(x, xsums, w, bias, y, N, K, n0, n1, out_f32, scratch, 4);
+    }
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
+// 16 x 16 32-bit elements transposed in registers: row p of the result is column p of rows.
+static inline void transpose16(__m512i rows[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + j]: column 4L + j of rows i..i+3, in lane L
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i a_even = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        const __m512i a_odd = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        const __m512i b_even = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i b_odd = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+        rows[j] = _mm512_shuffle_i32x4(a_even, b_even, 0x88);
+        rows[8 + j] = _mm512_shuffle_i32x4(a_even, b_even, 0xdd);
+        rows[4 + j] = _mm512_shuffle_i32x4(a_odd, b_odd, 0x88);
+        rows[12 + j] = _mm512_shuffle_i32x4(a_odd, b_odd, 0xdd);
+    }
+}
+
+// Weight rows n0..n0+31 (zeros past N) dequantized, rounded to bf16 and laid out as a block of
+// the packed copy (packing.c: per k-step of 32, two tiles of 16 columns' k-pairs), into wblock
+// [K * 32]. scales/mins: 32 rows of padded(groups) floats; chunk_group: each 16 columns' group.
+static void dequant_block_packed(const quantized_weight* w, int64_t n0, int64_t N, int64_t K,
+                                 float* scales, float* mins, const int32_t* chunk_group,
+                                 bf16_t* wblock) {
+    const int64_t groups = K / w->group, stride = padded(groups);
+    for (int64_t r = 0; r < 32 && n0 + r < N; r++) {
+        group_floats(w, w->scales, n0 + r, groups, scales + r * stride);
+        if (w->mins) group_floats(w, w->mins, n0 + r, groups, mins + r * stride);
+    }
+    for (int64_t kb = 0; kb < K / 32; kb++) {
+        const int32_t g0 = chunk_group[2 * kb], g1 = chunk_group[2 * kb + 1];
+        for (int tile = 0; tile < 2; tile++) {
+            __m512i rows[16];
+            for (int c = 0; c < 16; c++) {
+                const int64_t r = tile * 16 + c, n = n0 + r;
+                if (n >= N) {
+                    rows[c] = _mm512_setzero_si512();
+                    continue;
+                }
+                const float* s = scales + r * stride;
+                const float* m = mins + r * stride;
+                const __m512 lo = _mm512_fmadd_ps(ints16(w, n, K, kb * 32), _mm512_set1_ps(s[g0]),
+                                                  w->mins ? _mm512_set1_ps(m[g0]) : _mm512_setzero_ps());
+                const __m512 hi = _mm512_fmadd_ps(ints16(w, n, K, kb * 32 + 16), _mm512_set1_ps(s[g1]),
+                                                  w->mins ? _mm512_set1_ps(m[g1]) : _mm512_setzero_ps());
+                rows[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // k-pairs 0..15 in k order
+            }
+            transpose16(rows);
+            bf16_t* dst = wblock + kb * 32 * 32 + tile * 512;
+            for (int p = 0; p < 16; p++) _mm512_store_si512(dst + p * 32, rows[p]);
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_AVX512_BF16
+// More x rows (M, at most QROWS_WIDE, a constant where inlined), bf16: each 32 weights of a row
+// dequantized to bf16 once in registers (as dequant_row rounds them), then one vdpbf16ps per x
+// row. 4 bits through a table of the group's 16 values (fma of 0..15 with its scale and
+// offset, rounded): one lookup per 32 weights. chunk_group: each 16 columns' group.
+static inline __attribute__((always_inline)) void rows_wide_impl(
+    const bf16_t* x, const quantized_weight* w, const void* bias, void* y, int64_t N, int64_t K,
+    int64_t n0, int64_t n1, int out_f32, float* scratch, const int32_t* chunk_group,
+    const int M) {
+    const int64_t groups = K / w->group;
+    float *scales = scratch, *mins = scratch + padded(groups);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t n = n0; n < n1; n++) {
+        group_floats(w, w->scales, n, groups, scales);
+        if (w->mins) group_floats(w, w->mins, n, groups, mins);
+        __m512 acc[QROWS_WIDE];
+        for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            const int32_t g0 = chunk_group[k / 16], g1 = chunk_group[k / 16 + 1];
+            __m512bh wv;
+            if (w->bits == 8) {
+                const __m512 lo = _mm512_fmadd_ps(ints16(w, n, K, k), _mm512_set1_ps(scales[g0]),
+                                                  w->mins ? _mm512_set1_ps(mins[g0]) : _mm512_setzero_ps());
+                const __m512 hi = _mm512_fmadd_ps(ints16(w, n, K, k + 16), _mm512_set1_ps(scales[g1]),
+                                                  w->mins ? _mm512_set1_ps(mins[g1]) : _mm512_setzero_ps());
+                wv = _mm512_cvtne2ps_pbh(hi, lo);
+            } else {  // a group of 32 or more: one table for the 32 columns
+                const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[g0]),
+                                                      w->mins ? _mm512_set1_ps(mins[g0]) : _mm512_setzero_ps());
+                const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+                const uint8_t* q = (const uint8_t*)w->values + n * (K / 2) + (k >> 6) * 32;
+                const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)q));
+                const __m512i idx = (k & 32) ? _mm512_srli_epi16(bytes, 4)
+                                             : _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+                wv = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+            }
+            for (int r = 0; r < M; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(x + r * K + k));
+        }
+        for (int r = 0; r < M; r++)
+            store_out(y, r * N + n, _mm512_reduce_add_ps(acc[r]), bias, n, 1, out_f32);
+    }
+}
+
+static void rows_wide(const bf16_t* x, const quantized_weight* w, const void* bias, void* y,
+                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, int out_f32,
+                      float* scratch, const int32_t* chunk_group) {
+    for (int64_t m0 = 0; m0 < M; m0 += QROWS_WIDE) {
+        const bf16_t* xm = x + m0 * K;
+        void* ym = out_f32 ? (void*)((float*)y + m0 * N) : (void*)((bf16_t*)y + m0 * N);
+        switch (M - m0 < QROWS_WIDE ? M - m0 : QROWS_WIDE) {
+#define WIDE_CASE(rows)                                                                      \
+    case rows:                                                                               \
+        rows_wide_impl(xm, w, bias, ym, N, K, n0, n1, out_f32, scratch, chunk_group, rows); \
+        break;
+            WIDE_CASE(1)
+            WIDE_CASE(2)
+            WIDE_CASE(3)
+            WIDE_CASE(4)
+            WIDE_CASE(5)
+            WIDE_CASE(6)
+            WIDE_CASE(7)
+            default:
+            WIDE_CASE(8)
+#undef WIDE_CASE
+        }
+    }
+}
+#endif
+
+// Scratch floats a thread needs (a multiple of 16: each thread's part stays 64-byte aligned):
+// scales and mins of 32 rows, a packed block of 32 rows in bf16 (or a row in float32 and
+// QBLOCK rows in bf16), each 16 columns' group.
+static inline int64_t thread_scratch(int64_t K, int64_t group) {
+    return 64 * padded(K / group) + 16 * K + padded(K / 16);
+}
+
+static inline int layout_fits(const quantized_weight* w, int64_t K) {
+    return (w->bits == 8 && w->group % 16 == 0 && w->group > 0 && K % w->group == 0) ||
+           (w->bits == 4 && K % 64 == 0 && (w->group == 32 || (w->group > 0 && w->group % 64 == 0)) &&
+            K % w->group == 0);
+}
+
+// How x meets the weight: with bf16 x, up to QROWS rows multiply the nibbles as bf16 integers
+// (4 bits) or the weights dequantized to float32 (8 bits, x converted); more rows multiply
+// blocks of QBLOCK weight rows dequantized to bf16 once (the bf16 GEMV's block kernel). Float32
+// x: up to QROWS rows in float32, more row by row (generic).
+enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PACKED };
+
+static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
+#ifdef HAVE_AVX512_BF16
+    if (x_dtype == 1 && M > QROWS && K % 32 == 0) return M <= WIDE_MAX_ROWS ? PATH_WIDE : PATH_PACKED;
+    if (x_dtype == 1 && M > QROWS) return PATH_BF16_BLOCK;
+    if (x_dtype == 1 && w->bits == 4) return PATH_NIBBLES;
+#endif
+#ifdef __AVX512F__
+    if (M <= QROWS) return PATH_F32;
+#endif
+    (void)w, (void)M, (void)x_dtype;
+    return PATH_GENERIC;
+}
+
+int minisgl_quantized_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
+                             int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
+                             int nthreads) {
+    if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
+    const int64_t groups = K / w->group;
+    const int path = choose_path(w, M, K, x_dtype);
+    // x as float32 (PATH_F32), or its per-group sums (PATH_NIBBLES, for the offsets).
+    const int64_t x_floats = path == PATH_F32 ? M * K : path == PATH_NIBBLES && w->mins ? M * groups : 0;
+    const int64_t per_thread = thread_scratch(K, w->group);
+    float* buffer =
+        kernel_alloc((size_t)(padded(x_floats) + nthreads * per_thread) * sizeof(float));
+    if (!buffer) return MINISGL_ERR_NOMEM;
+    float* xf = buffer;
+    if (path == PATH_F32) {
+        for (int64_t m = 0; m < M; m++) load_row(x, m * K, x_dtype, xf + m * K, K);
+    } else if (x_floats) {
+        const bf16_t* xb = (const bf16_t*)x;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sum = 0.0f;
+                for (int64_t k = g * w->group; k < (g + 1) * w->group; k++)
+                    sum += bf16_to_f32(xb[m * K + k]);
+                xf[m * groups + g] = sum;
+            }
+    }
+    const int64_t row_block = path == PATH_PACKED ? 32 : QBLOCK;
+    const int64_t blocks = (N + row_block - 1) / row_block;
+    // The scratch after x's floats starts 64-byte aligned too.
+    const int64_t x_padded = padded(x_floats);
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* scratch = buffer + x_padded + omp_get_thread_num() * per_thread;
+#ifdef HAVE_AVX512_BF16
+        int32_t* chunk_group = (int32_t*)(scratch + 64 * padded(groups) + 16 * K);
+        if (path == PATH_PACKED || path == PATH_WIDE)
+            for (int64_t c = 0; c < K / 16; c++) chunk_group[c] = (int32_t)(c * 16 / w->group);
+#endif
+#pragma omp for schedule(guided)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t n0 = blk * row_block, n1 = n0 + row_block < N ? n0 + row_block : N;
+            switch (path) {
+#ifdef HAVE_AVX512_BF16
+                case PATH_PACKED: {
+                    float* mins = scratch + 32 * padded(groups);
+                    bf16_t* wblock = (bf16_t*)(scratch + 64 * padded(groups));
+                    dequant_block_packed(w, n0, N, K, scratch, mins, chunk_group, wblock);
+                    packed_block_rows((const bf16_t*)x, wblock, (const bf16_t*)bias, y, M, N,
+                                      K / 32, n0, out_f32);
+                    break;
+                }
+                case PATH_BF16_BLOCK:
+                    if (n1 - n0 == QBLOCK) {
+                        float *scales = scratch, *mins = scratch + padded(groups);
+                        bf16_t* block = (bf16_t*)(mins + padded(groups) + K);
+                        for (int64_t n = n0; n < n1; n++) {
+                            group_floats(w, w->scales, n, groups, scales);
+                            if (w->mins) group_floats(w, w->mins, n, groups, mins);
+                            dequant_row(w, n, K, scales, w->mins ? mins : NULL,
+                                        block + (n - n0) * K, 1, NULL);
+                        }
+                        gemv_block4((const bf16_t*)x, block, (const bf16_t*)bias, y, M, N, K, n0,
+                                    NULL, out_f32);
+                    } else {
+                        rows_generic(x, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32, scratch);
+                    }
+                    break;
+                case PATH_WIDE:
+                    rows_wide((const bf16_t*)x, w, bias, y, M, N, K, n0, n1, out_f32, scratch,
+                              chunk_group);
+                    break;
+                case PATH_NIBBLES:
+                    rows_int4_bf16((const bf16_t*)x, xf, w, bias, y, M, N, K, n0, n1, out_f32,
+                                   scratch);
+                    break;
+#endif
+#ifdef __AVX512F__
+                case PATH_F32:
+                    rows_f32(xf, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32, scratch);
+                    break;
+#endif
+                default:
+                    rows_generic(x, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32, scratch);
+            }
+        }
+    }
+    free(buffer);
+    return MINISGL_OK;
+}
+
+// Rows `ids` of a quantized weight dequantized into out [count, K] (an embedding lookup from
+// a quantized table, or the whole weight for a large batch), float32 or bf16 (rounded once).
+int minisgl_quantized_rows(const quantized_weight* w, const int64_t* ids, void* out,
+                           int64_t count, int64_t N, int64_t K, int dtype, int nthreads) {
+    if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= N) return MINISGL_ERR_SHAPE;
+    const int64_t groups = K / w->group, per_thread = 2 * padded(groups) + K;
+    float* buffer = kernel_alloc((size_t)(nthreads * per_thread) * sizeof(float));
+    if (!buffer) return MINISGL_ERR_NOMEM;
+    const size_t elem = dtype == 0 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (count * K >= (1 << 16))
+    {
+        float* scratch = buffer + omp_get_thread_num() * per_thread;
+        float *scales = scratch, *mins = scratch + padded(groups), *tmp = mins + padded(groups);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {
+            group_floats(w, w->scales, ids[i], groups, scales);
+            if (w->mins) group_floats(w, w->mins, ids[i], groups, mins);
+            dequant_row(w, ids[i], K, scales, w->mins ? mins : NULL,
+                        (char*)out + (size_t)(i * K) * elem, dtype == 1, tmp);
+        }
+    }
+    free(buffer);
+    return MINISGL_OK;
+}

@@ -1,0 +1,203 @@
+"""GGUF weights kept quantized: each supported block type repacks into QuantizedWeight with
+`dequantize()` equal to gguf-py's, and a GgufCheckpoint gives the tensors transformers' GGUF
+loader makes (names, shapes, q/k row order), for a written file and the default model."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from safetensors import safe_open
+
+from minisgl.models.gguf import GgufCheckpoint, repack
+from minisgl.utils.hf import default_gguf_path, default_model_path
+
+# Byte offsets of each block's float16 fields (scale, and min where there is one).
+_F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+# (bits where in_features is a multiple of 64, group, scale dtype, has mins) per type.
+_LAYOUTS = {
+    Q.Q8_0: (8, 32, torch.float16, False),
+    Q.Q4_0: (4, 32, torch.float16, True),
+    Q.Q4_1: (4, 32, torch.float16, True),
+    Q.Q4_K: (4, 32, torch.float32, True),
+    Q.Q6_K: (8, 16, torch.float32, False),
+}
+
+
+def _random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random quants with finite float16 fields of either sign from 2^-20 to 1 (a few zero)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for offset in _F16_FIELDS.get(qtype, (0,)):
+        field = np.exp2(rng.uniform(-20, 0, size=raw.shape[:2])) * rng.choice(
+            [-1, 1], raw.shape[:2]
+        )
+        field[rng.random(raw.shape[:2]) < 0.02] = 0.0
+        raw[..., offset : offset + 2] = field.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _assert_exact(got: torch.Tensor, want: torch.Tensor, qtype: Q) -> None:
+    """Equal values, and equal bits except (Q4_0, whose d(q-8) is computed as dq + (-8d)) a
+    zero's sign."""
+    assert torch.equal(got, want)
+    same_bits = got.view(torch.int32) == want.view(torch.int32)
+    assert bool(same_bits.all() if qtype != Q.Q4_0 else same_bits[want != 0].all())
+
+
+@pytest.mark.parametrize(
+    ("qtype", "cols"),
+    [
+        (Q.Q8_0, 256),
+        (Q.Q8_0, 288),
+        (Q.Q4_0, 256),
+        (Q.Q4_0, 288),
+        (Q.Q4_1, 256),
+        (Q.Q4_1, 288),
+        (Q.Q4_K, 512),
+        (Q.Q6_K, 512),
+    ],
+    ids=lambda v: v.name if isinstance(v, Q) else str(v),
+)
+def test_repack_dequantizes_like_gguf_py(qtype: Q, cols: int) -> None:
+    raw = _random_blocks(qtype, 48, cols, seed=cols + int(qtype))
+    weight = repack(raw, qtype)
+    assert weight is not None and weight.out_features == 48 and weight.in_features == cols
+    bits, group, scale_dtype, with_mins = _LAYOUTS[qtype]
+    bits = bits if cols % 64 == 0 else 8  # 4-bit formats fall back to the 8-bit layout
+    assert (weight.bits, weight.group, weight.scales.dtype) == (bits, group, scale_dtype)
+    assert (weight.mins is not None) == with_mins
+    _assert_exact(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)), qtype)
+
+
+def test_q4_0_scale_too_large_for_float16_mins_keeps_float32() -> None:
+    raw = _random_blocks(Q.Q4_0, 4, 64, seed=7)
+    raw[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)  # -8 d > float16 max
+    weight = repack(raw, Q.Q4_0)
+    assert weight is not None and weight.scales.dtype == torch.float32
+    assert torch.isfinite(weight.mins).all()
+    _assert_exact(weight.dequantize(), torch.from_numpy(dequantize(raw, Q.Q4_0)), Q.Q4_0)
+
+
+def test_unsupported_types_are_not_repacked() -> None:
+    raw = _random_blocks(Q.Q5_0, 4, 64, seed=3)
+    assert repack(raw, Q.Q5_0) is None
+    assert repack(np.zeros((4, 64), dtype=np.float32), Q.F32) is None
+
+
+# A one-layer model: (GGUF name, HF name, type, HF shape); 4 heads and 2 kv heads of 64.
+_TENSORS = [
+    ("token_embd.weight", "model.embed_tokens.weight", Q.Q8_0, (32, 256)),
+    ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", Q.Q4_K, (256, 256)),
+    ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", Q.Q6_K, (128, 256)),
+    ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight", Q.Q4_0, (128, 256)),
+    ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight", Q.Q4_1, (256, 256)),
+    ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", Q.F16, (96, 256)),
+    ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", Q.Q4_1, (96, 256)),
+    ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", Q.Q5_0, (256, 96)),
+    ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", Q.F32, (256,)),
+    ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", Q.F32, (256,)),
+    ("output_norm.weight", "model.norm.weight", Q.F32, (256,)),
+    ("output.weight", "lm_head.weight", Q.Q8_0, (32, 256)),
+    ("rope_freqs.weight", None, Q.F32, (32,)),  # llama3's; transformers does not load it
+]
+_QWEN2_BIASES = [
+    ("blk.0.attn_q.bias", "model.layers.0.self_attn.q_proj.bias", Q.F32, (256,)),
+    ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias", Q.F32, (128,)),
+    ("blk.0.attn_v.bias", "model.layers.0.self_attn.v_proj.bias", Q.F32, (128,)),
+]
+
+
+def _write_gguf(path: Path, arch: str, tensors: list) -> None:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    rng = np.random.default_rng(0)
+    for gguf_name, _, qtype, shape in tensors:
+        rows = int(np.prod(shape[:-1]))
+        if qtype in (Q.F32, Q.F16):
+            dense = rng.standard_normal((rows, shape[-1])).reshape(shape)
+            writer.add_tensor(gguf_name, dense.astype(np.float32 if qtype == Q.F32 else np.float16))
+        else:
+            writer.add_tensor(gguf_name, _random_blocks(qtype, rows, shape[-1], 1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_checkpoint_matches_transformers_loader(tmp_path: Path, arch: str) -> None:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    tensors = _TENSORS + (_QWEN2_BIASES if arch == "qwen2" else [])
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(path, arch, tensors)
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    raw = {t.name: t for t in GGUFReader(str(path)).tensors}
+    with GgufCheckpoint(path) as checkpoint:
+        assert checkpoint.architecture == arch
+        assert checkpoint.unmapped == ["rope_freqs.weight"]
+        want_entries = {hf: shape for _, hf, _, shape in tensors if hf is not None}
+        assert {n: e.shape for n, e in checkpoint.entries.items()} == want_entries
+        for gguf_name, name, qtype, _ in tensors:
+            if name is None:
+                continue
+            weights = dequantize(raw[gguf_name].data, raw[gguf_name].tensor_type)
+            want = torch.from_numpy(np.copy(processor.process(weights, gguf_name).weights))
+            dense = checkpoint.tensor(name)
+            assert dense.dtype == torch.float32 and torch.equal(dense, want), name
+            quantized = checkpoint.quantized(name)
+            assert (quantized is None) == (qtype not in _LAYOUTS), name
+            if quantized is not None:
+                _assert_exact(quantized.dequantize(), want, qtype)
+            checkpoint.release(name)
+        kept = checkpoint.quantized("model.layers.0.self_attn.q_proj.weight")
+    assert kept is not None and torch.isfinite(kept.dequantize()).all()  # a copy: outlives it
+    with pytest.raises(RuntimeError, match="closed"):
+        checkpoint.tensor("model.norm.weight")
+    with pytest.raises(RuntimeError, match="closed"):
+        checkpoint.quantized("model.embed_tokens.weight")
+    if arch == "llama":  # the permutation moved rows: the test above saw it
+        q = dequantize(raw["blk.0.attn_q.weight"].data, Q.Q4_K)
+        assert not np.array_equal(q, processor.process(q, "blk.0.attn_q.weight").weights)
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gemma.gguf"
+    _write_gguf(path, "gemma", _TENSORS[-3:-1])
+    with pytest.raises(ValueError, match="gemma"):
+        GgufCheckpoint(path)
+
+
+def test_default_model_quantized_equals_converted_folder() -> None:
+    start = time.perf_counter()
+    quantized_bytes = dense_bytes = 0
+    folder = default_model_path() / "model.safetensors"
+    with GgufCheckpoint(default_gguf_path()) as checkpoint, safe_open(folder, "pt") as hf:
+        assert set(checkpoint.entries) == set(hf.keys())  # tied: neither has lm_head
+        for name, entry in checkpoint.entries.items():
+            want = hf.get_tensor(name)
+            quantized = checkpoint.quantized(name)
+            if quantized is None:
+                got = checkpoint.tensor(name)
+                quantized_bytes += got.numel() * 2
+            else:
+                got = quantized.dequantize()
+                quantized_bytes += quantized.nbytes
+            assert tuple(want.shape) == entry.shape and torch.equal(got, want), name
+            dense_bytes += want.numel() * 2
+            checkpoint.release(name)
+    ratio = quantized_bytes / dense_bytes
+    print(f"quantized {quantized_bytes / 2**20:.1f} MiB = {ratio:.1%} of bf16")
+    print(f"checked in {time.perf_counter() - start:.1f} s")
+    assert ratio < 0.40
