@@ -162,12 +162,9 @@ static inline __attribute__((always_inline)) void rows_f32_impl(
     int64_t n0, int64_t n1, int x_dtype, int out_f32, float* scratch, const int M) {
     const int64_t group = w->group, groups = K / group;
     float *scales = scratch, *mins = scratch + padded(groups);
-    const int64_t row_bytes = w->bits == 8 ? K : K / 2;
+    // No software prefetch: the rows are read in order, and the hardware's prefetcher does
+    // better alone (prefetching 2 rows ahead cost 28% on a 150 MB head from memory).
     for (int64_t n = n0; n < n1; n++) {
-        if (n + 2 < n1) {
-            const char* ahead = (const char*)w->values + (n + 2) * row_bytes;
-            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line);
-        }
         group_floats(w, w->scales, n, groups, scales);
         if (w->mins) group_floats(w, w->mins, n, groups, mins);
         __m512 even[QROWS], odd[QROWS];
@@ -210,6 +207,19 @@ static void rows_f32(const float* xf, const quantized_weight* w, const void* bia
 #endif
 
 #ifdef HAVE_AVX512_BF16
+// sum_g a[g] * b[g] in vectors (a scalar loop's chain of dependent adds cost as much as
+// streaming a 4-bit row of 1,024 columns).
+static inline float dot_groups(const float* a, const float* b, int64_t groups) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mask =
+            groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + g), _mm512_maskz_loadu_ps(mask, b + g),
+                              acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 // bf16 of the integers 0..15, the nibbles' lookup table.
 static inline __m512i nibble_table(void) {
     uint16_t table[32] = {0};
@@ -241,9 +251,6 @@ static inline __attribute__((always_inline)) void rows_int4_impl(
     float *scales = scratch, *mins = scratch + padded(groups);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* q = (const uint8_t*)w->values + n * (K / 2);
-        if (n + 2 < n1) {
-            for (int64_t line = 0; line < K / 2; line += 64) __builtin_prefetch(q + K + line);
-        }
         group_floats(w, w->scales, n, groups, scales);
         if (w->mins) group_floats(w, w->mins, n, groups, mins);
         __m512 lo_acc[QROWS], hi_acc[QROWS];
@@ -274,10 +281,7 @@ static inline __attribute__((always_inline)) void rows_int4_impl(
         }
         for (int r = 0; r < M; r++) {
             float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[r], hi_acc[r]));
-            if (w->mins) {
-                const float* xs = xsums + r * groups;
-                for (int64_t g = 0; g < groups; g++) sum += mins[g] * xs[g];
-            }
+            if (w->mins) sum += dot_groups(mins, xsums + r * groups, groups);
             store_out(y, r * N + n, sum, bias, n, 1, out_f32);
         }
     }
