@@ -245,3 +245,43 @@ def spy_logits(llm: LLM, phase: str) -> list[torch.Tensor]:
 
     llm._forward = spy  # type: ignore[method-assign]
     return captured
+
+
+def fused_decode_switch(monkeypatch) -> tuple[list[int], object]:
+    """(the batch sizes the fused C decode layers ran, set_fused(on)): with on False every
+    decode step takes the module path instead."""
+    from minisgl.models.fused_decode import FusedDecode
+
+    batches: list[int] = []
+    run = FusedDecode.run
+
+    def counting_run(self, model, x, *args):
+        out = run(self, model, x, *args)
+        if out is not None:
+            batches.append(x.shape[0])
+        return out
+
+    def set_fused(on: bool) -> None:
+        monkeypatch.setattr(FusedDecode, "run", counting_run if on else lambda self, *a: None)
+
+    return batches, set_fused
+
+
+def bf16_decode_logits(
+    name: str, prompts: list, max_new: list[int], **kw
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Every decode step's logits and each request's tokens, greedy, on the named test model in
+    bf16 (no overlap, no prefix cache, every request at once); pages checked free after."""
+    llm = build_llm(
+        name,
+        dtype=torch.bfloat16,
+        overlap_schedule=False,
+        cache_type="naive",
+        max_running_req=len(prompts),
+        **kw,
+    )
+    logits = spy_logits(llm, "decode")
+    outputs = llm.generate(prompts, [greedy(n) for n in max_new])
+    assert_all_pages_free(llm)
+    llm.shutdown()
+    return logits, [o["token_ids"] for o in outputs]

@@ -10,7 +10,9 @@ import torch
 from helpers import (
     MIXED_PROMPTS,
     assert_all_pages_free,
+    bf16_decode_logits,
     build_llm,
+    fused_decode_switch,
     greedy,
     hf_greedy,
     spy_logits,
@@ -332,37 +334,14 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
     """bf16 decode runs whole layers in C (GEMV batches, and above the GEMV's rows the packed
     matmul: AMX tiles or vdpbf16ps); its logits equal the module-by-module path's bit for bit
     (same kernels, same order), for every architecture's variant."""
-    from minisgl.models.fused_decode import FusedDecode
-
     # More requests than the GEMV takes, so batches also run through the packed matmul.
     prompts = MIXED_PROMPTS + [p + " again" for p in MIXED_PROMPTS[1:4]]
     max_new = [6, 9, 4, 7, 5, 8, 3, 6, 5, 7, 4]
-    fused_batches = []
-    run = FusedDecode.run
-
-    def counting_run(self, model, x, *args):
-        out = run(self, model, x, *args)
-        if out is not None:
-            fused_batches.append(x.shape[0])
-        return out
+    fused_batches, set_fused = fused_decode_switch(monkeypatch)
 
     def decode_logits(fused: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
-        if not fused:
-            monkeypatch.setattr(FusedDecode, "run", lambda self, *args: None)
-        else:
-            monkeypatch.setattr(FusedDecode, "run", counting_run)
-        llm = build_llm(
-            arch,
-            dtype=torch.bfloat16,
-            overlap_schedule=False,
-            cache_type="naive",
-            max_running_req=len(prompts),
-        )
-        logits = spy_logits(llm, "decode")
-        outputs = llm.generate(prompts, [greedy(n) for n in max_new])
-        assert_all_pages_free(llm)
-        llm.shutdown()
-        return logits, [o["token_ids"] for o in outputs]
+        set_fused(fused)
+        return bf16_decode_logits(arch, prompts, max_new)
 
     fused_logits, fused_ids = decode_logits(True)
     module_logits, module_ids = decode_logits(False)

@@ -11,10 +11,11 @@ import torch
 from helpers import (
     MIXED_PROMPTS,
     assert_all_pages_free,
+    bf16_decode_logits,
     build_llm,
+    fused_decode_switch,
     greedy,
     hf_logits,
-    spy_logits,
 )
 
 from minisgl.core import SamplingParams
@@ -197,37 +198,14 @@ def test_fused_decode_layers_take_quantized_weights(quantization, monkeypatch) -
     """bf16 decode with quantized projections runs whole layers in C (every row count's path:
     the exact ones up to 4 rows, then bf16-dequantized weights) and equals the module-by-module
     path bit for bit."""
-    from minisgl.models.fused_decode import FusedDecode
-
     torch.set_num_threads(2)
     prompts = PROMPTS + [p + " again" for p in PROMPTS] + [p + " once more" for p in PROMPTS]
     max_new = [3 + i % 7 for i in range(len(prompts))]
-    fused_batches: list[int] = []
-    run = FusedDecode.run
-
-    def counting_run(self, model, x, *args):
-        out = run(self, model, x, *args)
-        if out is not None:
-            fused_batches.append(x.shape[0])
-        return out
+    fused_batches, set_fused = fused_decode_switch(monkeypatch)
 
     def decode(fused: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
-        monkeypatch.setattr(
-            FusedDecode, "run", counting_run if fused else (lambda self, *args: None)
-        )
-        llm = build_llm(
-            "qwen3",
-            dtype=torch.bfloat16,
-            quantization=quantization,
-            overlap_schedule=False,
-            cache_type="naive",
-            max_running_req=len(prompts),
-        )
-        logits = spy_logits(llm, "decode")
-        outputs = llm.generate(prompts, [greedy(n) for n in max_new])
-        assert_all_pages_free(llm)
-        llm.shutdown()
-        return logits, [o["token_ids"] for o in outputs]
+        set_fused(fused)
+        return bf16_decode_logits("qwen3", prompts, max_new, quantization=quantization)
 
     fused_logits, fused_ids = decode(True)
     module_logits, module_ids = decode(False)

@@ -120,6 +120,22 @@ def require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def output_rows(
+    x: torch.Tensor, out_features: int, dtype: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
+    """A matmul's output [rows of x, out_features] in `dtype`: `out` where given (checked:
+    contiguous, that shape and dtype), else a new tensor."""
+    rows = x.shape[0]
+    if out is None:
+        return x.new_empty(rows, out_features, dtype=dtype)
+    if out.shape != (rows, out_features) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {(rows, out_features)}, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    return out
+
+
 def raise_not_contiguous(kernel: str, **tensors: torch.Tensor | None) -> None:
     """A ValueError for the first strided tensor among these, if any (the C kernels read every
     row densely: a strided view would be read as other data)."""

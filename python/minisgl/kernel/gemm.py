@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernel.abi import check_status, raise_not_contiguous, require
+from minisgl.kernel.abi import check_status, output_rows, raise_not_contiguous, require
 from minisgl.kernel.library import KernelLibrary
 from minisgl.kernel.threads import kernel_threads
 
@@ -89,14 +89,7 @@ class GemmKernels(KernelLibrary):
         if not (x.is_contiguous() and (bias is None or bias.is_contiguous())):
             raise_not_contiguous("packed_linear", x=x, bias=bias)
         self._check_packed("packed_linear", packed, out_features, in_features)
-        dtype = torch.float32 if float_out else x.dtype
-        if out is None:
-            out = x.new_empty(rows, out_features, dtype=dtype)
-        elif out.shape != (rows, out_features) or out.dtype != dtype or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous {dtype} tensor of shape {(rows, out_features)}, got "
-                f"{out.dtype} {tuple(out.shape)}"
-            )
+        out = output_rows(x, out_features, torch.float32 if float_out else x.dtype, out)
         status = self.lib.minisgl_packed_linear(
             x.data_ptr(),
             packed.data_ptr(),

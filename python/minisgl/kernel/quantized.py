@@ -12,6 +12,7 @@ from minisgl.kernel.abi import (
     DTYPE_CODES,
     QuantizedWeightParams,
     check_status,
+    output_rows,
     raise_not_contiguous,
 )
 from minisgl.kernel.library import KernelLibrary
@@ -59,14 +60,7 @@ class QuantizedKernels(KernelLibrary):
             raise_not_contiguous("quantized_linear", x=x, bias=bias)
         if x.dtype not in DTYPE_CODES or in_features != shape[1]:
             raise ValueError(f"quantized_linear: x {x.dtype} {tuple(x.shape)} for a weight {shape}")
-        dtype = torch.float32 if float_out else x.dtype
-        if out is None:
-            out = x.new_empty(rows, out_features, dtype=dtype)
-        elif out.shape != (rows, out_features) or out.dtype != dtype or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous {dtype} tensor of shape {(rows, out_features)}, got "
-                f"{out.dtype} {tuple(out.shape)}"
-            )
+        out = output_rows(x, out_features, torch.float32 if float_out else x.dtype, out)
         status = self.lib.minisgl_quantized_linear(
             x.data_ptr(),
             ctypes.byref(weight),

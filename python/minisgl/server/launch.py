@@ -72,6 +72,8 @@ def server_info(args: ServerArgs, config: Any, info: dict[str, Any]) -> dict[str
     out: dict[str, Any] = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
     out.update(
         model_path=config.model_path,
+        quantization=config.quantization,
+        gguf_path=config.gguf_path,
         dtype=str(config.dtype).removeprefix("torch."),
         device=str(config.device),
         api_key_required=args.api_key is not None,
