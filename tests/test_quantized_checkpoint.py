@@ -316,3 +316,41 @@ def test_bad_awq_gptq_config_names_its_field(base, tmp_path, quant, field: str) 
     assert quantization_method(tmp_path) == (None if quant is None else quant["quant_method"])
     with pytest.raises(ValueError, match=field):
         QuantizedCheckpoint(tmp_path)
+
+
+def test_engine_serves_a_compressed_tensors_folder_quantized(w4_dir, tmp_path: Path) -> None:
+    """The engine loads the W4A16 folder's weights quantized (no dense copy) and its top-1 next
+    tokens agree with the same folder loaded dense (`quantization="none"`: the weights
+    dequantized), float32 activations: the only difference is the order of the sums."""
+    from helpers import assert_all_pages_free, smollm2
+
+    from minisgl.core import SamplingParams
+    from minisgl.layers.quantized import QuantizedProjection
+    from minisgl.llm import LLM
+
+    torch.set_num_threads(2)
+    folder = tmp_path / "w4"
+    shutil.copytree(w4_dir, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2() / name).exists():
+            shutil.copy(smollm2() / name, folder / name)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (9, 17, 30)]
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1, temperature=0.0)
+    top1 = {}
+    for quantization in (None, "none"):
+        llm = LLM(str(folder), dtype=torch.float32, num_page_override=256, quantization=quantization)
+        projections = [
+            m.cpu_projection
+            for m in llm.engine.model.modules()
+            if getattr(m, "cpu_projection", None) is not None
+        ]
+        quantized = sum(isinstance(p, QuantizedProjection) for p in projections)
+        assert quantized == (2 * 4 if quantization is None else 0), quantized
+        outs = llm.generate(prompts, params)
+        top1[quantization] = [t[0][0] for o in outs for _, _, t in o["prompt_logprobs"][1:]]
+        assert all(len(o["token_ids"]) == 4 for o in outs)
+        assert_all_pages_free(llm)
+        llm.shutdown()
+    same = sum(a == b for a, b in zip(top1[None], top1["none"]))
+    assert same >= 0.95 * len(top1[None]), (same, len(top1[None]))
