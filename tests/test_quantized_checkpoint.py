@@ -339,7 +339,9 @@ def test_engine_serves_a_compressed_tensors_folder_quantized(w4_dir, tmp_path: P
     params = SamplingParams(max_tokens=4, prompt_logprobs=1, temperature=0.0)
     top1 = {}
     for quantization in (None, "none"):
-        llm = LLM(str(folder), dtype=torch.float32, num_page_override=256, quantization=quantization)
+        llm = LLM(
+            str(folder), dtype=torch.float32, num_page_override=256, quantization=quantization
+        )
         projections = [
             m.cpu_projection
             for m in llm.engine.model.modules()
