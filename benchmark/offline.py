@@ -58,6 +58,7 @@ from workloads import (  # noqa: E402
     decode_shapes,
 )
 
+from minisgl.layers.quantized import LOAD_QUANTIZATIONS  # noqa: E402
 from minisgl.llm.llm import parse_dtype  # noqa: E402
 
 
@@ -121,8 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="minisgl quantizes its projections at load (the peers run the checkpoint's dtype)",
+        choices=list(LOAD_QUANTIZATIONS),
+        help="minisgl quantizes its projections at load (the peers run the checkpoint's dtype); "
+        "every format side by side, GGUF and llama.cpp too: benchmark/quantized.py",
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test, < 1 minute")
     add_no_bracket_option(p, ": also again after HF / vLLM")
