@@ -201,3 +201,40 @@ def test_default_model_quantized_equals_converted_folder() -> None:
     print(f"quantized {quantized_bytes / 2**20:.1f} MiB = {ratio:.1%} of bf16")
     print(f"checked in {time.perf_counter() - start:.1f} s")
     assert ratio < 0.40
+
+
+def test_repacked_weights_are_cached_and_a_bad_cache_is_replaced(monkeypatch, tmp_path) -> None:
+    """The first complete load writes the repacked tensors; the next reads them back equal (no
+    GGUF parse); an incomplete load writes nothing; an unreadable cache file is replaced."""
+    from minisgl.models import gguf_cache
+
+    target = tmp_path / "cache.safetensors"
+    monkeypatch.setattr(gguf_cache, "cache_file", lambda path: target)
+    gguf = default_gguf_path()
+    with gguf_cache.open_gguf(gguf) as partial:
+        assert isinstance(partial, gguf_cache.CachingGguf)
+        partial.tensor("model.norm.weight")
+    assert not target.exists()  # not every tensor was taken
+    taken = {}
+    with gguf_cache.open_gguf(gguf) as first:
+        quantized_names = first.quantized_names
+        for name in first.entries:
+            q = first.quantized(name) if name in first.quantized_names else None
+            taken[name] = q if q is not None else first.tensor(name)
+    assert target.exists()
+    with gguf_cache.open_gguf(gguf) as cached:
+        assert isinstance(cached, gguf_cache.CachedGguf)
+        assert cached.entries == first.entries and cached.quantized_names == quantized_names
+        for name, want in taken.items():
+            if isinstance(want, torch.Tensor):
+                assert cached.quantized(name) is None and torch.equal(cached.tensor(name), want)
+                continue
+            got = cached.quantized(name)
+            assert (got.bits, got.group) == (want.bits, want.group), name
+            assert torch.equal(got.values, want.values) and torch.equal(got.scales, want.scales)
+            assert (got.mins is None) == (want.mins is None)
+            assert want.mins is None or torch.equal(got.mins, want.mins)
+    target.write_bytes(b"not a safetensors file")
+    with gguf_cache.open_gguf(gguf) as rebuilt:
+        assert isinstance(rebuilt, gguf_cache.CachingGguf)
+    assert not target.exists()  # removed, rewritten by the next complete load

@@ -58,9 +58,9 @@ def open_checkpoint(
     if quantization == "gguf":
         if gguf_path is None:
             raise ValueError("quantization='gguf' needs a .gguf file as the model path")
-        from .gguf import GgufCheckpoint
+        from .gguf_cache import open_gguf
 
-        return GgufCheckpoint(Path(gguf_path))
+        return open_gguf(Path(gguf_path))
     from .quantized_checkpoint import QuantizedCheckpoint, quantization_method
 
     if quantization_method(model_dir) is None:
