@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+bash scripts/setup_sglang_router.sh  # tests/test_dp.py puts it in front of two replicas
 exec .venv/bin/python -m pytest -q tests "$@"

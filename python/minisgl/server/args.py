@@ -42,6 +42,8 @@ class ServerArgs:
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
     shell: bool = False
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
 
@@ -161,6 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's spelling of --overlap-schedule off",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--dp",
+        "--dp-size",
+        dest="dp_size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="N replicas, each on its share of the cores and its own port (--port + 1..N), "
+        "behind sglang-router on --port (scripts/setup_sglang_router.sh installs it)",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        help="how the router picks a replica with --dp (cache_aware: the one whose radix cache "
+        "likely holds the prompt's prefix, balanced against load)",
+    )
     p.add_argument(
         "--quantization",
         default=None,

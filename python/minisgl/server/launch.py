@@ -72,6 +72,7 @@ def server_info(args: ServerArgs, config: Any, info: dict[str, Any]) -> dict[str
     out: dict[str, Any] = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
     out.update(
         model_path=config.model_path,
+        pid=os.getpid(),  # this server's process (its workers are its children)
         quantization=config.quantization,
         gguf_path=config.gguf_path,
         dtype=str(config.dtype).removeprefix("torch."),
@@ -238,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             from minisgl.server.shell import run_shell
 
             return run_shell(args)
+        if args.dp_size > 1:
+            from minisgl.server.dp import launch_data_parallel
+
+            return launch_data_parallel(args, sys.argv[1:] if argv is None else argv)
         return launch_server(args)
     except (KeyboardInterrupt, Terminated):
         return 0

@@ -1,6 +1,6 @@
-"""The native endpoints beside the OpenAI API: SGLang's /generate, /get_model_info,
-/get_server_info, /health_generate, /flush_cache and /version, and vLLM's /tokenize and
-/detokenize."""
+"""The native endpoints beside the OpenAI API: SGLang's /generate, /get_model_info and
+/get_server_info (also as /model_info and /server_info, its current names), /health_generate,
+/flush_cache and /version, and vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -137,6 +137,7 @@ def register_native_routes(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    @app.get("/model_info")  # SGLang's current name (sglang-router asks it first)
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return {
@@ -153,6 +154,7 @@ def register_native_routes(
             "max_model_len": state.max_model_len,
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         return {**state.server_info, "max_model_len": state.max_model_len, "version": __version__}

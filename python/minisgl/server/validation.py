@@ -18,6 +18,16 @@ logger = init_logger(__name__)
 M = TypeVar("M", bound="Strict")
 
 
+# SGLang request fields and the value at which this server already behaves as they ask (stop
+# strings trimmed, no hidden states, no reasoning parser to separate or stream).
+SGLANG_DEFAULTS: dict[str, Any] = {
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+}
+
+
 class Strict(BaseModel):
     """A request body: types strictly (no coercion), floats finite. Fields it does not declare
     are kept in `model_extra`, then ignored with a warning (`parse_request`) unless the model
@@ -30,9 +40,12 @@ class Strict(BaseModel):
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of the undeclared fields, here and in nested models (list items as
-        `name[]`), that nothing reads."""
+        `name[]`), that nothing reads (SGLang's own fields at the values this server behaves
+        as anyway are not listed: sglang-router adds them to every request it forwards)."""
         out = [
-            f"{prefix}{name}" for name in self.model_extra or {} if name not in self.handled_extras
+            f"{prefix}{name}"
+            for name, value in (self.model_extra or {}).items()
+            if name not in self.handled_extras and SGLANG_DEFAULTS.get(name, ...) != value
         ]
         for name in type(self).model_fields:
             for path, value in _nested(f"{prefix}{name}", getattr(self, name)):
