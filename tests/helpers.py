@@ -54,6 +54,15 @@ _TINY_BASE = dict(
     pad_token_id=2,
     rms_norm_eps=1e-6,
 )
+# initializer_range 0.1 (not 0.02): routing and expert outputs then decide the greedy tokens, so
+# a wrong expert, weight or renormalisation changes them.
+_TINY_MOE = dict(
+    head_dim=16,
+    num_experts=8,
+    moe_intermediate_size=32,
+    norm_topk_prob=False,
+    initializer_range=0.1,
+)
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "llama3": (
         "LlamaConfig",
@@ -79,6 +88,21 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen3-long": (
         "Qwen3Config",
         dict(head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960),
+    ),
+    # Qwen3-MoE: 8 experts, top-2 without renormalisation, every layer sparse.
+    "qwen3-moe": ("Qwen3MoeConfig", dict(_TINY_MOE, num_experts_per_tok=2)),
+    # top-4 renormalised; sparse layers 1 and 5 only: 0, 2 and 4 dense by decoder_sparse_step,
+    # 3 by mlp_only_layers.
+    "qwen3-moe-mixed": (
+        "Qwen3MoeConfig",
+        dict(
+            _TINY_MOE,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=6,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        ),
     ),
 }
 

@@ -1,4 +1,5 @@
-"""Model definitions and loading: one shared decoder for Llama, Mistral, Qwen2 and Qwen3."""
+"""Model definitions and loading: one shared decoder for Llama, Mistral, Qwen2, Qwen3 and
+Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
-from minisgl.layers import Linear, LMHead, VocabEmbedding
+from minisgl.layers import Linear, LMHead, SparseMoE, VocabEmbedding
 from minisgl.layers.linear import keeps_weight, tile_copy_elems
 from minisgl.layers.quant_weight import QuantizedWeight
 from minisgl.layers.quantized import LOAD_QUANTIZATIONS
@@ -58,8 +59,10 @@ def create_model(
             load_weights(model, checkpoint, dtype)
             return model.eval()
         if quantization in LOAD_QUANTIZATIONS:
+            # Routers stay dense: a few bytes, and their rounding would change which experts run.
+            routers = {m.gate for m in model.modules() if isinstance(m, SparseMoE)}
             for module in model.modules():
-                if isinstance(module, (Linear, LMHead)):
+                if isinstance(module, (Linear, LMHead)) and module not in routers:
                     module.quantization = quantization
         with freed_memory_returned():
             placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized)

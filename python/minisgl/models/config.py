@@ -12,12 +12,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One decoder-only transformer shape; variants (biases, q/k norm, windows) are flags."""
+    """One decoder-only transformer shape; variants (biases, q/k norm, windows, experts) are
+    flags. num_experts 0: every layer a dense MLP; else `moe_layers` says which are sparse."""
 
     architecture: str
     vocab_size: int
@@ -37,6 +39,11 @@ class ModelConfig:
     max_position_embeddings: int
     sliding_windows: tuple[int | None, ...]
     eos_token_ids: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    moe_intermediate_size: int
+    moe_layers: tuple[bool, ...]
     hf_config: Any
 
     @classmethod
@@ -56,6 +63,11 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only silu")
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        is_moe = arch == "Qwen3MoeForCausalLM"
+        num_experts = int(hf_config.num_experts) if is_moe else 0
+        top_k = int(hf_config.num_experts_per_tok) if is_moe else 0
+        if num_experts > 0 and not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in [1, {num_experts}]")
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -70,11 +82,16 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act="silu",
             max_position_embeddings=hf_config.max_position_embeddings,
             sliding_windows=_sliding_windows(hf_config),
             eos_token_ids=eos_ids,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=is_moe and bool(hf_config.norm_topk_prob),
+            moe_intermediate_size=int(hf_config.moe_intermediate_size) if is_moe else 0,
+            moe_layers=_moe_layers(hf_config, num_experts),
             hf_config=hf_config,
         )
 
@@ -94,6 +111,17 @@ class ModelConfig:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
         return inv_freq.float(), float(scale)
+
+
+def _moe_layers(hf_config: Any, num_experts: int) -> tuple[bool, ...]:
+    """Per layer, whether its MLP is a sparse expert block: transformers' Qwen3MoeDecoderLayer
+    rule (not in mlp_only_layers, and every decoder_sparse_step-th layer)."""
+    num_layers = hf_config.num_hidden_layers
+    if num_experts <= 0:
+        return (False,) * num_layers
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
 def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:

@@ -13,6 +13,7 @@ from minisgl.layers import (
     RMSNorm,
     RotaryEmbedding,
     RotaryInputs,
+    SparseMoE,
     VocabEmbedding,
 )
 
@@ -59,11 +60,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoE
+        if config.moe_layers[layer_id]:
+            self.mlp = SparseMoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+            )
+        else:
+            self.mlp = MLP(config)
 
-    def parts(self) -> LayerParts:
-        """This layer's modules in forward order: what the fused C decode layer reads."""
+    def parts(self) -> LayerParts | None:
+        """This layer's modules in forward order: what the fused C decode layer reads (None: a
+        sparse expert block, which the C layer does not compute)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP):
+            return None
         return LayerParts(
             self.input_layernorm,
             attn.qkv_proj,

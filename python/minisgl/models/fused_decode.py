@@ -57,7 +57,7 @@ class LayerParts:
 class DecoderLayer(Protocol):
     """What the fused layers read of a decoder layer (`models.decoder.DecoderLayer`)."""
 
-    def parts(self) -> LayerParts: ...
+    def parts(self) -> LayerParts | None: ...
 
 
 class DecoderModel(Protocol):
@@ -78,9 +78,12 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
 
-def _layer_parts(model: DecoderModel) -> list[LayerParts]:
+def _layer_parts(model: DecoderModel) -> list[LayerParts] | None:
+    """Every layer's parts, or None where a layer has none the C layer computes (experts)."""
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
-    return [layer.parts() for layer in layers]
+    parts = [layer.parts() for layer in layers]
+    dense = [p for p in parts if p is not None]
+    return dense if len(dense) == len(parts) else None
 
 
 def _fused_takes(params: ProjectionParams | None) -> bool:
@@ -97,6 +100,7 @@ class FusedDecode:
         self.kernels = kernels
         self.kv_cache, self.page_table = ctx.kv_cache, ctx.page_table
         layers = _layer_parts(model)
+        assert layers is not None, "FusedDecode.supported refuses models with expert layers"
         projections = [
             linear.cpu_projection
             for parts in layers
@@ -154,8 +158,11 @@ class FusedDecode:
         kernels = cpu_kernels() if x.device.type == "cpu" else None
         if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
             return None
-        # Every projection multiplied from its packed or quantized copy, its only one.
+        # Every layer dense, every projection multiplied from its packed or quantized copy, its
+        # only one.
         layers = _layer_parts(model)
+        if layers is None:
+            return None
         if not all(_fused_takes(m.fused_params()) for parts in layers for m in parts.projections()):
             return None
         fits = (

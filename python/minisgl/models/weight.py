@@ -39,6 +39,14 @@ _RENAMES = (
     (".self_attn.k_norm.", ".self_attn.attn.k_norm."),
 )
 _PROJ = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# A sparse layer's experts, stacked per layer: every expert's gate and up into w_gate_up
+# [E, 2I, H], its down into w_down [E, H, I] (filled as if flattened to [E * rows, cols]).
+_EXPERT = re.compile(r"^(.*)\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_STACKS = {
+    "gate_proj": ("w_gate_up", ("gate_proj", "up_proj")),
+    "up_proj": ("w_gate_up", ("gate_proj", "up_proj")),
+    "down_proj": ("w_down", ("down_proj",)),
+}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -131,33 +139,56 @@ def _model_name(checkpoint_name: str) -> str:
 Sources = list[tuple[str, int]]
 
 
+def _stacked(checkpoint: Checkpoint, target: str, parts: list[str]) -> Sources:
+    """The parts of a fused or stacked parameter, each with its first row; raises for a part
+    the checkpoint lacks."""
+    missing = [p for p in parts if p not in checkpoint.entries]
+    if missing:
+        raise ValueError(f"incomplete fused weights in checkpoint: {target} lacks {missing[:3]}")
+    rows = [0]
+    for part in parts:
+        rows.append(rows[-1] + checkpoint.entries[part].shape[0])
+    return list(zip(parts, rows))
+
+
+def _rows_shape(shape: torch.Size) -> tuple[int, ...]:
+    """A parameter's shape as its parts fill it: a stack of matrices as one [rows, cols]."""
+    return (math.prod(shape[:-1]), shape[-1]) if len(shape) > 2 else tuple(shape)
+
+
 def _sources(checkpoint: Checkpoint, model: CausalLM) -> dict[str, Sources]:
     """Every parameter of `model` and where it comes from; raises for a tensor without a place
     and for a parameter (or part of a fused one) the checkpoint lacks."""
     params = dict(model.named_parameters())
     sources: dict[str, Sources] = {}
+    placed: set[str] = set()  # checkpoint tensors inside a fused or stacked parameter
     for name in checkpoint.entries:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or name in placed:
             continue
-        match = _PROJ.match(name)
-        if match is None:
+        expert, match = _EXPERT.match(name), _PROJ.match(name)
+        if expert is not None:
+            prefix, proj = expert.groups()
+            stack, projs = _EXPERT_STACKS[proj]
+            target = f"{prefix}.{stack}"
+            if target not in params:  # reported below as a tensor without a place
+                sources[name] = [(name, 0)]
+                continue
+            num_experts = params[target].shape[0]
+            parts = [f"{prefix}.experts.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+        elif match is not None:
+            prefix, proj, kind = match.groups()
+            fused = _FUSED[proj][0]
+            target = f"{prefix}.{fused}.{kind}"
+            parts = [f"{prefix}.{part}.{kind}" for part in _PART_NAMES[fused]]
+        else:
             sources[_model_name(name)] = [(name, 0)]
             continue
-        prefix, proj, kind = match.groups()
-        fused = _FUSED[proj][0]
-        target = f"{prefix}.{fused}.{kind}"
-        if target in sources:
-            continue
-        parts = [f"{prefix}.{part}.{kind}" for part in _PART_NAMES[fused]]
-        missing = [p for p in parts if p not in checkpoint.entries]
-        if missing:
-            raise ValueError(f"incomplete fused weights in checkpoint: {target} lacks {missing}")
-        rows = [0]
-        for part in parts:
-            rows.append(rows[-1] + checkpoint.entries[part].shape[0])
-        sources[target] = list(zip(parts, rows))
+        sources[target] = _stacked(checkpoint, target, parts)
+        placed.update(parts)
+        if name not in placed:  # e.g. an expert past the layer's count
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {target}")
     unknown = sorted(set(sources) - set(params))
     if unknown:
         raise KeyError(f"checkpoint tensor {unknown[0]!r} has no place in {type(model).__name__}")
@@ -167,7 +198,7 @@ def _sources(checkpoint: Checkpoint, model: CausalLM) -> dict[str, Sources]:
     for target, parts in sources.items():
         shapes = [checkpoint.entries[name].shape for name, _ in parts]
         shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-        want = tuple(params[target].shape)
+        want = _rows_shape(params[target].shape)
         if shape != want or any(s[1:] != shapes[0][1:] for s in shapes):
             raise ValueError(f"{target}: checkpoint shapes {shapes} do not make {want}")
     return sources
@@ -197,7 +228,10 @@ def _quantized_whole(checkpoint: Checkpoint, parts: Sources) -> QuantizedWeight 
 
 
 def _copy_rows(checkpoint: Checkpoint, parts: Sources, into: torch.Tensor) -> None:
-    """The parts into their rows of `into` (converted to its dtype and device as copied)."""
+    """The parts into their rows of `into` (converted to its dtype and device as copied); a
+    stack of matrices takes them as one [rows, cols] matrix."""
+    if into.dim() > 2:
+        into = into.view(-1, into.shape[-1])
     for name, row in parts:
         source = checkpoint.tensor(name)
         into[row : row + source.shape[0]].copy_(source)

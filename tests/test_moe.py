@@ -1,0 +1,252 @@
+"""Qwen3-MoE: the router and grouped experts against transformers' and a per-token reference, the
+sparse layers chosen as transformers chooses them, greedy output equal to HF float32, the
+loader's stacked experts, and the fused C decode layer refusing the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    MIXED_PROMPTS,
+    PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    fused_decode_switch,
+    greedy,
+    hf_greedy,
+    spy_prefill_tokens,
+    tiny_model,
+)
+from safetensors.torch import load_file, save_file
+
+from minisgl.layers.moe import SparseMoE, grouped_experts, route
+from minisgl.models import create_model, load_model_config
+from minisgl.models.config import ModelConfig
+
+MOE_MODELS = ["qwen3-moe", "qwen3-moe-mixed"]
+MAX_NEW = [12, 5, 16, 9, 3, 14, 7, 10]
+
+
+def naive_experts(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """One token and one of its experts at a time, summed in top-k order."""
+    inter = w_down.shape[-1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            gate_up = w_gate_up[ids[t, k]] @ x[t]
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += (w_down[ids[t, k]] @ act) * weights[t, k]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (7, 4), (40, 2)])
+def test_grouped_experts_equal_a_per_token_reference(
+    tokens: int, top_k: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    experts, hidden, inter = 8, 32, 24
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w_down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    weights, ids = route(torch.randn(tokens, experts, generator=gen), top_k, normalize=True)
+    args = [t.to(dtype) for t in (x, w_gate_up, w_down)] + [ids, weights.to(dtype)]
+    got = grouped_experts(*args)
+    want = naive_experts(*[a.double() if a.is_floating_point() else a for a in args])
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    atol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_moe_equals_transformers_block(norm_topk_prob: bool, dtype: torch.dtype) -> None:
+    """Routing (float32 softmax, top-k, renormalisation, cast) and experts as transformers'
+    Qwen3MoeSparseMoeBlock computes them, with its weights stacked as ours are."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        norm_topk_prob=norm_topk_prob,
+    )
+    torch.manual_seed(1)
+    hf = Qwen3MoeSparseMoeBlock(config).to(dtype).eval()
+    for param in hf.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    ours = SparseMoE(32, 16, 8, 3, norm_topk_prob)
+    ours.gate.weight.data = hf.gate.weight.data.clone()
+    ours.w_gate_up.data = hf.experts.gate_up_proj.data.clone()
+    ours.w_down.data = hf.experts.down_proj.data.clone()
+    x = torch.randn(1, 19, 32).to(dtype)
+    with torch.inference_mode():
+        _, want_weights, want_ids = hf.gate(x[0])
+        weights, ids = route(ours.gate(x[0]), 3, norm_topk_prob)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+        atol = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(ours(x[0]), hf(x)[0], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "layers,step,mlp_only",
+    [(4, 1, []), (6, 2, [3]), (5, 3, []), (4, 1, [0, 2]), (3, 1, [0, 1, 2])],
+)
+def test_sparse_layers_are_those_transformers_builds(
+    layers: int, step: int, mlp_only: list[int]
+) -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        Qwen3MoeDecoderLayer,
+        Qwen3MoeSparseMoeBlock,
+    )
+
+    hf_config = Qwen3MoeConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=layers,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=step,
+        mlp_only_layers=mlp_only,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    want = tuple(
+        isinstance(Qwen3MoeDecoderLayer(hf_config, i).mlp, Qwen3MoeSparseMoeBlock)
+        for i in range(layers)
+    )
+    config = ModelConfig.from_hf(hf_config)
+    assert config.moe_layers == want
+    assert config.qk_norm and config.num_experts == 4 and config.num_experts_per_tok == 2
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_greedy_matches_hf_with_continuous_batching(name: str, page_size: int) -> None:
+    llm = build_llm(name, page_size=page_size, max_running_req=3, cache_type="naive")
+    sparse = [type(layer.mlp) is SparseMoE for layer in llm.engine.model.model.layers]
+    assert tuple(sparse) == llm.engine.model.config.moe_layers and any(sparse)
+    outputs = llm.generate(MIXED_PROMPTS, [greedy(n) for n in MAX_NEW])
+    expected = hf_greedy(name, MIXED_PROMPTS, MAX_NEW)
+    for out, want, prompt in zip(outputs, expected, MIXED_PROMPTS):
+        assert out["token_ids"] == want, f"{name} page_size={page_size} prompt={prompt!r}"
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_radix_hits_and_chunked_prefill_match_hf(name: str, page_size: int) -> None:
+    """Prompts sharing prefixes, prefilled 24 tokens a step, twice: the second round from the
+    radix cache."""
+    llm = build_llm(name, page_size=page_size, max_running_req=4, max_prefill_length=24)
+    computed = spy_prefill_tokens(llm)
+    prompts = PROMPTS + MIXED_PROMPTS
+    expected = hf_greedy(name, prompts, 6)
+    for _ in range(2):
+        outputs = llm.generate(prompts, greedy(6))
+        assert [o["token_ids"] for o in outputs] == expected
+        assert_all_pages_free(llm)
+    assert max(computed) <= 24
+    assert sum(o["cached_tokens"] for o in outputs) > 0
+    llm.shutdown()
+
+
+def test_bf16_runs_module_by_module(monkeypatch) -> None:
+    """The fused C decode layer does not compute experts: it refuses the model, and decode
+    takes the module path."""
+    from minisgl.models.fused_decode import FusedDecode
+
+    batches, set_fused = fused_decode_switch(monkeypatch)
+    set_fused(True)
+    llm = build_llm("qwen3-moe-mixed", dtype=torch.bfloat16, cache_type="naive")
+    model = llm.engine.model.model
+    x = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
+    assert model.layers[0].parts() is not None and model.layers[1].parts() is None
+    assert FusedDecode.supported(model, x) is None
+    outputs = llm.generate(MIXED_PROMPTS[:4], greedy(6))
+    assert all(len(o["token_ids"]) == 6 for o in outputs)
+    assert batches == []
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
+def test_load_quantization_keeps_the_router_dense() -> None:
+    from minisgl.layers.linear import CpuProjection
+    from minisgl.layers.quantized import QuantizedProjection
+
+    path = tiny_model("qwen3-moe")
+    config = load_model_config(path)
+    model = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64, "int8")
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp, SparseMoE)
+    assert isinstance(layer.mlp.gate.cpu_projection, CpuProjection)
+    assert isinstance(layer.self_attn.qkv_proj.cpu_projection, QuantizedProjection)
+
+
+def _saved_copy(tmp_path: Path, edit) -> Path:
+    """The top-2 tiny MoE model saved as one file with `edit` applied to its tensors."""
+    source = tiny_model("qwen3-moe")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    save_file(edit(tensors), str(target / "model.safetensors"))
+    return target
+
+
+def test_loader_stacks_every_expert_once(tmp_path: Path) -> None:
+    path = _saved_copy(tmp_path, lambda t: t)
+    model = create_model(load_model_config(path), path, torch.float32, torch.device("cpu"), 64)
+    tensors = load_file(str(path / "model.safetensors"))
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, SparseMoE)
+    for e in range(8):
+        prefix = f"model.layers.1.mlp.experts.{e}"
+        want = torch.cat(
+            [tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"]]
+        )
+        assert torch.equal(moe.w_gate_up[e], want)
+        assert torch.equal(moe.w_down[e], tensors[f"{prefix}.down_proj.weight"])
+
+
+@pytest.mark.parametrize(
+    "edit,error,match",
+    [
+        (
+            lambda t: {k: v for k, v in t.items() if "layers.1.mlp.experts.5.up_proj" not in k},
+            ValueError,
+            "w_gate_up lacks",
+        ),
+        (
+            lambda t: {**t, "model.layers.0.mlp.experts.8.down_proj.weight": torch.zeros(64, 32)},
+            KeyError,
+            "experts.8",
+        ),
+        (
+            lambda t: {k: v for k, v in t.items() if "layers.0.mlp.gate.weight" not in k},
+            ValueError,
+            "lacks 1 tensors",
+        ),
+    ],
+    ids=["expert-part-missing", "expert-past-the-count", "router-missing"],
+)
+def test_a_moe_checkpoint_that_does_not_fit_names_the_tensor(tmp_path, edit, error, match):
+    path = _saved_copy(tmp_path, edit)
+    with pytest.raises(error, match=match):
+        create_model(load_model_config(path), path, torch.bfloat16, torch.device("cpu"), 64)
