@@ -127,7 +127,9 @@ def launch_data_parallel(args: ServerArgs, argv: list[str]) -> int:
             time.sleep(0.5)
         command = [python, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
         command += ["--policy", args.router_policy, "--host", args.host, "--port", str(args.port)]
-        command += ["--log-level", "warn" if args.log_level == "info" else args.log_level]
+        # Ours at info is the router at warn (it logs every request at info).
+        router_level = {"debug": "debug", "error": "error"}.get(args.log_level, "warn")
+        command += ["--log-level", router_level]
         # A replica that refuses a connection is out at once (circuit open, health failed), so
         # the retry goes to another: with the defaults the cache-aware policy retried the dead
         # one and answered 500 until 5 failures or the next health check.
