@@ -20,6 +20,7 @@ from minisgl.utils.hf import default_gguf_path, default_model_path
 
 # Byte offsets of each block's float16 fields (scale, and min where there is one).
 _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+_F16_FIELDS.update({Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q5_K: (0, 2)})
 # (bits where in_features is a multiple of 64, group, scale dtype, has mins) per type.
 _LAYOUTS = {
     Q.Q8_0: (8, 32, torch.float16, False),
@@ -27,6 +28,9 @@ _LAYOUTS = {
     Q.Q4_1: (4, 32, torch.float16, True),
     Q.Q4_K: (4, 32, torch.float32, True),
     Q.Q6_K: (8, 16, torch.float32, False),
+    Q.Q5_0: (8, 32, torch.float16, False),
+    Q.Q5_1: (8, 32, torch.float16, True),
+    Q.Q5_K: (8, 32, torch.float32, True),
 }
 
 
@@ -63,6 +67,10 @@ def _assert_exact(got: torch.Tensor, want: torch.Tensor, qtype: Q) -> None:
         (Q.Q4_1, 288),
         (Q.Q4_K, 512),
         (Q.Q6_K, 512),
+        (Q.Q5_0, 256),
+        (Q.Q5_0, 288),
+        (Q.Q5_1, 288),
+        (Q.Q5_K, 512),
     ],
     ids=lambda v: v.name if isinstance(v, Q) else str(v),
 )
@@ -87,8 +95,8 @@ def test_q4_0_scale_too_large_for_float16_mins_keeps_float32() -> None:
 
 
 def test_unsupported_types_are_not_repacked() -> None:
-    raw = _random_blocks(Q.Q5_0, 4, 64, seed=3)
-    assert repack(raw, Q.Q5_0) is None
+    raw = _random_blocks(Q.IQ4_NL, 4, 64, seed=3)
+    assert repack(raw, Q.IQ4_NL) is None
     assert repack(np.zeros((4, 64), dtype=np.float32), Q.F32) is None
 
 
@@ -101,7 +109,7 @@ _TENSORS = [
     ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight", Q.Q4_1, (256, 256)),
     ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", Q.F16, (96, 256)),
     ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", Q.Q4_1, (96, 256)),
-    ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", Q.Q5_0, (256, 96)),
+    ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", Q.IQ4_NL, (256, 96)),
     ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", Q.F32, (256,)),
     ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", Q.F32, (256,)),
     ("output_norm.weight", "model.norm.weight", Q.F32, (256,)),

@@ -1,5 +1,6 @@
 """Read a GGUF file's weights under their Hugging Face names, keeping the quantized ones
-quantized: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are repacked into QuantizedWeight exactly
+quantized: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and (in the 8-bit layout) Q5_0, Q5_1, Q5_K blocks are
+repacked into QuantizedWeight exactly
 (same integers, same float arithmetic as gguf-py's dequantization), tensor by tensor from the
 memory-mapped file."""
 
@@ -140,7 +141,59 @@ def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(torch.from_numpy(values), torch.from_numpy(scales), None, 8, 16)
 
 
+def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 quants as 0..31 per column [rows, blocks * 32]: the low nibbles as Q4_0's,
+    bit i of the block's 32-bit qh the fifth bit of column i (gguf-py's unpacking)."""
+    rows = qs.shape[0]
+    high = np.array(qh).view(np.uint32)[..., None] >> np.arange(32, dtype=np.uint32)
+    return _nibbles(qs) | ((high & 1).astype(np.uint8).reshape(rows, -1) << np.uint8(4))
+
+
+def _q5_0(blocks: np.ndarray) -> QuantizedWeight:
+    # gguf-py: d * (q - 16): kept as the signed integers q - 16, no offset (the same product).
+    rows = blocks.shape[0]
+    values = _five_bit(blocks[..., 2:6], blocks[..., 6:]).astype(np.int8) - np.int8(16)
+    scales = np.array(blocks[..., :2]).view(np.float16).reshape(rows, -1)
+    return QuantizedWeight(torch.from_numpy(values), torch.from_numpy(scales), None, 8, 32)
+
+
+def _q5_1(blocks: np.ndarray) -> QuantizedWeight:
+    rows = blocks.shape[0]
+    values = _five_bit(blocks[..., 4:8], blocks[..., 8:]).astype(np.int8)
+    scales = np.array(blocks[..., :2]).view(np.float16).reshape(rows, -1)
+    mins = np.array(blocks[..., 2:4]).view(np.float16).reshape(rows, -1)
+    return QuantizedWeight(
+        torch.from_numpy(values), torch.from_numpy(scales), torch.from_numpy(mins), 8, 32
+    )
+
+
+def _q5_k(blocks: np.ndarray) -> QuantizedWeight:
+    # Q4_K's scales and nibbles, plus a fifth bit per column: bit j of qh[i] for column i of
+    # sub-block j (gguf-py's unpacking); 0..31 in the 8-bit layout.
+    rows, per_row = blocks.shape[:2]
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    n = flat.shape[0]
+    d, dmin = _f16(flat[:, 0:2]), _f16(flat[:, 2:4])
+    sc, m = Q4_K.get_scale_min(np.array(flat[:, 4:16]))
+    scales = (d * sc.astype(np.float32)).reshape(rows, per_row * 8)
+    mins = -(dmin * m.astype(np.float32)).reshape(rows, per_row * 8)
+    qh, qs = flat[:, 16:48], flat[:, 48:]
+    low = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = qh.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    values = (low & np.uint8(0x0F)).reshape(n, 8, 32) | (
+        (high & np.uint8(1)).reshape(n, 8, 32) << np.uint8(4)
+    )
+    return QuantizedWeight(
+        torch.from_numpy(values.astype(np.int8).reshape(rows, -1)),
+        torch.from_numpy(scales),
+        torch.from_numpy(mins),
+        8,
+        32,
+    )
+
+
 _REPACK = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}
+_REPACK.update({Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k})
 # The block types `repack` keeps quantized; the rest are served dense.
 QUANTIZED_TYPES = tuple(_REPACK)
 
@@ -238,7 +291,7 @@ class GgufCheckpoint:
         )
 
     def quantized(self, name: str) -> QuantizedWeight | None:
-        """The 2-D tensor repacked exactly (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); None otherwise."""
+        """The 2-D tensor repacked exactly (QUANTIZED_TYPES); None otherwise."""
         if self._closed:
             raise RuntimeError("GgufCheckpoint used after it was closed")
         if len(self.entries[name].shape) != 2 or self._data[name][1] not in QUANTIZED_TYPES:

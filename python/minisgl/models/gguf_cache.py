@@ -22,7 +22,7 @@ from .gguf import GgufCheckpoint
 from .weight import TensorEntry
 
 # Bumped whenever QuantizedWeight's layout or a repacking changes: old files are then ignored.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 # Dense tensors are kept (float32) until the cache is written: skip caching files with more.
 MAX_DENSE_BYTES = 256 << 20
 
