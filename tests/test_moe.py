@@ -21,9 +21,10 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from minisgl.layers.moe import SparseMoE, grouped_experts, route
+from minisgl.layers.moe import SparseMoE, route
 from minisgl.models import create_model, load_model_config
 from minisgl.models.config import ModelConfig
+from minisgl.moe import grouped_experts
 
 MOE_MODELS = ["qwen3-moe", "qwen3-moe-mixed"]
 MAX_NEW = [12, 5, 16, 9, 3, 14, 7, 10]
@@ -85,7 +86,7 @@ def test_sparse_moe_equals_transformers_block(norm_topk_prob: bool, dtype: torch
     hf = Qwen3MoeSparseMoeBlock(config).to(dtype).eval()
     for param in hf.parameters():
         torch.nn.init.normal_(param, std=0.2)
-    ours = SparseMoE(32, 16, 8, 3, norm_topk_prob)
+    ours = SparseMoE(32, 16, 8, 3, norm_topk_prob, grouped_experts)
     ours.gate.weight.data = hf.gate.weight.data.clone()
     ours.w_gate_up.data = hf.experts.gate_up_proj.data.clone()
     ours.w_down.data = hf.experts.down_proj.data.clone()

@@ -16,6 +16,7 @@ from minisgl.layers import (
     SparseMoE,
     VocabEmbedding,
 )
+from minisgl.moe import MOE_BACKENDS
 
 from .config import ModelConfig
 from .fused_decode import FusedDecode, LayerParts
@@ -68,6 +69,7 @@ class DecoderLayer(nn.Module):
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.norm_topk_prob,
+                MOE_BACKENDS["torch"],
             )
         else:
             self.mlp = MLP(config)
