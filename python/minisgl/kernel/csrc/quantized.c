@@ -367,43 +367,61 @@ static void dequant_block_packed(const quantized_weight* w, int64_t n0, int64_t 
 // dequantized to bf16 once in registers (as dequant_row rounds them), then one vdpbf16ps per x
 // row. 4 bits through a table of the group's 16 values (fma of 0..15 with its scale and
 // offset, rounded): one lookup per 32 weights. chunk_group: each 16 columns' group.
+// Columns k..k+31 of weight row n dequantized and rounded to bf16 (its scales and mins given as
+// float32 per group): 8 bits through float32, 4 bits through the group's table of 16 values.
+static inline __attribute__((always_inline)) __m512bh wide_weights(
+    const quantized_weight* w, int64_t n, int64_t K, int64_t k, int32_t g0, int32_t g1,
+    const float* scales, const float* mins) {
+    const __m512 zero = _mm512_setzero_ps();
+    if (w->bits == 8) {
+        const __m512 lo = _mm512_fmadd_ps(ints16(w, n, K, k), _mm512_set1_ps(scales[g0]),
+                                          mins ? _mm512_set1_ps(mins[g0]) : zero);
+        const __m512 hi = _mm512_fmadd_ps(ints16(w, n, K, k + 16), _mm512_set1_ps(scales[g1]),
+                                          mins ? _mm512_set1_ps(mins[g1]) : zero);
+        return _mm512_cvtne2ps_pbh(hi, lo);
+    }
+    // A group of 32 or more: one table for the 32 columns.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[g0]),
+                                          mins ? _mm512_set1_ps(mins[g0]) : zero);
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+    const uint8_t* q = (const uint8_t*)w->values + n * (K / 2) + (k >> 6) * 32;
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)q));
+    const __m512i idx = (k & 32) ? _mm512_srli_epi16(bytes, 4)
+                                 : _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+    return (__m512bh)_mm512_permutexvar_epi16(idx, table);
+}
+
+// More x rows (M, at most QROWS_WIDE, a constant where inlined), bf16: each 32 weights of a row
+// dequantized to bf16 once in registers (as dequant_row rounds them), then one vdpbf16ps per x
+// row; two weight rows at a time (PAIR 2), so each x load feeds two dot products (one a load
+// was as many instructions as the bf16 GEMV's 4 x 4 blocks need for both). chunk_group: each
+// 16 columns' group.
 static inline __attribute__((always_inline)) void rows_wide_impl(
     const bf16_t* x, const quantized_weight* w, const void* bias, void* y, int64_t N, int64_t K,
-    int64_t n0, int64_t n1, int out_f32, float* scratch, const int32_t* chunk_group,
-    const int M) {
-    const int64_t groups = K / w->group;
-    float *scales = scratch, *mins = scratch + padded(groups);
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t n = n0; n < n1; n++) {
-        group_floats(w, w->scales, n, groups, scales);
-        if (w->mins) group_floats(w, w->mins, n, groups, mins);
-        __m512 acc[QROWS_WIDE];
-        for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-            const int32_t g0 = chunk_group[k / 16], g1 = chunk_group[k / 16 + 1];
-            __m512bh wv;
-            if (w->bits == 8) {
-                const __m512 lo = _mm512_fmadd_ps(ints16(w, n, K, k), _mm512_set1_ps(scales[g0]),
-                                                  w->mins ? _mm512_set1_ps(mins[g0]) : _mm512_setzero_ps());
-                const __m512 hi = _mm512_fmadd_ps(ints16(w, n, K, k + 16), _mm512_set1_ps(scales[g1]),
-                                                  w->mins ? _mm512_set1_ps(mins[g1]) : _mm512_setzero_ps());
-                wv = _mm512_cvtne2ps_pbh(hi, lo);
-            } else {  // a group of 32 or more: one table for the 32 columns
-                const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[g0]),
-                                                      w->mins ? _mm512_set1_ps(mins[g0]) : _mm512_setzero_ps());
-                const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-                const uint8_t* q = (const uint8_t*)w->values + n * (K / 2) + (k >> 6) * 32;
-                const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)q));
-                const __m512i idx = (k & 32) ? _mm512_srli_epi16(bytes, 4)
-                                             : _mm512_and_si512(bytes, _mm512_set1_epi16(15));
-                wv = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-            }
-            for (int r = 0; r < M; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(x + r * K + k));
-        }
-        for (int r = 0; r < M; r++)
-            store_out(y, r * N + n, _mm512_reduce_add_ps(acc[r]), bias, n, 1, out_f32);
+    int64_t n, int out_f32, float* scratch, const int32_t* chunk_group, const int M,
+    const int PAIR) {
+    const int64_t groups = K / w->group, stride = padded(groups);
+    __m512 acc[2][QROWS_WIDE];
+    for (int p = 0; p < PAIR; p++) {
+        group_floats(w, w->scales, n + p, groups, scratch + 2 * p * stride);
+        if (w->mins) group_floats(w, w->mins, n + p, groups, scratch + (2 * p + 1) * stride);
+        for (int r = 0; r < M; r++) acc[p][r] = _mm512_setzero_ps();
     }
+    for (int64_t k = 0; k < K; k += 32) {
+        const int32_t g0 = chunk_group[k / 16], g1 = chunk_group[k / 16 + 1];
+        __m512bh wv[2];
+        for (int p = 0; p < PAIR; p++)
+            wv[p] = wide_weights(w, n + p, K, k, g0, g1, scratch + 2 * p * stride,
+                                 w->mins ? scratch + (2 * p + 1) * stride : NULL);
+        for (int r = 0; r < M; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+            for (int p = 0; p < PAIR; p++) acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wv[p], xv);
+        }
+    }
+    for (int p = 0; p < PAIR; p++)
+        for (int r = 0; r < M; r++)
+            store_out(y, r * N + n + p, _mm512_reduce_add_ps(acc[p][r]), bias, n + p, 1, out_f32);
 }
 
 static void rows_wide(const bf16_t* x, const quantized_weight* w, const void* bias, void* y,
@@ -412,21 +430,23 @@ static void rows_wide(const bf16_t* x, const quantized_weight* w, const void* bi
     for (int64_t m0 = 0; m0 < M; m0 += QROWS_WIDE) {
         const bf16_t* xm = x + m0 * K;
         void* ym = out_f32 ? (void*)((float*)y + m0 * N) : (void*)((bf16_t*)y + m0 * N);
-        switch (M - m0 < QROWS_WIDE ? M - m0 : QROWS_WIDE) {
-#define WIDE_CASE(rows)                                                                      \
-    case rows:                                                                               \
-        rows_wide_impl(xm, w, bias, ym, N, K, n0, n1, out_f32, scratch, chunk_group, rows); \
+        const int64_t rows = M - m0 < QROWS_WIDE ? M - m0 : QROWS_WIDE;
+        for (int64_t n = n0; n < n1;) {
+            const int pair = n + 1 < n1 ? 2 : 1;
+            switch (rows * 2 + pair - 1) {  // (rows, pair) as one constant each
+#define WIDE_CASE(r, p)                                                                      \
+    case r * 2 + p - 1:                                                                      \
+        rows_wide_impl(xm, w, bias, ym, N, K, n, out_f32, scratch, chunk_group, r, p); \
         break;
-            WIDE_CASE(1)
-            WIDE_CASE(2)
-            WIDE_CASE(3)
-            WIDE_CASE(4)
-            WIDE_CASE(5)
-            WIDE_CASE(6)
-            WIDE_CASE(7)
-            default:
-            WIDE_CASE(8)
+                WIDE_CASE(1, 1) WIDE_CASE(1, 2) WIDE_CASE(2, 1) WIDE_CASE(2, 2)
+                WIDE_CASE(3, 1) WIDE_CASE(3, 2) WIDE_CASE(4, 1) WIDE_CASE(4, 2)
+                WIDE_CASE(5, 1) WIDE_CASE(5, 2) WIDE_CASE(6, 1) WIDE_CASE(6, 2)
+                WIDE_CASE(7, 1) WIDE_CASE(7, 2) WIDE_CASE(8, 1)
+                default:
+                WIDE_CASE(8, 2)
 #undef WIDE_CASE
+            }
+            n += pair;
         }
     }
 }
