@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see --help)."""
     p = base_parser(__doc__)
     p.add_argument("--policies", default=",".join(EVICTION_POLICIES.names()))
-    p.add_argument("--requests", type=int, default=160, help="requests in the stream")
+    p.add_argument("--requests", type=int, default=128, help="requests in the stream")
     p.add_argument("--prefixes", type=int, default=12, help="distinct shared prefixes")
     p.add_argument("--prefix-len", type=int, default=128, help="tokens per shared prefix")
     p.add_argument("--suffix-len", type=int, default=16, help="fresh tokens per request")
