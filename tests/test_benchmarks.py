@@ -118,3 +118,16 @@ def test_busy_loops_die_with_their_owner(paused: bool) -> None:
         proc.wait()
     # A zombie is dead: the process that adopted it has yet to reap it.
     assert settle(spinner, (None, "Z")) in (None, "Z")
+
+
+def test_eviction_benchmark_smoke_run() -> None:
+    """A few requests over three prefixes, two policies: one table row each."""
+    env = {**os.environ, "MINISGL_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, str(ROOT / "benchmark" / "eviction.py"), "--policies", "lru,priority"]
+    cmd += ["--requests", "8", "--prefixes", "3", "--prefix-len", "32", "--threads", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r[1].strip() for r in rows[1:]] == ["lru", "priority"]
+    for r in rows[1:]:
+        assert 0.0 <= float(r[2].strip().removesuffix("%")) <= 100.0 and float(r[3]) > 0

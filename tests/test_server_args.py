@@ -52,3 +52,14 @@ def test_prefill_budget_below_one_is_refused_naming_the_option(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--chunked-prefill-size", value])
         assert "--chunked-prefill-size" in capsys.readouterr().err
+
+
+def test_radix_eviction_policy_reaches_the_engine(capsys) -> None:
+    """SGLang's --radix-eviction-policy: one of the registered policies, lru by default."""
+    assert parse_args([]).engine_kwargs()["radix_eviction_policy"] == "lru"
+    args = parse_args(["--radix-eviction-policy", "slru", "--schedule-policy", "priority"])
+    assert args.engine_kwargs()["radix_eviction_policy"] == "slru"
+    assert args.engine_kwargs()["schedule_policy"] == "priority"
+    with pytest.raises(SystemExit):
+        parse_args(["--radix-eviction-policy", "random"])
+    assert "--radix-eviction-policy" in capsys.readouterr().err

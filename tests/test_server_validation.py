@@ -287,6 +287,13 @@ REFUSED = [
         "sampling_params.n",
     ),
     ("/generate", {"text": ["x", "y"], "rid": ["a"]}, "rid"),
+    # SGLang's request priority: an integer (not a string, float or boolean) within int64.
+    ("/generate", {"text": "x", "priority": "high"}, "priority"),
+    ("/generate", {"text": "x", "priority": 1.5}, "priority"),
+    ("/generate", {"text": "x", "priority": True}, "priority"),
+    ("/generate", {"text": "x", "priority": 2**63}, "priority"),
+    ("/v1/completions", {"prompt": "x", "priority": "1"}, "priority"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": 2.0}, "priority"),
     ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
@@ -305,6 +312,19 @@ def test_extension_and_native_refusals_name_the_parameter(app):
         assert error["param"] == param and error["message"], (path, body, error)
         assert app.frontend._tracked == {}, (path, body)
     assert app.pipeline.take_received() == []  # nothing left the API server
+
+
+def test_priority_reaches_the_pipeline(app):
+    """The request's priority (default 0) rides on its sampling parameters."""
+    for path, body, want in [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "priority": 7}, 7),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "priority": -3}, -3),
+        ("/generate", {"text": ["x", "y"], "priority": 2**62}, 2**62),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}, 0),
+    ]:
+        assert app.http.post(path, json=body).status_code == 200, (path, body)
+        received = app.pipeline.take_received()
+        assert received and all(m.sampling_params.priority == want for m in received), path
 
 
 def test_health_generate_runs_a_token_through_the_pipeline(app):

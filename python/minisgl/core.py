@@ -132,6 +132,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # A matched stop string (or stop token) stays at the end of the text.
     include_stop_str_in_output: bool = False
+    # SGLang's request priority, larger = more important: `--schedule-policy priority` admits
+    # it first, retraction takes lower ones first, the `priority` eviction policy keeps its
+    # prefixes longer.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,6 +167,12 @@ class SamplingParams:
                 or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             ),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0),
+            (
+                "priority",
+                isinstance(self.priority, int)
+                and not isinstance(self.priority, bool)
+                and -(2**63) <= self.priority < 2**63,
+            ),
         ]
         for name, ok in checks:
             if not ok:

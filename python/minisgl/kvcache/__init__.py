@@ -16,24 +16,32 @@ from .base import (
     MatchResult,
     SizeInfo,
 )
+from .eviction import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
 from .mha_pool import MHAKVCache
 from .naive_cache import NaivePrefixCache
 from .radix_cache import RadixPrefixCache
 
-PREFIX_CACHES: Registry[Callable[[torch.device], BasePrefixCache]] = Registry("cache_type")
-PREFIX_CACHES.register("naive")(NaivePrefixCache)
+# Factories of (device, eviction policy name); a cache that evicts nothing ignores the policy.
+PREFIX_CACHES: Registry[Callable[[torch.device, str], BasePrefixCache]] = Registry("cache_type")
+PREFIX_CACHES.register("naive")(lambda device, _policy: NaivePrefixCache(device))
 PREFIX_CACHES.register("radix")(RadixPrefixCache)
 
 
-def create_prefix_cache(cache_type: str, device: torch.device) -> BasePrefixCache:
-    return PREFIX_CACHES[cache_type](device)
+def create_prefix_cache(
+    cache_type: str, device: torch.device, eviction_policy: str = "lru"
+) -> BasePrefixCache:
+    """A prefix cache by type name; `eviction_policy` names an EVICTION_POLICIES entry."""
+    make_eviction_policy(eviction_policy)  # an unknown name raises, whatever the cache type
+    return PREFIX_CACHES[cache_type](device, eviction_policy)
 
 
 __all__ = [
+    "EVICTION_POLICIES",
     "PREFIX_CACHES",
     "BaseCacheHandle",
     "BaseKVCache",
     "BasePrefixCache",
+    "EvictionPolicy",
     "InsertResult",
     "MHAKVCache",
     "MatchResult",
@@ -41,4 +49,5 @@ __all__ = [
     "RadixPrefixCache",
     "SizeInfo",
     "create_prefix_cache",
+    "make_eviction_policy",
 ]

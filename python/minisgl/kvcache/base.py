@@ -68,7 +68,15 @@ class BasePrefixCache(ABC):
     def match_prefix(self, input_ids: torch.Tensor) -> MatchResult: ...
 
     @abstractmethod
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult: ...
+    def insert_prefix(
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        priority: int = 0,
+        count_hit: bool = True,
+    ) -> InsertResult:
+        """Cache `input_ids` whose KV sits at `indices`. `priority`: the inserting request's
+        (larger = keep longer); `count_hit`: count this insert as a use of the prefix."""
 
     @abstractmethod
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None: ...

@@ -27,7 +27,13 @@ class NaivePrefixCache(BasePrefixCache):
     def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
         return MatchResult(self._handle)
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_prefix(
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        priority: int = 0,
+        count_hit: bool = True,
+    ) -> InsertResult:
         return InsertResult(0, self._handle)
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:

@@ -15,12 +15,23 @@ from minisgl.kernel.torch_ops import fast_compare_key
 from minisgl.utils import align_down
 
 from .base import BaseCacheHandle, BasePrefixCache, InsertResult, MatchResult, SizeInfo
+from .eviction import EvictionPolicy, make_eviction_policy
 
 KeyFn: TypeAlias = Callable[[torch.Tensor], Any]
 
 # Rebuild the lazily cleaned heap once stale entries outnumber live leaves this many times over.
 _HEAP_SLACK_FACTOR = 4
 _HEAP_MIN_REBUILD_SIZE = 64
+
+_last_tick = 0
+
+
+def _clock() -> int:
+    """time.monotonic_ns(), made strictly increasing: two accesses never tie, so the eviction
+    order is the order of the calls (two reads of the clock can return the same value)."""
+    global _last_tick
+    _last_tick = max(time.monotonic_ns(), _last_tick + 1)
+    return _last_tick
 
 
 class RadixTreeNode:
@@ -35,7 +46,11 @@ class RadixTreeNode:
         self.ref_count = 0
         self.uuid = RadixTreeNode.counter
         RadixTreeNode.counter += 1
-        self.timestamp = tic or time.monotonic_ns()
+        self.timestamp = tic or _clock()
+        # Statistics the eviction policies read (kvcache/eviction.py, NodeStats).
+        self.creation_time = self.timestamp
+        self.hit_count = 0
+        self.priority = 0
         self._key: torch.Tensor
         self._value: torch.Tensor
         self._length: int
@@ -79,6 +94,9 @@ class RadixTreeNode:
         # Same first page as this node, so it takes over this node's slot in parent.children.
         new_node.set_parent(parent)
         new_node.ref_count = self.ref_count
+        # The head's KV was cached, used and wanted exactly as the whole node's was.
+        new_node.creation_time = self.creation_time
+        new_node.hit_count, new_node.priority = self.hit_count, self.priority
         self.set_key_value(self._key[pos:], self._value[pos:])
         self.set_parent(new_node)
         return new_node
@@ -88,8 +106,8 @@ class RadixTreeNode:
         return (self.timestamp, self.uuid) < (other.timestamp, other.uuid)
 
 
-# A heap entry: (timestamp when pushed, node uuid as the tie-break, node).
-_HeapEntry: TypeAlias = tuple[int, int, RadixTreeNode]
+# A heap entry: (the policy's key when pushed, node uuid as the tie-break, node).
+_HeapEntry: TypeAlias = tuple[Any, int, RadixTreeNode]
 
 
 @dataclass(frozen=True)
@@ -118,17 +136,20 @@ def _make_key_fn(page_size: int) -> KeyFn:
 
 
 class RadixPrefixCache(BasePrefixCache):
-    """Shares KV of common prefixes across requests; evicts unlocked leaves in LRU order.
+    """Shares KV of common prefixes across requests; evicts unlocked leaves in the order of its
+    eviction policy (kvcache/eviction.py; LRU by default).
 
     Unlocked leaves are tracked incrementally in `evictable_leaves`, so eviction costs grow with
     what is evicted rather than with the size of the tree.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, eviction_policy: str | EvictionPolicy = "lru") -> None:
         self.device = device
         self.page_size = get_global_ctx().page_size
         self.key_fn = _make_key_fn(self.page_size)
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=device)
+        self.eviction_policy = make_eviction_policy(eviction_policy)
+        self._evict_key = self.eviction_policy.key
         self.reset()
 
     def reset(self) -> None:
@@ -140,8 +161,8 @@ class RadixPrefixCache(BasePrefixCache):
         self.evictable_size = 0
         self.protected_size = 0
         self.evictable_leaves: set[RadixTreeNode] = set()
-        # Lazily cleaned: an entry is stale once its node left `evictable_leaves`, or its
-        # timestamp was refreshed since the push (then it is re-pushed when popped).
+        # Lazily cleaned: an entry is stale once its node left `evictable_leaves`, or its key
+        # changed since the push (a smaller one is re-pushed when popped, a larger one dropped).
         self._leaf_heap: list[_HeapEntry] = []
         self._num_nodes = 0
 
@@ -154,15 +175,23 @@ class RadixPrefixCache(BasePrefixCache):
         node, prefix_len = self._tree_walk(input_ids)
         return MatchResult(RadixCacheHandle(prefix_len, node))
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        """Cache the whole pages of `input_ids`; `cached_len` is what was cached beforehand."""
+    def insert_prefix(
+        self,
+        input_ids: torch.Tensor,
+        indices: torch.Tensor,
+        priority: int = 0,
+        count_hit: bool = True,
+    ) -> InsertResult:
+        """Cache the whole pages of `input_ids`; `cached_len` is what was cached beforehand.
+        Every node on the path takes at least `priority`, and one hit if `count_hit`."""
         insert_len = align_down(len(input_ids), self.page_size)
         input_ids, indices = input_ids[:insert_len], indices[:insert_len]
-        node, prefix_len = self._tree_walk(input_ids)
+        node, prefix_len = self._tree_walk(input_ids, priority, count_hit)
         if prefix_len != insert_len:
             new_node = RadixTreeNode(self.key_fn)
             new_node.set_key_value(input_ids[prefix_len:], indices[prefix_len:].clone())
             new_node.set_parent(node)
+            new_node.hit_count, new_node.priority = int(count_hit), priority
             self._num_nodes += 1
             self.evictable_size += new_node.length
             self.evictable_leaves.discard(node)  # it has a child now
@@ -192,21 +221,24 @@ class RadixPrefixCache(BasePrefixCache):
             node = node.parent
 
     def evict(self, size: int) -> torch.Tensor:
-        """Free at least `size` tokens by dropping unlocked leaves, least recently used first."""
+        """Free at least `size` tokens by dropping unlocked leaves, smallest policy key first."""
         if size == 0:
             return self.empty_tensor
         assert size <= self.evictable_size, f"Cannot evict {size}, only {self.evictable_size}"
-        heap = self._leaf_heap
+        heap, evict_key = self._leaf_heap, self._evict_key
         evicted: list[torch.Tensor] = []
         evicted_size = 0
         while evicted_size < size:
             assert heap, f"Cannot evict enough cache: need {size}, got {evicted_size}"
-            pushed_at, _, node = heapq.heappop(heap)
+            pushed_key, _, node = heapq.heappop(heap)
             if node not in self.evictable_leaves:
                 continue  # locked, grew a child, or already evicted since the push
-            if pushed_at != node.timestamp:
-                # Accessed since the push; timestamps only grow, so it belongs further back.
-                heapq.heappush(heap, (node.timestamp, node.uuid, node))
+            key = evict_key(node)
+            if pushed_key != key:
+                # Touched since the push. Every evictable leaf has an entry no larger than its
+                # key: a smaller stale one is re-filed now, a larger one has a newer twin.
+                if pushed_key < key:
+                    heapq.heappush(heap, (key, node.uuid, node))
                 continue
             evicted_size += node.length
             evicted.append(node.value)
@@ -248,19 +280,24 @@ class RadixPrefixCache(BasePrefixCache):
             f"evictable leaf set mismatch: {len(unlocked_leaves)} unlocked leaves in the tree, "
             f"{len(self.evictable_leaves)} tracked"
         )
-        # Every evictable leaf needs a heap entry no later than its timestamp, or evict misses it.
-        earliest_entry: dict[RadixTreeNode, int] = {}
-        for pushed_at, _, node in self._leaf_heap:
-            earliest_entry[node] = min(pushed_at, earliest_entry.get(node, pushed_at))
+        # Every evictable leaf needs a heap entry no larger than its key, or evict misses it.
+        smallest_entry: dict[RadixTreeNode, Any] = {}
+        for pushed_key, _, node in self._leaf_heap:
+            if node not in smallest_entry or pushed_key < smallest_entry[node]:
+                smallest_entry[node] = pushed_key
         for node in self.evictable_leaves:
-            assert node in earliest_entry and earliest_entry[node] <= node.timestamp, (
+            assert node in smallest_entry and smallest_entry[node] <= self._evict_key(node), (
                 "evictable leaf missing from the heap"
             )
 
-    def _tree_walk(self, input_ids: torch.Tensor) -> tuple[RadixTreeNode, int]:
+    def _tree_walk(
+        self, input_ids: torch.Tensor, priority: int | None = None, count_hit: bool = False
+    ) -> tuple[RadixTreeNode, int]:
+        """Follow `input_ids` down the tree, touching each node passed; an insert also raises
+        their priority to `priority` and counts a hit on them if `count_hit`."""
         prefix_len, total = 0, len(input_ids)
         node = self.root_node
-        tic = time.monotonic_ns()
+        tic = _clock()
         while prefix_len < total:
             child = node.children.get(self.key_fn(input_ids[prefix_len:]))
             if child is None:
@@ -271,21 +308,36 @@ class RadixPrefixCache(BasePrefixCache):
             prefix_len += match_len
             if match_len != node.length:
                 # Split so the returned node ends exactly where the match ends; the tail keeps
-                # its old timestamp and its leaf status, the head is internal.
+                # its old statistics and its leaf status, the head is internal.
                 node = node.split_at(match_len)
                 self._num_nodes += 1
-                node.timestamp = tic
+                self._touch(node, tic, priority, count_hit)
                 return node, prefix_len
-            # A refreshed evictable leaf keeps its older heap entry; evict re-pushes it lazily.
-            node.timestamp = tic
+            self._touch(node, tic, priority, count_hit)
         return node, prefix_len
+
+    def _touch(self, node: RadixTreeNode, tic: int, priority: int | None, count_hit: bool) -> None:
+        # A touched evictable leaf keeps its heap entry if its key can only have grown (evict
+        # re-files it lazily); a policy whose keys shrink on access needs it re-filed now.
+        refile = not self.eviction_policy.keys_only_grow and node in self.evictable_leaves
+        node.timestamp = tic
+        if count_hit:
+            node.hit_count += 1
+        if priority is not None and priority > node.priority:
+            node.priority = priority
+        if refile:
+            self._push(node)
 
     def _add_evictable_leaf(self, node: RadixTreeNode) -> None:
         self.evictable_leaves.add(node)
-        heapq.heappush(self._leaf_heap, (node.timestamp, node.uuid, node))
+        self._push(node)
+
+    def _push(self, node: RadixTreeNode) -> None:
+        heapq.heappush(self._leaf_heap, (self._evict_key(node), node.uuid, node))
         live = len(self.evictable_leaves)
         if len(self._leaf_heap) > _HEAP_SLACK_FACTOR * live + _HEAP_MIN_REBUILD_SIZE:
-            self._leaf_heap = [(n.timestamp, n.uuid, n) for n in self.evictable_leaves]
+            key = self._evict_key
+            self._leaf_heap = [(key(n), n.uuid, n) for n in self.evictable_leaves]
             heapq.heapify(self._leaf_heap)
 
     def _remove_leaf(self, node: RadixTreeNode) -> None:

@@ -124,7 +124,14 @@ class CacheManager:
         row, kv_len = req.table_idx, req.cached_len
         indices = self.page_table[row, :kv_len]
         old = req.cache_handle
-        cached_len, new = self.prefix_cache.insert_prefix(req.input_ids[:kv_len], indices)
+        # One hit per request, at its end: prefill inserts (chunk by chunk) would count it
+        # again for every chunk and make a single use look like several (LFU, SLRU).
+        cached_len, new = self.prefix_cache.insert_prefix(
+            req.input_ids[:kv_len],
+            indices,
+            priority=req.sampling_params.priority,
+            count_hit=finished,
+        )
         if cached_len > old.cached_len:
             self._free(self.page_table[row, old.cached_len : cached_len])
             self.page_table[row, old.cached_len : cached_len] = new.get_matched_indices()[

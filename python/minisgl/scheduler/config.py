@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.engine import EngineConfig
-from minisgl.kvcache import PREFIX_CACHES
+from minisgl.kvcache import EVICTION_POLICIES, PREFIX_CACHES
 
 # Chosen by measurement (benchmark/overlap.py, docs/cpu-fast-path.md): on a 2-core CPU the
 # worker thread competes with the forward for the cores and W1 ran ~20% slower with overlap.
@@ -15,6 +15,9 @@ OVERLAP_DEFAULT = {"cpu": False, "cuda": True}
 @dataclass
 class SchedulerConfig(EngineConfig):
     cache_type: str = "radix"
+    # Which unlocked radix leaf is evicted first (kvcache/eviction.py): lru, lfu, fifo, mru,
+    # filo, priority or slru.
+    radix_eviction_policy: str = "lru"
     schedule_policy: str = "fcfs"
     # Overlap scheduling (prepare step N+1 while step N runs); None picks the device default.
     overlap_schedule: bool | None = None
@@ -26,6 +29,11 @@ class SchedulerConfig(EngineConfig):
         if self.cache_type not in PREFIX_CACHES:
             raise ValueError(
                 f"unknown cache_type {self.cache_type!r}; choose one of {PREFIX_CACHES.names()}"
+            )
+        if self.radix_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"unknown radix_eviction_policy {self.radix_eviction_policy!r}; "
+                f"choose one of {EVICTION_POLICIES.names()}"
             )
         from .policy import SCHEDULE_POLICIES
 

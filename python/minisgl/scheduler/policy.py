@@ -29,3 +29,12 @@ def lpm(waiting: deque[Req], cached_len: Callable[[Req], int]) -> None:
     ordered = sorted(waiting, key=lambda r: -cached_len(r))
     waiting.clear()
     waiting.extend(ordered)
+
+
+@SCHEDULE_POLICIES.register("priority")
+def priority(waiting: deque[Req], cached_len: Callable[[Req], int]) -> None:
+    """Highest `SamplingParams.priority` first (SGLang's: larger = more important), then
+    arrival order (uid: a retracted request keeps its place among its equals)."""
+    ordered = sorted(waiting, key=lambda r: (-r.sampling_params.priority, r.uid))
+    waiting.clear()
+    waiting.extend(ordered)

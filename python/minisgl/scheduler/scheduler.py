@@ -52,7 +52,7 @@ class Scheduler(ResultsMixin):
             self.engine.num_pages,
             config.page_size,
             self.engine.page_table,
-            create_prefix_cache(config.cache_type, self.device),
+            create_prefix_cache(config.cache_type, self.device, config.radix_eviction_policy),
         )
         self.order_queue = SCHEDULE_POLICIES[config.schedule_policy]
         self.waiting: deque[Req] = deque()
@@ -289,7 +289,7 @@ class Scheduler(ResultsMixin):
 
     def _schedule_decode(self) -> Batch | None:
         while self.running and not self._decode_fits():
-            self._retract(self.running[-1])
+            self._retract(self._retraction_victim())
         reqs = self._decode_reqs()
         if not reqs:
             return None
@@ -299,8 +299,13 @@ class Scheduler(ResultsMixin):
         self.budget.on_decode()
         return Batch(reqs, "decode")
 
+    def _retraction_victim(self) -> Req:
+        """The running request to retract: the lowest priority, and among those the most
+        recently admitted (it has computed least)."""
+        return min(reversed(self.running), key=lambda r: r.sampling_params.priority)
+
     def _retract(self, req: Req) -> None:
-        """Send the most recently admitted request back to the queue; its KV stays cached."""
+        """Send a running request back to the queue; its KV stays cached."""
         assert not self._is_in_flight(req), "retracting a request of a running step"
         self._drop(req)
         self._release(req)

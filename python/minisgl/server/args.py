@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.engine.config import LOGPROBS_MODES
+from minisgl.kvcache import EVICTION_POLICIES
 from minisgl.layers.quantized import QUANTIZATIONS
 
 from .tools import TOOL_CALL_PARSERS
@@ -32,6 +33,7 @@ class ServerArgs:
     num_page_override: int | None = None
     max_seq_len_override: int | None = None
     cache_type: str = "radix"
+    radix_eviction_policy: str = "lru"
     max_prefill_length: int | None = None
     attention_backend: str = "auto"
     # None: the engine's default (only passed on when given).
@@ -55,6 +57,7 @@ class ServerArgs:
             num_page_override=self.num_page_override,
             max_seq_len_override=self.max_seq_len_override,
             cache_type=self.cache_type,
+            radix_eviction_policy=self.radix_eviction_policy,
             max_prefill_length=self.max_prefill_length,
             attention_backend=self.attention_backend,
             logprobs_mode=self.logprobs_mode,
@@ -124,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's spelling of --cache-type naive",
     )
     p.add_argument(
+        "--radix-eviction-policy",
+        default="lru",
+        choices=EVICTION_POLICIES.names(),
+        help="which unused cached prefix goes first when KV pages run out: lru (least recently "
+        "used, default), lfu (least often used), fifo (oldest), mru (most recently used), filo "
+        "(newest), priority (lowest request priority, then lru), slru (used once before used "
+        "twice or more, lru within each)",
+    )
+    p.add_argument(
         "--max-prefill-length",
         "--max-extend-length",
         "--chunked-prefill-size",
@@ -144,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule-policy",
         default=None,
-        help="fcfs, or lpm: longest cached prefix first (default: fcfs)",
+        help="fcfs; lpm: longest cached prefix first; priority: highest request priority "
+        "first, then arrival (default: fcfs)",
     )
     p.add_argument(
         "--overlap-schedule",

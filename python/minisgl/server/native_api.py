@@ -234,7 +234,9 @@ def register_native_routes(
             prompts, sampling, ids, logprob_options
         ):
             logprobs = (top, top if start >= 0 else None) if ret else (None, None)
-            sp = options.to_sampling_params(state.max_model_len, state.vocab_size, logprobs)
+            sp = options.to_sampling_params(
+                state.max_model_len, state.vocab_size, logprobs, req.priority
+            )
             for j in range(options.n):
                 sp_j = sp if j == 0 else dataclasses.replace(sp, seed=sample_seed(sp.seed, j))
                 text_options = {

@@ -101,8 +101,10 @@ class NativeSamplingParams(Strict):
         max_model_len: int,
         vocab_size: int | None,
         logprobs: tuple[int | None, int | None] = (None, None),
+        priority: int | None = None,
     ) -> SamplingParams:
-        """logprobs: (alternatives per output token, per prompt token), None where not asked."""
+        """logprobs: (alternatives per output token, per prompt token), None where not asked;
+        priority: the request's (a top-level field of /generate, as in SGLang)."""
         _refuse_set(self.model_extra, SAMPLING_UNSUPPORTED, "sampling_params.")
         values = {
             name: getattr(self, name)
@@ -119,6 +121,7 @@ class NativeSamplingParams(Strict):
             logprobs=logprobs[0],
             prompt_logprobs=logprobs[1],
             structured=self.constraint(),
+            priority=priority,
         )
         return make_sampling_params(values, max_model_len, vocab_size, SAMPLING_NAMES)
 
@@ -155,6 +158,8 @@ class NativeGenerateRequest(Strict):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    # SGLang's request priority, larger = more important; one for every prompt of a batch.
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
 
     @property
     def is_single(self) -> bool:

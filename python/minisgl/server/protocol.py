@@ -135,6 +135,8 @@ class GenerateRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # end-user id: metadata only
+    # SGLang's extension: larger = more important (scheduling, retraction, eviction).
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(alternatives per generated token, per prompt token): None where not asked."""
@@ -162,7 +164,8 @@ class GenerateRequest(Strict):
         `vocab_size` bounds logit_bias's token ids."""
         fields = (
             "temperature top_k top_p min_p presence_penalty frequency_penalty repetition_penalty "
-            "seed stop stop_token_ids ignore_eos min_tokens logit_bias include_stop_str_in_output"
+            "seed stop stop_token_ids ignore_eos min_tokens logit_bias include_stop_str_in_output "
+            "priority"
         ).split()
         values = {name: getattr(self, name) for name in fields}
         values["max_tokens"] = max_tokens

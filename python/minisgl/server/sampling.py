@@ -1,7 +1,7 @@
 """Sampling parameters at the edge, whatever the endpoint calls them: their limits, and the
 conversion of a request's values to `SamplingParams` with a 400 naming the parameter.
 
-Limits beyond OpenAI's own ranges: `seed` within int64 (as vLLM), `n` at most 64, `top_k` and
+Limits beyond OpenAI's own ranges: `seed` and `priority` within int64 (as vLLM), `n` at most 64, `top_k` and
 token ids within int32, at most 16 stop strings of at most 256 characters each (OpenAI allows
 4, vLLM any number) and 256 `stop_token_ids`, `repetition_penalty` in [0.01, 100] (float32
 logits divided by less overflow), at most 1,024 `logit_bias` entries, each in [-100, 100] on a
@@ -115,6 +115,7 @@ def make_sampling_params(
             logprobs=v.get("logprobs"),
             prompt_logprobs=v.get("prompt_logprobs"),
             structured=v.get("structured"),
+            priority=v.get("priority", 0),
         )
     except ValueError as exc:
         # SamplingParams.validate names the field: "invalid sampling parameter NAME=..."
