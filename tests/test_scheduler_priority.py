@@ -107,6 +107,57 @@ def test_retraction_takes_low_priority_requests_first(unpressured, overlap: bool
     llm.shutdown()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_high_priority_arrival_preempts_low_priority_running_requests(
+    unpressured, overlap: bool
+) -> None:
+    """Four low-priority requests are running (two fit) when the priority-5 one arrives: it is
+    admitted at the next step by retracting low-priority ones, and finishes first; outputs equal
+    the no-pressure ones."""
+    llm = build_llm(
+        "qwen3", num_page_override=POOL, schedule_policy="priority", overlap_schedule=overlap
+    )
+    retracted: list[int] = []
+    retract = llm._retract
+
+    def spy(req) -> None:
+        retracted.append(req.uid)
+        retract(req)
+
+    llm._retract = spy  # type: ignore[method-assign]
+    params = [greedy(OUT, ignore_eos=True, priority=pr) for pr in PRIORITIES]
+    uids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS[:4], params[:4])]
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    finished: dict[int, int] = {}
+    step = 0
+
+    def run_step() -> None:
+        nonlocal step
+        step += 1
+        for out in llm.step():
+            if out.token is not None:
+                tokens[out.uid].append(out.token)
+            if out.finish_reason is not None:
+                finished[out.uid] = step
+
+    for _ in range(6):  # the low-priority requests fill the pool and decode
+        run_step()
+    high = llm.add_request(PROMPTS[4], params[4])
+    tokens[high] = []
+    arrival = step
+    for _ in range(3):  # admitted at once (with overlap its first token shows a step later)
+        run_step()
+    assert tokens[high], "the high-priority request waited for the pool"
+    assert retracted and high not in retracted
+    while llm.has_work:
+        run_step()
+    assert finished[high] - arrival <= OUT + 4
+    assert all(finished[high] < finished[uid] for uid in set(retracted))
+    assert [tokens[uid] for uid in uids + [high]] == unpressured["priority"]
+    assert_all_pages_free(llm)
+    llm.shutdown()
+
+
 def test_equal_priorities_retract_the_most_recently_admitted() -> None:
     llm = build_llm("qwen3", num_page_override=POOL, overlap_schedule=False)
     llm.budget.new_token_ratio = 0.1

@@ -22,6 +22,7 @@ from .grammar import GrammarQueue
 from .logprobs import logprob_plan
 from .output import InFlight, SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
+from .preemption import PreemptionMixin
 from .prepare import prepare_forward_input, validate_request
 from .results import ResultsMixin
 from .table import TableManager
@@ -29,7 +30,7 @@ from .table import TableManager
 logger = init_logger(__name__)
 
 
-class Scheduler(ResultsMixin):
+class Scheduler(PreemptionMixin, ResultsMixin):
     """Admits requests, builds each step's batch, runs it and hands tokens back.
 
     With overlap scheduling, step N+1 is scheduled and launched before step N's tokens are
@@ -130,10 +131,10 @@ class Scheduler(ResultsMixin):
         # A constrained request's next token mask needs its last token: no overlap then.
         overlap = self.overlap and not any(r.grammar is not None for r in self._admitted())
         if self._in_flight is not None and not (
-            overlap and self._decode_fits() and self._chunk_fits()
+            overlap and self._decode_fits() and self._chunk_fits() and not self._may_preempt()
         ):
-            # Short of pages: retraction must not touch a step still running, and what that step
-            # finishes is released once it is processed.
+            # Short of pages (or about to preempt): retraction must not touch a step still
+            # running, and what that step finishes is released once it is processed.
             self._process(self._in_flight)
             self._in_flight = None
         batch = self._schedule()
@@ -248,9 +249,13 @@ class Scheduler(ResultsMixin):
             self.cache_manager.lock(handle)  # its pages stop counting as evictable
             need = self.budget.pages_to_claim(req, handle.cached_len)
             if need > self.cache_manager.available_size // self.page_size - reserved:
-                self.cache_manager.unlock(handle)
-                break
-            self.waiting.popleft()
+                # This step's admissions are not running yet: their pages stay reserved.
+                claimed = reserved - self.budget.reserved(self._admitted())
+                if not self._preempt_for(req, need + claimed):
+                    self.cache_manager.unlock(handle)
+                    break
+                reserved = self.budget.reserved(self._admitted()) + claimed
+            self.waiting.remove(req)  # preempted requests went back in front of it
             reserved += need
             self._admit(req, handle)
             extend = min(len(req.input_ids) - req.cached_len, budget)
@@ -298,11 +303,6 @@ class Scheduler(ResultsMixin):
             req.device_len += 1
         self.budget.on_decode()
         return Batch(reqs, "decode")
-
-    def _retraction_victim(self) -> Req:
-        """The running request to retract: the lowest priority, and among those the most
-        recently admitted (it has computed least)."""
-        return min(reversed(self.running), key=lambda r: r.sampling_params.priority)
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its KV stays cached."""
