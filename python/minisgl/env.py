@@ -55,6 +55,9 @@ class _Env:
         # e.g. x86-64-v3 to run this machine as an AVX2-only one.
         self.CPU_TARGET = EnvVar("CPU_TARGET", "native", str)
         self.LOG_LEVEL = EnvVar("LOG_LEVEL", "INFO", str)
+        # Tensor parallelism: seconds a rank waits in one step's collective (or for the ranks
+        # to start) before it gives up, so that a dead or stuck rank never hangs the others.
+        self.TP_TIMEOUT = EnvVar("TP_TIMEOUT", 300.0, float)
 
 
 ENV = _Env()

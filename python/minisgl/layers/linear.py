@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from minisgl.kernel.cpu import CpuKernels
 from .activation import silu_and_mul
 from .quant_weight import QuantizedWeight
 from .quantized import QuantizedProjection, quantize
+
+if TYPE_CHECKING:
+    from minisgl.distributed import TPGroup
 
 # Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
 # (benchmark/kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
@@ -237,13 +241,20 @@ class CpuProjection:
 
 class Linear(nn.Module):
     """y = x W^T + b, weights filled by the loader. gated: a gate_up projection ([gate; up]
-    rows), which also offers `silu_and_mul`."""
+    rows), which also offers `silu_and_mul`. reduce: row-parallel (the weight holds this rank's
+    input columns), the partial products summed over the group, the bias added after."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, gated: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        gated: bool = False,
+        reduce: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.gated = in_features, out_features, gated
+        self.reduce = reduce if reduce is not None and reduce.sharded else None
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.cpu_projection: CpuProjection | QuantizedProjection | None = None
@@ -269,7 +280,8 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             return
         if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
-            bias = None if self.bias is None else self.bias.data
+            # A row-parallel bias is added once, after the sum (see forward).
+            bias = None if self.bias is None or self.reduce is not None else self.bias.data
             self.cpu_projection = CpuProjection(
                 weight, kernels, self.gated, bias, tiles_out=tiles_out
             )
@@ -279,9 +291,16 @@ class Linear(nn.Module):
                 self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            partial = self._matmul(x, None)
+            y = self.reduce.all_reduce(partial)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.cpu_projection is not None:
-            return self.cpu_projection(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.cpu_projection(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def fused_params(self) -> ProjectionParams | None:
         """This projection for the C decode layer, where it has a CPU path (see CpuProjection)."""
