@@ -87,8 +87,14 @@ class TPWorkers:
             raise TPWorkerError(f"tensor-parallel ranks could not connect: {e}") from e
         return workers
 
-    def check(self, when: str = "") -> None:
-        """Raise TPWorkerError naming the first rank whose process has exited."""
+    def check(self, when: str = "", grace_s: float = 0.0) -> None:
+        """Raise TPWorkerError naming the first rank whose process has exited (waiting up to
+        `grace_s` for one to: a collective sees a peer's socket close before its exit)."""
+        deadline = time.monotonic() + grace_s
+        while grace_s and all(p.is_alive() for p in self.processes):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
                 stop_processes(self.processes, timeout_s=1.0)

@@ -32,7 +32,9 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp if tp is not None and tp.sharded else None
-        self.start, self.end = (0, vocab_size) if self.tp is None else self.tp.vocab_rows(vocab_size)
+        self.start, self.end = (
+            (0, vocab_size) if self.tp is None else self.tp.vocab_rows(vocab_size)
+        )
         # Rows this rank holds: what lookups and a tied head's copy index.
         self.vocab_size, self.hidden_size = self.end - self.start, hidden_size
         self.weight = nn.Parameter(torch.empty(self.vocab_size, hidden_size), requires_grad=False)

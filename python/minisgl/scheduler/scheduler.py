@@ -177,7 +177,7 @@ class Scheduler(ResultsMixin):
         try:
             return self.engine.forward(forward_input)
         except Exception as e:  # a collective failed: say which rank, where one is gone
-            self.tp_workers.check("during a step")
+            self.tp_workers.check("during a step", grace_s=2.0)
             raise TPWorkerError(f"a tensor-parallel step failed: {e}") from e
 
     def _launch(self, batch: Batch) -> InFlight:
