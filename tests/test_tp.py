@@ -27,9 +27,7 @@ def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # llama3: biases on q/k/v, o and the MLP (row-parallel biases added once); qwen3: tied head,
 # q/k norms; qwen3-kv1: one KV head replicated on both ranks, untied head.
-@pytest.mark.parametrize(
-    ("arch", "page_size"), [("llama3", 1), ("qwen3", 16), ("qwen3-kv1", 4)]
-)
+@pytest.mark.parametrize(("arch", "page_size"), [("llama3", 1), ("qwen3", 16), ("qwen3-kv1", 4)])
 def test_tp2_greedy_matches_tp1_and_hf(arch: str, page_size: int) -> None:
     params = [greedy(n) for n in MAX_NEW]
     # Fewer running slots than prompts (continuous batching), radix cache on.
