@@ -9,7 +9,14 @@ import time
 
 import pytest
 import torch
-from helpers import MIXED_PROMPTS, assert_all_pages_free, build_llm, greedy, hf_greedy
+from helpers import (
+    MIXED_PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    greedy,
+    hf_greedy,
+    model_path,
+)
 
 from minisgl.distributed.worker import TPWorkerError
 
@@ -95,3 +102,24 @@ def test_dead_rank_raises_instead_of_hanging(when: str) -> None:
     finally:
         llm.shutdown()
     assert not worker.is_alive()
+
+
+def test_server_tp_flag() -> None:
+    from minisgl.server.args import parse_args
+
+    assert parse_args(["--tp", "2"]).engine_kwargs()["tp_size"] == 2
+    assert parse_args(["--tp-size", "3"]).tp_size == 3
+    assert parse_args([]).engine_kwargs()["tp_size"] == 1
+
+
+def test_shard_refuses_what_does_not_split() -> None:
+    from minisgl.models import load_model_config
+    from minisgl.models.sharding import Shard
+
+    config = load_model_config(model_path("qwen3-kv1"))  # 4 q heads, 1 KV head
+    assert Shard(config, 1, 4).kv_heads == 1 and Shard(config, 3, 4).kv_head_start == 0
+    with pytest.raises(ValueError, match="attention heads"):
+        Shard(config, 0, 3)
+    moe = load_model_config(model_path("qwen3-moe"))
+    with pytest.raises(ValueError, match="MoE"):
+        Shard(moe, 0, 2)

@@ -44,7 +44,8 @@ class _Env:
         self.MEMORY_RATIO = EnvVar("MEMORY_RATIO", 0.9, float)
         self.CPU_KV_CACHE_GB = EnvVar("CPU_KV_CACHE_GB", 4.0, float)
         # CPU threads of the engine: at most this many (0: one per available core), fewer while
-        # other processes keep cores busy unless ADAPTIVE_THREADS is off (engine/cpu_threads.py).
+        # other processes keep cores busy unless ADAPTIVE_THREADS is off (engine/cpu_threads.py);
+        # tensor-parallel ranks share it (each takes 1/tp_size).
         self.NUM_THREADS = EnvVar("NUM_THREADS", 0, int)
         self.ADAPTIVE_THREADS = EnvVar("ADAPTIVE_THREADS", True, _parse_bool)
         # C kernels for CPU decode (kernel/cpu.py); 0 keeps every op in plain PyTorch.

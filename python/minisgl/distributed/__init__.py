@@ -1,7 +1,7 @@
-"""Tensor parallelism: `comm` (process groups, the layers' collectives, the step broadcast) is
-imported by the engine and, for its type, the layers; `worker` (the other ranks' processes)
-sits above the engine and is imported by the scheduler only."""
+"""Tensor parallelism: `comm` (process groups, the collectives behind core.TensorParallel, the
+step broadcast) sits below the engine, which imports it; `worker` (the other ranks' processes)
+sits above the engine and only the scheduler imports it."""
 
-from .comm import TPGroup, vocab_range
+from .comm import ReplicaStep, TPGroup
 
-__all__ = ["TPGroup", "vocab_range"]
+__all__ = ["ReplicaStep", "TPGroup"]

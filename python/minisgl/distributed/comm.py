@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.utils import div_ceil, vocab_range
 
 # Header of a step on the control group: [command, phase, requests, tokens, logits rows (-1:
 # every token), prompt-logprob rows (-1: none), page-table entries].
@@ -18,13 +19,6 @@ _STOP, _STEP = 0, 1
 # The control group carries only the headers, for which a worker waits while rank 0 is idle
 # (as long as the user likes): its timeout is the idle limit, the main group's a step's.
 CONTROL_TIMEOUT = timedelta(days=30)
-
-
-def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of the vocabulary rows rank `rank` of `size` holds (ceil-sized slices)."""
-    per = -(-vocab_size // size)
-    start = min(vocab_size, rank * per)
-    return start, min(vocab_size, start + per)
 
 
 @dataclass
@@ -56,6 +50,8 @@ class TPGroup:
     def connect(self, init_method: str, timeout_s: float) -> None:
         """Join the process group (gloo on CPU, NCCL on CUDA) and the gloo control group."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":  # NCCL binds each rank's communicator to its GPU
+            torch.cuda.set_device(self.device)
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -84,7 +80,7 @@ class TPGroup:
         order; other ranks get their own slice back (their logits are not used)."""
         if not self.sharded or local.shape[0] == 0:
             return local.new_empty(0, vocab_size) if self.sharded else local
-        per = -(-vocab_size // self.size)
+        per = div_ceil(vocab_size, self.size)
         padded = local
         if local.shape[-1] < per:  # the last slice may be short: gathered tensors match
             padded = torch.nn.functional.pad(local, (0, per - local.shape[-1]))

@@ -10,8 +10,7 @@ import torch
 
 from minisgl.attention import ATTN_BACKENDS, default_attn_backend
 from minisgl.core import Batch, Context, set_global_ctx
-from minisgl.distributed import TPGroup
-from minisgl.distributed.comm import ReplicaStep
+from minisgl.distributed import ReplicaStep, TPGroup
 from minisgl.env import ENV
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import create_model, load_model_config
@@ -91,9 +90,9 @@ class Engine:
         if self.device.type == "cpu":
             # At most one thread per available core (MINISGL_NUM_THREADS: at most that many),
             # fewer while other processes keep cores busy (MINISGL_ADAPTIVE_THREADS=0: never);
-            # tensor-parallel ranks share the cores.
-            cores = max(1, len(os.sched_getaffinity(0)) // config.tp_size)
-            max_threads = ENV.NUM_THREADS.value or cores
+            # tensor-parallel ranks on one machine split them (and MINISGL_NUM_THREADS).
+            total = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
+            max_threads = max(1, total // config.tp_size)
             self.cpu_threads = CpuThreads(max_threads, adaptive=ENV.ADAPTIVE_THREADS.value)
             keep_freed_memory()
         self.model_config = load_model_config(config.model_path)

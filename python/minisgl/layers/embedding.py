@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels
 
 from .linear import (
@@ -20,16 +19,13 @@ from .linear import (
 from .quant_weight import QuantizedWeight
 from .quantized import QuantizedProjection, quantize_head
 
-if TYPE_CHECKING:
-    from minisgl.distributed import TPGroup
-
 
 class VocabEmbedding(nn.Module):
     """Token ids to rows of the weight; where a tied output head's packed or quantized copy is
     the weight's only copy, the rows are read from it (`read_rows_from`). tp: vocabulary-parallel,
     this rank holding rows [start, end): other ids look up zeros, summed over the group."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.tp = tp if tp is not None and tp.sharded else None
         self.start, self.end = (
@@ -98,7 +94,7 @@ class LMHead(nn.Module):
         vocab_size: int,
         hidden_size: int,
         tied: VocabEmbedding | None,
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.tied, self.vocab_size = tied, vocab_size

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import TensorParallel
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
 from .quant_weight import QuantizedWeight
 from .quantized import QuantizedProjection, quantize
-
-if TYPE_CHECKING:
-    from minisgl.distributed import TPGroup
 
 # Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
 # (benchmark/kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
@@ -250,7 +247,7 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         gated: bool = False,
-        reduce: TPGroup | None = None,
+        reduce: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.gated = in_features, out_features, gated

@@ -4,11 +4,11 @@ Qwen3-MoE."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers import Linear, LMHead, SparseMoE, VocabEmbedding
 from minisgl.layers.linear import keeps_weight, tile_copy_elems
@@ -25,9 +25,6 @@ from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM, rotary_for
 from .weight import Checkpoint, load_weights, quantized_targets
 
-if TYPE_CHECKING:
-    from minisgl.distributed import TPGroup
-
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     from transformers import AutoConfig
@@ -43,7 +40,7 @@ def create_model(
     max_positions: int,
     quantization: str | None = None,
     gguf_path: str | Path | None = None,
-    tp: TPGroup | None = None,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """Build the model on `device` in `dtype` and load its checkpoint into it tensor by tensor,
     each weight resident once: on the CPU every parameter and packed copy in one buffer on

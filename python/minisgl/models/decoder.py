@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from minisgl.core import get_global_ctx
+from minisgl.core import TensorParallel, get_global_ctx
 from minisgl.layers import (
     AttentionLayer,
     Linear,
@@ -23,14 +21,11 @@ from .config import ModelConfig
 from .fused_decode import FusedDecode, LayerParts
 from .sharding import Shard
 
-if TYPE_CHECKING:
-    from minisgl.distributed import TPGroup
-
 
 class MLP(nn.Module):
     """gate_up column-parallel, down row-parallel: one all-reduce under tensor parallelism."""
 
-    def __init__(self, config: ModelConfig, shard: Shard, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, tp: TensorParallel | None = None) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, shard.intermediate
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=config.mlp_bias, gated=True)
@@ -49,7 +44,7 @@ class SelfAttention(nn.Module):
         layer_id: int,
         rotary: RotaryEmbedding,
         shard: Shard,
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         head_dim = config.head_dim
@@ -78,7 +73,7 @@ class DecoderLayer(nn.Module):
         layer_id: int,
         rotary: RotaryEmbedding,
         shard: Shard,
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -140,7 +135,7 @@ class DecoderModel(nn.Module):
         config: ModelConfig,
         max_positions: int,
         rotary: RotaryEmbedding | None = None,
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -190,7 +185,7 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         max_positions: int,
         rotary: RotaryEmbedding | None = None,
-        tp: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minisgl.distributed.comm import vocab_range
+from minisgl.utils import vocab_range
 
 from .config import ModelConfig
 
