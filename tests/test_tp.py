@@ -33,12 +33,17 @@ def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # llama3: biases on q/k/v, o and the MLP (row-parallel biases added once); qwen3: tied head,
-# q/k norms; qwen3-kv1: one KV head replicated on both ranks, untied head.
-@pytest.mark.parametrize(("arch", "page_size"), [("llama3", 1), ("qwen3", 16), ("qwen3-kv1", 4)])
-def test_tp2_greedy_matches_tp1_and_hf(arch: str, page_size: int) -> None:
+# q/k norms; qwen3-kv1: one KV head replicated on both ranks, untied head, overlap scheduling
+# (the step is described as prepared, its input ids sent as it runs).
+@pytest.mark.parametrize(
+    ("arch", "page_size", "overlap"),
+    [("llama3", 1, False), ("qwen3", 16, False), ("qwen3-kv1", 4, True)],
+)
+def test_tp2_greedy_matches_tp1_and_hf(arch: str, page_size: int, overlap: bool) -> None:
     params = [greedy(n) for n in MAX_NEW]
+    kw = dict(page_size=page_size, max_running_req=3, overlap_schedule=overlap)
     # Fewer running slots than prompts (continuous batching), radix cache on.
-    llm = build_llm(arch, tp_size=2, page_size=page_size, max_running_req=3)
+    llm = build_llm(arch, tp_size=2, **kw)
     try:
         shard = llm.engine.model.shard
         assert shard.size == 2 and llm.engine.num_kv_heads == shard.kv_heads
@@ -49,7 +54,7 @@ def test_tp2_greedy_matches_tp1_and_hf(arch: str, page_size: int) -> None:
         assert sum(o["cached_tokens"] for o in again) > 0
     finally:
         llm.shutdown()
-    ref = build_llm(arch, page_size=page_size, max_running_req=3)
+    ref = build_llm(arch, **kw)
     expected = [o["token_ids"] for o in ref.generate(MIXED_PROMPTS, params)]
     ref.shutdown()
     assert [o["token_ids"] for o in outputs] == expected

@@ -2,6 +2,6 @@
 step broadcast) sits below the engine, which imports it; `worker` (the other ranks' processes)
 sits above the engine and only the scheduler imports it."""
 
-from .comm import ReplicaStep, TPGroup
+from .comm import ReplicaStep, StepMessage, TPGroup
 
-__all__ = ["ReplicaStep", "TPGroup"]
+__all__ = ["ReplicaStep", "StepMessage", "TPGroup"]

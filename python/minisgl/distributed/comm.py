@@ -22,6 +22,14 @@ CONTROL_TIMEOUT = timedelta(days=30)
 
 
 @dataclass
+class StepMessage:
+    """A step as rank 0 broadcasts it: the header, and the payload but the input ids."""
+
+    header: list[int]
+    payload: torch.Tensor
+
+
+@dataclass
 class ReplicaStep:
     """One step as a worker rank replays it: the batch (requests rebuilt with what attention
     metadata reads) and the hidden-state rows whose prompt log-probabilities rank 0 computes."""
@@ -102,36 +110,40 @@ class TPGroup:
         """Rank 0: tell every worker to leave its loop."""
         self._header([_STOP] + [0] * (_HEADER_LEN - 1))
 
-    def send_step(
+    def describe_step(
         self, batch: Batch, page_table: torch.Tensor, prompt_rows: torch.Tensor | None
-    ) -> None:
-        """Rank 0: broadcast what `Engine.forward` reads of this step, and each request's
+    ) -> StepMessage:
+        """Rank 0, as the step is prepared (with overlap scheduling the requests move on before
+        it runs): what `Engine.forward` reads of it but the input ids, and each request's
         page-table row up to its length (the workers' tables mirror rank 0's for the batch)."""
-        assert batch.input_ids is not None and batch.positions is not None
-        assert batch.out_loc is not None
-        reqs = batch.reqs
+        assert batch.positions is not None and batch.out_loc is not None
+        reqs, device = batch.reqs, self.device
         lens = [r.device_len for r in reqs]
-        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=self.device)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
-        cols = torch.arange(max(lens), device=self.device)
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=device)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+        cols = torch.arange(max(lens), device=device)
         entries = page_table[rows, : max(lens)][cols[None, :] < lens_t[:, None]]
-        cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64, device=self.device)
+        cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64, device=device)
         logits_rows = batch.logits_indices
-        parts = [batch.input_ids, batch.positions, batch.out_loc, rows, cached, lens_t]
+        parts = [batch.positions, batch.out_loc, rows, cached, lens_t]
         parts += [t for t in (logits_rows, prompt_rows) if t is not None] + [entries]
-        payload = torch.cat([p.to(self.device, torch.int64).flatten() for p in parts])
-        self._header(
-            [
-                _STEP,
-                int(batch.is_decode),
-                len(reqs),
-                len(batch.input_ids),
-                -1 if logits_rows is None else len(logits_rows),
-                -1 if prompt_rows is None else len(prompt_rows),
-                len(entries),
-            ]
-        )
-        dist.broadcast(payload, src=0)
+        header = [
+            _STEP,
+            int(batch.is_decode),
+            len(reqs),
+            len(batch.positions),
+            -1 if logits_rows is None else len(logits_rows),
+            -1 if prompt_rows is None else len(prompt_rows),
+            len(entries),
+        ]
+        payload = torch.cat([p.to(device, torch.int64).flatten() for p in parts])
+        return StepMessage(header, payload)
+
+    def send_step(self, message: StepMessage, input_ids: torch.Tensor) -> None:
+        """Rank 0, as the step runs: the described step with its input ids (read from the
+        token pool only now: the previous step may just have sampled them)."""
+        self._header(message.header)
+        dist.broadcast(torch.cat([message.payload, input_ids.to(self.device, torch.int64)]), 0)
 
     def receive_step(self, page_table: torch.Tensor) -> ReplicaStep | None:
         """A worker: the next step (its page-table rows written into `page_table`), or None
@@ -141,11 +153,12 @@ class TPGroup:
         command, decode, num_reqs, tokens, num_logits, num_prompt, num_entries = header.tolist()
         if command == _STOP:
             return None
-        sizes = [tokens] * 3 + [num_reqs] * 3 + [max(num_logits, 0), max(num_prompt, 0)]
-        payload = torch.empty(sum(sizes) + num_entries, dtype=torch.int64, device=self.device)
+        sizes = [tokens] * 2 + [num_reqs] * 3 + [max(num_logits, 0), max(num_prompt, 0)]
+        sizes += [num_entries, tokens]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         dist.broadcast(payload, src=0)
-        ids, positions, out_loc, rows, cached, lens, logits_rows, prompt_rows, entries = (
-            payload.split([*sizes, num_entries])
+        positions, out_loc, rows, cached, lens, logits_rows, prompt_rows, entries, ids = (
+            payload.split(sizes)
         )
         # The rows as rank 0 has them: (row, column) of every entry, columns 0..len-1 per row.
         starts = lens.cumsum(0) - lens

@@ -10,7 +10,7 @@ import torch
 
 from minisgl.attention import ATTN_BACKENDS, default_attn_backend
 from minisgl.core import Batch, Context, set_global_ctx
-from minisgl.distributed import ReplicaStep, TPGroup
+from minisgl.distributed import ReplicaStep, StepMessage, TPGroup
 from minisgl.env import ENV
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import create_model, load_model_config
@@ -46,6 +46,8 @@ class ForwardInput:
     # Rows that want log-probabilities: of their sampled token / of their next prompt token.
     logprob_rows: LogprobRows | None = None
     prompt_logprob_rows: LogprobRows | None = None
+    # Tensor parallelism: the step as the other ranks replay it (TPGroup.describe_step).
+    tp_message: StepMessage | None = None
 
 
 @dataclass
@@ -223,9 +225,8 @@ class Engine:
             assert batch.positions is not None
             batch.input_ids = self.token_pool[forward_input.input_rows, batch.positions]
             prompt_rows = forward_input.prompt_logprob_rows
-            if self.tp.sharded:  # the other ranks run the same forward (distributed/)
-                rows = None if prompt_rows is None else prompt_rows.rows
-                self.tp.send_step(batch, self.page_table, rows)
+            if forward_input.tp_message is not None:  # the other ranks run the same forward
+                self.tp.send_step(forward_input.tp_message, batch.input_ids)
             logits, prompt_logprobs = self._run_model(batch, prompt_rows)
         finally:
             self.ctx.set_batch(None)
