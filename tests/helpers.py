@@ -89,6 +89,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         "Qwen3Config",
         dict(head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960),
     ),
+    # One KV head: tensor-parallel ranks replicate it (tests/test_tp.py); an untied head.
+    "qwen3-kv1": ("Qwen3Config", dict(head_dim=64, num_key_value_heads=1)),
     # Qwen3-MoE: 8 experts, top-2 without renormalisation, every layer sparse.
     "qwen3-moe": ("Qwen3MoeConfig", dict(_TINY_MOE, num_experts_per_tok=2)),
     # top-4 renormalised; sparse layers 1 and 5 only: 0, 2 and 4 dense by decoder_sparse_step,

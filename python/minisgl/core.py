@@ -62,6 +62,22 @@ class AttentionBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
 
+class TensorParallel(Protocol):
+    """The collectives a sharded layer runs (distributed.comm.TPGroup); size 1: none."""
+
+    rank: int
+    size: int
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]: ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
+
+
 class RequestError(ValueError):
     """A request that can never run; `param` names the field at fault, `code` is the OpenAI
     error code the API server reports (e.g. "context_length_exceeded")."""

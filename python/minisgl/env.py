@@ -44,7 +44,8 @@ class _Env:
         self.MEMORY_RATIO = EnvVar("MEMORY_RATIO", 0.9, float)
         self.CPU_KV_CACHE_GB = EnvVar("CPU_KV_CACHE_GB", 4.0, float)
         # CPU threads of the engine: at most this many (0: one per available core), fewer while
-        # other processes keep cores busy unless ADAPTIVE_THREADS is off (engine/cpu_threads.py).
+        # other processes keep cores busy unless ADAPTIVE_THREADS is off (engine/cpu_threads.py);
+        # tensor-parallel ranks share it (each takes 1/tp_size).
         self.NUM_THREADS = EnvVar("NUM_THREADS", 0, int)
         self.ADAPTIVE_THREADS = EnvVar("ADAPTIVE_THREADS", True, _parse_bool)
         # C kernels for CPU decode (kernel/cpu.py); 0 keeps every op in plain PyTorch.
@@ -55,6 +56,9 @@ class _Env:
         # e.g. x86-64-v3 to run this machine as an AVX2-only one.
         self.CPU_TARGET = EnvVar("CPU_TARGET", "native", str)
         self.LOG_LEVEL = EnvVar("LOG_LEVEL", "INFO", str)
+        # Tensor parallelism: seconds a rank waits in one step's collective (or for the ranks
+        # to start) before it gives up, so that a dead or stuck rank never hangs the others.
+        self.TP_TIMEOUT = EnvVar("TP_TIMEOUT", 300.0, float)
 
 
 ENV = _Env()

@@ -30,6 +30,9 @@ class EngineConfig:
     quantization: str | None = None
     # The GGUF file model_path (its converted folder: config, tokenizer) was made from.
     gguf_path: str | None = None
+    # Tensor parallelism: ranks, and this process's (rank 0 schedules, see distributed/).
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -46,12 +49,17 @@ class EngineConfig:
                 f"got {self.quantization!r}"
             )
         if self.quantization is None and self.gguf_path is not None and self.device.type == "cpu":
-            self.quantization = "gguf"
+            # Tensor parallelism shards dense weights only: a GGUF then loads dequantized.
+            self.quantization = "gguf" if self.tp_size == 1 else "none"
         if self.quantization == "gguf" and self.gguf_path is None:
             raise ValueError("quantization='gguf' needs a .gguf file as the model path")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must lie in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        if self.tp_size > 1 and self.quantization not in (None, "none"):
+            raise ValueError(f"tp_size > 1 takes dense weights only, got {self.quantization!r}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

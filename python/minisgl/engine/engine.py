@@ -10,6 +10,7 @@ import torch
 
 from minisgl.attention import ATTN_BACKENDS, default_attn_backend
 from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.distributed import ReplicaStep, StepMessage, TPGroup
 from minisgl.env import ENV
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import create_model, load_model_config
@@ -45,6 +46,8 @@ class ForwardInput:
     # Rows that want log-probabilities: of their sampled token / of their next prompt token.
     logprob_rows: LogprobRows | None = None
     prompt_logprob_rows: LogprobRows | None = None
+    # Tensor parallelism: the step as the other ranks replay it (TPGroup.describe_step).
+    tp_message: StepMessage | None = None
 
 
 @dataclass
@@ -82,11 +85,16 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
+        if self.device.type == "cuda" and config.tp_size > 1:
+            self.device = torch.device("cuda", config.tp_rank)  # one GPU per rank
+        self.tp = TPGroup(config.tp_rank, config.tp_size, self.device)
         self.cpu_threads: CpuThreads | None = None
         if self.device.type == "cpu":
             # At most one thread per available core (MINISGL_NUM_THREADS: at most that many),
-            # fewer while other processes keep cores busy (MINISGL_ADAPTIVE_THREADS=0: never).
-            max_threads = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
+            # fewer while other processes keep cores busy (MINISGL_ADAPTIVE_THREADS=0: never);
+            # tensor-parallel ranks on one machine split them (and MINISGL_NUM_THREADS).
+            total = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
+            max_threads = max(1, total // config.tp_size)
             self.cpu_threads = CpuThreads(max_threads, adaptive=ENV.ADAPTIVE_THREADS.value)
             keep_freed_memory()
         self.model_config = load_model_config(config.model_path)
@@ -100,7 +108,10 @@ class Engine:
             self.max_seq_len,
             config.quantization,
             config.gguf_path,
+            self.tp,
         )
+        # This rank's KV heads (all of them without tensor parallelism).
+        self.num_kv_heads = self.model.shard.kv_heads
         self.page_size = config.page_size
         self.num_pages = config.num_page_override or self._pages_from_memory_budget()
         # The longest sequence a request may reach: its page-table row, and all of the pool.
@@ -109,7 +120,7 @@ class Engine:
         self.kv_cache = MHAKVCache(
             mc.num_layers,
             self.num_pages * self.page_size,
-            mc.num_kv_heads,
+            self.num_kv_heads,
             mc.head_dim,
             config.dtype,
             self.device,
@@ -148,7 +159,7 @@ class Engine:
     def _pages_from_memory_budget(self) -> int:
         mc = self.model_config
         per_token = MHAKVCache.bytes_per_slot(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.dtype
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.config.dtype
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -167,6 +178,41 @@ class Engine:
             )
         return num_pages
 
+    def _run_model(
+        self, batch: Batch, prompt_rows: LogprobRows | None
+    ) -> tuple[torch.Tensor, TokenLogprobs | None]:
+        """The step's logits (and prompt rows' log-probabilities) with the batch set."""
+        assert batch.input_ids is not None and batch.positions is not None
+        if prompt_rows is None:
+            # Sampled right after, before the next step can run: its buffer may be reused.
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.logits_indices, reuse_logits=True
+            )
+            return logits, None
+        hidden = self.model.hidden_states(batch.input_ids, batch.positions)
+        indices = batch.logits_indices
+        logits = self.model.logits(hidden if indices is None else hidden[indices], True)
+        return logits, prompt_token_logprobs(hidden, prompt_rows, self.model.logits)
+
+    @torch.inference_mode()
+    def replay(self, step: ReplicaStep) -> None:
+        """A worker rank: run rank 0's step on this rank's shard (the same collectives in the
+        same order); its logits are rank 0's to sample."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
+        set_global_ctx(self.ctx)
+        batch = step.batch
+        self.attn_backend.prepare_metadata(batch)
+        self.ctx.set_batch(batch)
+        try:
+            prompt_rows = None
+            if step.prompt_rows is not None:  # targets only matter to rank 0's log-softmax
+                rows = step.prompt_rows
+                prompt_rows = LogprobRows(rows, 0, torch.zeros_like(rows))
+            self._run_model(batch, prompt_rows)
+        finally:
+            self.ctx.set_batch(None)
+
     @torch.inference_mode()
     def forward(self, forward_input: ForwardInput) -> ForwardOutput:
         """Run the model on the batch, sample, and record the tokens in the token pool."""
@@ -179,19 +225,9 @@ class Engine:
             assert batch.positions is not None
             batch.input_ids = self.token_pool[forward_input.input_rows, batch.positions]
             prompt_rows = forward_input.prompt_logprob_rows
-            prompt_logprobs = None
-            if prompt_rows is None:
-                # Sampled below, before the next step can run: its buffer may be reused.
-                logits = self.model(
-                    batch.input_ids, batch.positions, batch.logits_indices, reuse_logits=True
-                )
-            else:
-                hidden = self.model.hidden_states(batch.input_ids, batch.positions)
-                indices = batch.logits_indices
-                logits = self.model.logits(
-                    hidden if indices is None else hidden[indices], reuse_logits=True
-                )
-                prompt_logprobs = prompt_token_logprobs(hidden, prompt_rows, self.model.logits)
+            if forward_input.tp_message is not None:  # the other ranks run the same forward
+                self.tp.send_step(forward_input.tp_message, batch.input_ids)
+            logits, prompt_logprobs = self._run_model(batch, prompt_rows)
         finally:
             self.ctx.set_batch(None)
         wanted = forward_input.logprob_rows

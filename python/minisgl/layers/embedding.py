@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels
 
 from .linear import (
@@ -21,12 +22,18 @@ from .quantized import QuantizedProjection, quantize_head
 
 class VocabEmbedding(nn.Module):
     """Token ids to rows of the weight; where a tied output head's packed or quantized copy is
-    the weight's only copy, the rows are read from it (`read_rows_from`)."""
+    the weight's only copy, the rows are read from it (`read_rows_from`). tp: vocabulary-parallel,
+    this rank holding rows [start, end): other ids look up zeros, summed over the group."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tp = tp if tp is not None and tp.sharded else None
+        self.start, self.end = (
+            (0, vocab_size) if self.tp is None else self.tp.vocab_rows(vocab_size)
+        )
+        # Rows this rank holds: what lookups and a tied head's copy index.
+        self.vocab_size, self.hidden_size = self.end - self.start, hidden_size
+        self.weight = nn.Parameter(torch.empty(self.vocab_size, hidden_size), requires_grad=False)
         self.rows_from: CpuProjection | QuantizedProjection | None = None
         self.dtype = torch.float32  # of the rows read from a quantized copy
 
@@ -57,6 +64,14 @@ class VocabEmbedding(nn.Module):
             self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(input_ids)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.vocab_size)
+        rows = self._lookup(torch.where(inside, local, 0).to(input_ids.dtype))
+        return self.tp.all_reduce(rows.masked_fill(~inside[..., None], 0))
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         source = self.rows_from
         if source is None:
             return F.embedding(input_ids, self.weight)
@@ -71,13 +86,22 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states to vocabulary logits; shares the embedding weight when tied."""
+    """Projects hidden states to vocabulary logits; shares the embedding weight when tied.
+    tp: vocabulary-parallel, each rank's slice of the logits gathered to rank 0 in order."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied: VocabEmbedding | None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tied: VocabEmbedding | None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.tied = tied
+        self.tied, self.vocab_size = tied, vocab_size
+        self.tp = tp if tp is not None and tp.sharded else None
         if tied is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+            start, end = (0, vocab_size) if self.tp is None else self.tp.vocab_rows(vocab_size)
+            self.weight = nn.Parameter(torch.empty(end - start, hidden_size), requires_grad=False)
         self.cpu_projection: CpuProjection | QuantizedProjection | None = None
         # Set before loading: quantize the weight for this method (quantized.quantize_head).
         self.quantization: str | None = None
@@ -142,6 +166,11 @@ class LMHead(nn.Module):
         buffer the next such call overwrites, as a CUDA graph's outputs are. glibc maps every
         block over 32 MB afresh, so e.g. Qwen3's 64 x 151,936 float32 logits page-faulted
         10 ms of a 23 ms head each decode step."""
+        if self.tp is not None:  # gathered into a new tensor: no buffer to reuse
+            return self.tp.gather_vocab(self._local_logits(hidden, False), self.vocab_size)
+        return self._local_logits(hidden, reuse_output)
+
+    def _local_logits(self, hidden: torch.Tensor, reuse_output: bool) -> torch.Tensor:
         if self.cpu_projection is None:
             if self._onednn_on_weight:
                 return torch.ops.mkldnn._linear_pointwise(

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import TensorParallel
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 
@@ -237,13 +238,20 @@ class CpuProjection:
 
 class Linear(nn.Module):
     """y = x W^T + b, weights filled by the loader. gated: a gate_up projection ([gate; up]
-    rows), which also offers `silu_and_mul`."""
+    rows), which also offers `silu_and_mul`. reduce: row-parallel (the weight holds this rank's
+    input columns), the partial products summed over the group, the bias added after."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, gated: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        gated: bool = False,
+        reduce: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.gated = in_features, out_features, gated
+        self.reduce = reduce if reduce is not None and reduce.sharded else None
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.cpu_projection: CpuProjection | QuantizedProjection | None = None
@@ -269,7 +277,8 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             return
         if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:
-            bias = None if self.bias is None else self.bias.data
+            # A row-parallel bias is added once, after the sum (see forward).
+            bias = None if self.bias is None or self.reduce is not None else self.bias.data
             self.cpu_projection = CpuProjection(
                 weight, kernels, self.gated, bias, tiles_out=tiles_out
             )
@@ -279,9 +288,16 @@ class Linear(nn.Module):
                 self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            partial = self._matmul(x, None)
+            y = self.reduce.all_reduce(partial)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.cpu_projection is not None:
-            return self.cpu_projection(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.cpu_projection(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def fused_params(self) -> ProjectionParams | None:
         """This projection for the C decode layer, where it has a CPU path (see CpuProjection)."""

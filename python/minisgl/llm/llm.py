@@ -57,7 +57,9 @@ class LLM(Scheduler):
         overlap_schedule: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
         quantization: str | None = None,
+        tp_size: int = 1,
     ) -> None:
+        """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         path = resolve_model_path(model_path)
@@ -89,6 +91,7 @@ class LLM(Scheduler):
             logprobs_mode=logprobs_mode,
             quantization=quantization,
             gguf_path=None if gguf is None else str(gguf),
+            tp_size=tp_size,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers import Linear, LMHead, SparseMoE, VocabEmbedding
 from minisgl.layers.linear import keeps_weight, tile_copy_elems
@@ -39,24 +40,29 @@ def create_model(
     max_positions: int,
     quantization: str | None = None,
     gguf_path: str | Path | None = None,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """Build the model on `device` in `dtype` and load its checkpoint into it tensor by tensor,
     each weight resident once: on the CPU every parameter and packed copy in one buffer on
     huge pages, a projection's packed or quantized copy in place of its weight (see
     `_CpuPlacement`). quantization: quantized.QUANTIZATIONS ("gguf": the quantized tensors of
-    `gguf_path`; None: as the checkpoint holds them)."""
+    `gguf_path`; None: as the checkpoint holds them). tp: load only this tensor-parallel
+    rank's shard (see models.sharding), dense weights only."""
     # Rotary tables are computed, not loaded: on the CPU in float32, like transformers'.
     rotary = rotary_for(config, max_positions).to(device)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions, rotary)
+        model = CausalLM(config, max_positions, rotary, tp)
+    cut = model.shard.cut if model.shard.size > 1 else None
     with open_checkpoint(Path(model_dir), quantization, gguf_path) as checkpoint:
+        if cut is not None and (quantization in LOAD_QUANTIZATIONS or checkpoint.quantized_names):
+            raise ValueError("tensor parallelism takes dense weights only for now")
         prequantized = quantized_targets(checkpoint, model)
         if device.type != "cpu":
             if quantization in LOAD_QUANTIZATIONS or prequantized:
                 raise ValueError(f"quantized weights ({quantization}) run on the CPU only for now")
             for name, param in list(model.named_parameters()):
                 _replace_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
-            load_weights(model, checkpoint, dtype)
+            load_weights(model, checkpoint, dtype, cut=cut)
             return model.eval()
         if quantization in LOAD_QUANTIZATIONS:
             # Routers stay dense: a few bytes, and their rounding would change which experts run.
@@ -66,7 +72,7 @@ def create_model(
                     module.quantization = quantization
         with freed_memory_returned():
             placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized)
-            load_weights(model, checkpoint, dtype, placement.take_packed)
+            load_weights(model, checkpoint, dtype, placement.take_packed, cut)
             placement.finish()
     release_freed_memory()
     return model.eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.core import get_global_ctx
+from minisgl.core import TensorParallel, get_global_ctx
 from minisgl.layers import (
     AttentionLayer,
     Linear,
@@ -20,31 +20,43 @@ from minisgl.moe import MOE_BACKENDS
 
 from .config import ModelConfig
 from .fused_decode import FusedDecode, LayerParts
+from .sharding import Shard
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """gate_up column-parallel, down row-parallel: one all-reduce under tensor parallelism."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, shard.intermediate
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=config.mlp_bias, gated=True)
-        self.down_proj = Linear(inter, hidden, bias=config.mlp_bias)
+        self.down_proj = Linear(inter, hidden, bias=config.mlp_bias, reduce=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    """This rank's heads (`shard`): qkv column-parallel, o row-parallel (one all-reduce)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        shard: Shard,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         head_dim = config.head_dim
-        q_size = config.num_qo_heads * head_dim
-        kv_size = config.num_kv_heads * head_dim
+        q_size = shard.q_heads * head_dim
+        kv_size = shard.kv_heads * head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, reduce=tp)
         self.attn = AttentionLayer(
             layer_id,
-            config.num_qo_heads,
-            config.num_kv_heads,
+            shard.q_heads,
+            shard.kv_heads,
             head_dim,
             rotary,
             qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
@@ -56,10 +68,17 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        shard: Shard,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_id, rotary)
+        self.self_attn = SelfAttention(config, layer_id, rotary, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MLP | SparseMoE
         if config.moe_layers[layer_id]:
@@ -72,7 +91,7 @@ class DecoderLayer(nn.Module):
                 MOE_BACKENDS["torch"],
             )
         else:
-            self.mlp = MLP(config)
+            self.mlp = MLP(config, shard, tp)
 
     def parts(self) -> LayerParts | None:
         """This layer's modules in forward order: what the fused C decode layer reads (None: a
@@ -110,17 +129,25 @@ def rotary_for(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
 
 class DecoderModel(nn.Module):
     """rotary: its tables, when built elsewhere (the loader builds the model on the meta
-    device, where computing them would only make meta tensors)."""
+    device, where computing them would only make meta tensors). tp: this rank's shard of a
+    tensor-parallel model (see models.sharding)."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, rotary: RotaryEmbedding | None = None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        rotary: RotaryEmbedding | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp if tp is not None and tp.sharded else None
+        shard = Shard(config) if self.tp is None else Shard(config, self.tp.rank, self.tp.size)
+        self.shard = shard
         self.rotary = rotary_for(config, max_positions) if rotary is None else rotary
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, self.tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
+            DecoderLayer(config, i, self.rotary, shard, self.tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._fused: FusedDecode | None = None
@@ -130,7 +157,8 @@ class DecoderModel(nn.Module):
         """The fused C decode layers for this model and engine, when they apply (CPU, bf16)."""
         if not self._fused_checked:
             self._fused_checked = True
-            kernels = FusedDecode.supported(self, x)
+            # The C layers compute whole layers: a shard's would skip the all-reduces.
+            kernels = None if self.tp is not None else FusedDecode.supported(self, x)
             self._fused = None if kernels is None else FusedDecode(self, get_global_ctx(), kernels)
         if self._fused is not None and not self._fused.matches(get_global_ctx()):
             self._fused = FusedDecode(self, get_global_ctx(), self._fused.kernels)
@@ -152,16 +180,21 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns logits only for the rows asked for: float32 where
     the CPU's packed matmul computes the head (bf16 weights, avx512_bf16), else in the model's
-    dtype. rotary: see DecoderModel."""
+    dtype. rotary, tp: see DecoderModel."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, rotary: RotaryEmbedding | None = None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        rotary: RotaryEmbedding | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions, rotary)
+        self.model = DecoderModel(config, max_positions, rotary, tp)
+        self.shard = self.model.shard
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied, self.model.tp)
 
     def forward(
         self,

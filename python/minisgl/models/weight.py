@@ -137,9 +137,21 @@ def _model_name(checkpoint_name: str) -> str:
 
 # A model parameter's checkpoint tensors, each with the first row it fills.
 Sources = list[tuple[str, int]]
+# (parameter, checkpoint tensor) -> the (dim, start, length) of the tensor that this
+# tensor-parallel rank's parameter takes (models.sharding.Shard.cut); None: all of it.
+Cut = Callable[[str, str], tuple[int, int, int] | None]
 
 
-def _stacked(checkpoint: Checkpoint, target: str, parts: list[str]) -> Sources:
+def _part_shape(checkpoint: Checkpoint, target: str, part: str, cut: Cut | None) -> tuple:
+    """A checkpoint tensor's shape as this rank's parameter takes it."""
+    shape = list(checkpoint.entries[part].shape)
+    where = None if cut is None else cut(target, part)
+    if where is not None:
+        shape[where[0]] = where[2]
+    return tuple(shape)
+
+
+def _stacked(checkpoint: Checkpoint, target: str, parts: list[str], cut: Cut | None) -> Sources:
     """The parts of a fused or stacked parameter, each with its first row; raises for a part
     the checkpoint lacks."""
     missing = [p for p in parts if p not in checkpoint.entries]
@@ -147,7 +159,7 @@ def _stacked(checkpoint: Checkpoint, target: str, parts: list[str]) -> Sources:
         raise ValueError(f"incomplete fused weights in checkpoint: {target} lacks {missing[:3]}")
     rows = [0]
     for part in parts:
-        rows.append(rows[-1] + checkpoint.entries[part].shape[0])
+        rows.append(rows[-1] + _part_shape(checkpoint, target, part, cut)[0])
     return list(zip(parts, rows))
 
 
@@ -156,9 +168,9 @@ def _rows_shape(shape: torch.Size) -> tuple[int, ...]:
     return (math.prod(shape[:-1]), shape[-1]) if len(shape) > 2 else tuple(shape)
 
 
-def _sources(checkpoint: Checkpoint, model: CausalLM) -> dict[str, Sources]:
-    """Every parameter of `model` and where it comes from; raises for a tensor without a place
-    and for a parameter (or part of a fused one) the checkpoint lacks."""
+def _sources(checkpoint: Checkpoint, model: CausalLM, cut: Cut | None = None) -> dict[str, Sources]:
+    """Every parameter of `model` and where it comes from (`cut`: this rank's shard of each);
+    raises for a tensor without a place and for a parameter (or part) the checkpoint lacks."""
     params = dict(model.named_parameters())
     sources: dict[str, Sources] = {}
     placed: set[str] = set()  # checkpoint tensors inside a fused or stacked parameter
@@ -185,7 +197,7 @@ def _sources(checkpoint: Checkpoint, model: CausalLM) -> dict[str, Sources]:
         else:
             sources[_model_name(name)] = [(name, 0)]
             continue
-        sources[target] = _stacked(checkpoint, target, parts)
+        sources[target] = _stacked(checkpoint, target, parts, cut)
         placed.update(parts)
         if name not in placed:  # e.g. an expert past the layer's count
             raise KeyError(f"checkpoint tensor {name!r} has no place in {target}")
@@ -196,7 +208,7 @@ def _sources(checkpoint: Checkpoint, model: CausalLM) -> dict[str, Sources]:
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     for target, parts in sources.items():
-        shapes = [checkpoint.entries[name].shape for name, _ in parts]
+        shapes = [_part_shape(checkpoint, target, name, cut) for name, _ in parts]
         shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         want = _rows_shape(params[target].shape)
         if shape != want or any(s[1:] != shapes[0][1:] for s in shapes):
@@ -227,13 +239,18 @@ def _quantized_whole(checkpoint: Checkpoint, parts: Sources) -> QuantizedWeight 
     return weights[0] if len(weights) == 1 else concat_rows(weights)  # type: ignore[arg-type]
 
 
-def _copy_rows(checkpoint: Checkpoint, parts: Sources, into: torch.Tensor) -> None:
-    """The parts into their rows of `into` (converted to its dtype and device as copied); a
-    stack of matrices takes them as one [rows, cols] matrix."""
+def _copy_rows(
+    checkpoint: Checkpoint, target: str, parts: Sources, into: torch.Tensor, cut: Cut | None
+) -> None:
+    """The parts (each cut to this rank's shard) into their rows of `into` (converted to its
+    dtype and device as copied); a stack of matrices takes them as one [rows, cols] matrix."""
     if into.dim() > 2:
         into = into.view(-1, into.shape[-1])
     for name, row in parts:
         source = checkpoint.tensor(name)
+        where = None if cut is None else cut(target, name)
+        if where is not None:  # a view: only the shard's pages are read
+            source = source.narrow(*where)
         into[row : row + source.shape[0]].copy_(source)
         del source
         checkpoint.release(name)
@@ -244,15 +261,17 @@ def load_weights(
     checkpoint: Checkpoint,
     dtype: torch.dtype,
     on_loaded: Callable[[str, torch.Tensor | QuantizedWeight], None] | None = None,
+    cut: Cut | None = None,
 ) -> None:
     """Fill every parameter of `model` from `checkpoint` (open), in `dtype`, fusing q/k/v and
     gate/up. A parameter with storage is written in place, converted as it is copied. One on
     the meta device is handed whole to `on_loaded(name, weight)`: its QuantizedWeight where the
     checkpoint holds it quantized, else a tensor (a view of the mapped file where the
     checkpoint holds it as it is, else a temporary), which must not be kept; those come after
-    every parameter with storage, so a module's bias is in place by then."""
+    every parameter with storage, so a module's bias is in place by then. cut: this
+    tensor-parallel rank's shard of each parameter (see `Cut`)."""
     params = dict(model.named_parameters())
-    sources = _sources(checkpoint, model)
+    sources = _sources(checkpoint, model, cut)
 
     def file_order(target: str) -> tuple[bool, int]:
         return params[target].is_meta, checkpoint.entries[sources[target][0][0]].file
@@ -260,7 +279,7 @@ def load_weights(
     for target in sorted(sources, key=file_order):
         param, parts = params[target], sources[target]
         if not param.is_meta:
-            _copy_rows(checkpoint, parts, param.data)
+            _copy_rows(checkpoint, target, parts, param.data, cut)
             continue
         assert on_loaded is not None, f"{target} is on the meta device and nothing takes it"
         quantized = _quantized_whole(checkpoint, parts)
@@ -269,10 +288,11 @@ def load_weights(
             for name, _ in parts:
                 checkpoint.release(name)
             continue
-        whole = checkpoint.tensor(parts[0][0]) if len(parts) == 1 else None
-        if whole is None or whole.dtype != dtype:  # converted or fused: a temporary
+        uncut = len(parts) == 1 and (cut is None or cut(target, parts[0][0]) is None)
+        whole = checkpoint.tensor(parts[0][0]) if uncut else None
+        if whole is None or whole.dtype != dtype:  # converted, fused or cut: a temporary
             whole = torch.empty(param.shape, dtype=dtype)
-            _copy_rows(checkpoint, parts, whole)
+            _copy_rows(checkpoint, target, parts, whole, cut)
         on_loaded(target, whole)
         del whole
         checkpoint.release(parts[0][0])

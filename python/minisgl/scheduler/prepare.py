@@ -89,6 +89,11 @@ def prepare_forward_input(
     sample_args = engine.sampler.prepare(sampled, eos_ids)
     if grammars is not None:
         sample_args.allowed = grammars.bitmask(sampled)
+    prompt_rows = plan.prompt_rows(reqs, device)
+    tp_message = None
+    if engine.tp.sharded:  # described now: with overlap the requests move on before it runs
+        rows = None if prompt_rows is None else prompt_rows.rows
+        tp_message = engine.tp.describe_step(batch, engine.page_table, rows)
     return ForwardInput(
         batch=batch,
         sample_args=sample_args,
@@ -96,5 +101,6 @@ def prepare_forward_input(
         token_rows=torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(device),
         token_cols=torch.tensor([r.device_len for r in sampled], dtype=torch.int64).to(device),
         logprob_rows=plan.token_rows(sampled, device),
-        prompt_logprob_rows=plan.prompt_rows(reqs, device),
+        prompt_logprob_rows=prompt_rows,
+        tp_message=tp_message,
     )

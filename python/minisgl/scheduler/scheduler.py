@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from minisgl.core import Batch, Req, RequestError, SamplingParams
+from minisgl.distributed.worker import TPWorkerError, TPWorkers
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
@@ -44,6 +45,8 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         """tokenizer: the model's (HF); without it structured output is refused."""
         self.config = config
         self.engine = Engine(config)
+        # Rank 0 of a tensor-parallel engine: the other ranks replay its steps on their shards.
+        self.tp_workers = TPWorkers.start(config, self.engine) if config.tp_size > 1 else None
         self.device = self.engine.device
         self.page_size = config.page_size
         self.eos_ids = frozenset(self.engine.model_config.eos_token_ids + tuple(extra_eos_ids))
@@ -169,7 +172,14 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             self._fail(req, why, "structured")
 
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
-        return self.engine.forward(forward_input)
+        if self.tp_workers is None:
+            return self.engine.forward(forward_input)
+        self.tp_workers.check("before a step")
+        try:
+            return self.engine.forward(forward_input)
+        except Exception as e:  # a collective failed: say which rank, where one is gone
+            self.tp_workers.check("during a step", grace_s=2.0)
+            raise TPWorkerError(f"a tensor-parallel step failed: {e}") from e
 
     def _launch(self, batch: Batch) -> InFlight:
         sampled = [r for r in batch.reqs if not r.is_chunked]
@@ -304,6 +314,16 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         self.budget.on_decode()
         return Batch(reqs, "decode")
 
+    def _stop_tp_workers(self, workers: TPWorkers) -> None:
+        """Tell the other ranks to stop (where they can still hear it) and leave the group."""
+        try:
+            if all(p.is_alive() for p in workers.processes):
+                self.engine.tp.send_stop()
+        except Exception as e:  # a rank already gone: it is stopped below regardless
+            logger.warning("tensor-parallel stop message failed: %s", e)
+        workers.stop()
+        self.engine.tp.close()
+
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its KV stays cached."""
         assert not self._is_in_flight(req), "retracting a request of a running step"
@@ -322,5 +342,8 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.tp_workers is not None:
+            self._stop_tp_workers(self.tp_workers)
+            self.tp_workers = None
         if self.engine.cpu_threads is not None:
             self.engine.cpu_threads.close()

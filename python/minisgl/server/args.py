@@ -45,6 +45,7 @@ class ServerArgs:
     quantization: str | None = None
     shell: bool = False
     dp_size: int = 1
+    tp_size: int = 1
     router_policy: str = "cache_aware"
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
@@ -62,6 +63,7 @@ class ServerArgs:
             attention_backend=self.attention_backend,
             logprobs_mode=self.logprobs_mode,
             quantization=self.quantization,
+            tp_size=self.tp_size,
         )
         if self.schedule_policy is not None:
             kwargs["schedule_policy"] = self.schedule_policy
@@ -185,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="N replicas, each on its share of the cores and its own port (--port + 1..N), "
         "behind sglang-router on --port (scripts/setup_sglang_router.sh installs it)",
+    )
+    p.add_argument(
+        "--tp",
+        "--tp-size",
+        dest="tp_size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tensor parallelism: the scheduler process is rank 0 and starts N-1 more ranks, "
+        "each holding a shard of the weights and KV heads (gloo on CPU, NCCL on CUDA)",
     )
     p.add_argument(
         "--router-policy",
