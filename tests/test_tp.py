@@ -128,3 +128,62 @@ def test_shard_refuses_what_does_not_split() -> None:
     moe = load_model_config(model_path("qwen3-moe"))
     with pytest.raises(ValueError, match="MoE"):
         Shard(moe, 0, 2)
+
+
+def test_two_nodes_on_one_machine_serve_one_model() -> None:
+    """`--nnodes 2 --node-rank 0/1 --dist-init-addr`: two processes, one rank each, serve one
+    model (greedy text equal to one process's); stopping node 0 ends node 1."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        meet = s.getsockname()[1]
+    port = meet + 1 if meet < 65000 else meet - 1
+    common = [sys.executable, "-m", "minisgl", "--model", str(model_path("llama3"))]
+    common += ["--dtype", "float32", "--tp", "2", "--nnodes", "2", "--num-pages", "512"]
+    common += ["--dist-init-addr", f"127.0.0.1:{meet}", "--served-model-name", "m"]
+    node1 = subprocess.Popen([*common, "--node-rank", "1"], start_new_session=True)
+    node0 = subprocess.Popen([*common, "--node-rank", "0", "--port", str(port)])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert node0.poll() is None and node1.poll() is None, "a node exited"
+                assert time.monotonic() < deadline, "the nodes did not come up"
+                time.sleep(0.5)
+        prompt = "The capital of France is"
+        body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+        ref = build_llm("llama3")
+        assert text == ref.generate([prompt], greedy(8))[0]["text"]
+        ref.shutdown()
+        node0.send_signal(signal.SIGTERM)
+        assert node0.wait(timeout=60) == 0
+        node1.wait(timeout=60)  # its rank saw rank 0 leave
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+
+
+def test_multi_node_needs_the_meeting_point_and_the_pool_size() -> None:
+    from minisgl.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        EngineConfig(model_path="x", tp_size=2, nnodes=2, num_page_override=64)
+    with pytest.raises(ValueError, match="nnodes"):
+        EngineConfig(model_path="x", tp_size=3, nnodes=2)

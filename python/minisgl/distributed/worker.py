@@ -1,5 +1,7 @@
 """The tensor-parallel ranks 1..N-1 as processes of rank 0: started, connected, watched, and
-stopped by `TPWorkers`; each runs `worker_main`, replaying rank 0's steps on its shard."""
+stopped by `TPWorkers`; each runs `worker_main`, replaying rank 0's steps on its shard. Across
+machines (`nnodes`), node 0 starts its own share of the ranks and every other node runs its
+share with `serve_node`, all meeting at `dist_init_addr`."""
 
 from __future__ import annotations
 
@@ -28,6 +30,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_ranks(config: EngineConfig) -> range:
+    """The ranks this node runs: an equal, consecutive share of tp_size."""
+    per_node = config.tp_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
+def init_method_for(config: EngineConfig) -> str:
+    """Where the ranks meet: dist_init_addr, or a free port of this machine."""
+    if config.dist_init_addr is not None:
+        return f"tcp://{config.dist_init_addr}"
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _spawn(
+    config: EngineConfig, rank: int, init_method: str, timeout_s: float, num_pages: int
+) -> tuple[BaseProcess, Event]:
+    """One rank's process (daemon: its launcher's exit takes it along) and its ready event."""
+    ctx = mp.get_context("spawn")
+    rank_config = dataclasses.replace(config, tp_rank=rank, num_page_override=num_pages)
+    ready = ctx.Event()
+    process = ctx.Process(
+        target=worker_main,
+        name=f"minisgl-tp{rank}",
+        args=(EngineConfig(**_engine_fields(rank_config)), init_method, timeout_s, ready),
+        daemon=True,
+    )
+    process.start()
+    return process, ready
+
+
+def serve_node(config: EngineConfig) -> int:
+    """A node other than 0: run its ranks until rank 0 stops them (or they fail); the exit
+    code is non-zero if any rank failed."""
+    assert config.num_page_override is not None and config.node_rank > 0
+    init_method, timeout_s = init_method_for(config), ENV.TP_TIMEOUT.value
+    spawned = [
+        _spawn(config, rank, init_method, timeout_s, config.num_page_override)
+        for rank in local_ranks(config)
+    ]
+    logger.info(
+        "node %d: ranks %s of %d, meeting at %s",
+        config.node_rank,
+        list(local_ranks(config)),
+        config.tp_size,
+        init_method,
+    )
+    processes = [process for process, _ in spawned]
+    try:
+        for process in processes:
+            process.join()
+    finally:
+        stop_processes(processes, timeout_s=1.0)
+    return max((abs(p.exitcode or 0) for p in processes), default=0)
+
+
 def worker_main(config: EngineConfig, init_method: str, timeout_s: float, ready: Event) -> None:
     """Rank `config.tp_rank`: load the shard, join the group, replay steps until told to stop
     (or until rank 0, its parent, is gone: `worker_setup` watches it)."""
@@ -52,23 +109,11 @@ class TPWorkers:
     @classmethod
     def start(cls, config: EngineConfig, engine: Engine) -> TPWorkers:
         timeout_s = ENV.TP_TIMEOUT.value
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
+        init_method = init_method_for(config)
         processes: list[BaseProcess] = []
         events: list[Event] = []
-        for rank in range(1, config.tp_size):
-            rank_config = dataclasses.replace(
-                config, tp_rank=rank, num_page_override=engine.num_pages
-            )
-            ready = ctx.Event()
-            # daemon: a rank 0 that exits without shutdown takes its workers along.
-            process = ctx.Process(
-                target=worker_main,
-                name=f"minisgl-tp{rank}",
-                args=(EngineConfig(**_engine_fields(rank_config)), init_method, timeout_s, ready),
-                daemon=True,
-            )
-            process.start()
+        for rank in local_ranks(config)[1:]:  # this process is rank 0
+            process, ready = _spawn(config, rank, init_method, timeout_s, engine.num_pages)
             processes.append(process)
             events.append(ready)
         workers = cls(processes)

@@ -33,6 +33,11 @@ class EngineConfig:
     # Tensor parallelism: ranks, and this process's (rank 0 schedules, see distributed/).
     tp_size: int = 1
     tp_rank: int = 0
+    # Multi-node (SGLang's flags): the ranks split evenly over nnodes machines, this one's index,
+    # and the HOST:PORT every rank meets at (node 0's; None: a free local port).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -59,6 +64,14 @@ class EngineConfig:
             )
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must lie in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"nnodes {self.nnodes} must divide tp_size {self.tp_size}, node_rank "
+                f"{self.node_rank} lie in [0, nnodes)"
+            )
+        if self.nnodes > 1 and (self.dist_init_addr is None or self.num_page_override is None):
+            # Every rank's KV pool must have rank 0's slots; another node cannot ask it.
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT) and num_page_override")
         if self.tp_size > 1 and self.quantization not in (None, "none"):
             raise ValueError(f"tp_size > 1 takes dense weights only, got {self.quantization!r}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):

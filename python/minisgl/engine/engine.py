@@ -94,7 +94,7 @@ class Engine:
             # fewer while other processes keep cores busy (MINISGL_ADAPTIVE_THREADS=0: never);
             # tensor-parallel ranks on one machine split them (and MINISGL_NUM_THREADS).
             total = ENV.NUM_THREADS.value or len(os.sched_getaffinity(0))
-            max_threads = max(1, total // config.tp_size)
+            max_threads = max(1, total // (config.tp_size // config.nnodes))
             self.cpu_threads = CpuThreads(max_threads, adaptive=ENV.ADAPTIVE_THREADS.value)
             keep_freed_memory()
         self.model_config = load_model_config(config.model_path)

@@ -46,6 +46,9 @@ class ServerArgs:
     shell: bool = False
     dp_size: int = 1
     tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     router_policy: str = "cache_aware"
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
@@ -197,6 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tensor parallelism: the scheduler process is rank 0 and starts N-1 more ranks, "
         "each holding a shard of the weights and KV heads (gloo on CPU, NCCL on CUDA)",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="machines the --tp ranks split over (equally); node 0 serves, the others only run "
+        "their ranks; needs --dist-init-addr and --num-pages on every node",
+    )
+    p.add_argument("--node-rank", type=int, default=0, metavar="I", help="this machine's index")
+    p.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the ranks of every node meet (a free port of node 0)",
     )
     p.add_argument(
         "--router-policy",

@@ -62,6 +62,9 @@ def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
         dtype=parse_dtype(args.dtype),
         device=torch.device(device),
         gguf_path=None if gguf is None else str(gguf),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
         **args.engine_kwargs(),
     )
 
@@ -239,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             from minisgl.server.shell import run_shell
 
             return run_shell(args)
+        if args.node_rank > 0:  # another machine's share of the --tp ranks, no server
+            from minisgl.distributed.worker import serve_node
+            from minisgl.utils.hf import resolve_model_path
+
+            return serve_node(
+                build_scheduler_config(args, str(resolve_model_path(args.model_path)))
+            )
         if args.dp_size > 1:
             from minisgl.server.dp import launch_data_parallel
 
