@@ -37,7 +37,13 @@ def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 # (the step is described as prepared, its input ids sent as it runs).
 @pytest.mark.parametrize(
     ("arch", "page_size", "overlap"),
-    [("llama3", 1, False), ("qwen3", 16, False), ("qwen3-kv1", 4, True)],
+    [
+        ("llama3", 1, False),
+        ("qwen3", 16, False),
+        ("qwen3-kv1", 4, True),
+        ("qwen2", 1, False),
+        ("mistral", 4, False),
+    ],
 )
 def test_tp2_greedy_matches_tp1_and_hf(arch: str, page_size: int, overlap: bool) -> None:
     params = [greedy(n) for n in MAX_NEW]
