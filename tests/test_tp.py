@@ -3,6 +3,7 @@ that dies makes the engine raise instead of hang."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -43,6 +44,8 @@ def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         ("qwen3-kv1", 4, True),
         ("qwen2", 1, False),
         ("mistral", 4, False),
+        ("qwen3-moe", 1, False),
+        ("qwen3-moe-mixed", 16, True),
     ],
 )
 def test_tp2_greedy_matches_tp1_and_hf(arch: str, page_size: int, overlap: bool) -> None:
@@ -132,8 +135,10 @@ def test_shard_refuses_what_does_not_split() -> None:
     with pytest.raises(ValueError, match="attention heads"):
         Shard(config, 0, 3)
     moe = load_model_config(model_path("qwen3-moe"))
-    with pytest.raises(ValueError, match="MoE"):
-        Shard(moe, 0, 2)
+    assert Shard(moe, 1, 2).moe_intermediate == moe.moe_intermediate_size // 2
+    odd = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size + 1)
+    with pytest.raises(ValueError, match="expert intermediate size"):
+        Shard(odd, 0, 2)
 
 
 def test_two_nodes_on_one_machine_serve_one_model() -> None:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from minisgl.core import TensorParallel
+
 from .linear import Linear
 
 # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], expert ids [T, K], weights [T, K]) -> [T, H]
@@ -39,9 +41,13 @@ class SparseMoE(nn.Module):
         top_k: int,
         norm_topk_prob: bool,
         backend: ExpertsBackend,
+        reduce: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob, self.backend = top_k, norm_topk_prob, backend
+        # Tensor parallelism: each expert holds this rank's intermediate rows (its router all
+        # of them, so every rank routes alike); the partial outputs are summed once.
+        self.reduce = reduce if reduce is not None and reduce.sharded else None
         self.gate = Linear(hidden_size, num_experts)
         shape_gate_up = (num_experts, 2 * intermediate_size, hidden_size)
         shape_down = (num_experts, hidden_size, intermediate_size)
@@ -50,4 +56,5 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.backend(x, self.w_gate_up, self.w_down, ids, weights)
+        out = self.backend(x, self.w_gate_up, self.w_down, ids, weights)
+        return out if self.reduce is None else self.reduce.all_reduce(out)

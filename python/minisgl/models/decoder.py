@@ -84,11 +84,12 @@ class DecoderLayer(nn.Module):
         if config.moe_layers[layer_id]:
             self.mlp = SparseMoE(
                 config.hidden_size,
-                config.moe_intermediate_size,
+                shard.moe_intermediate,
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.norm_topk_prob,
                 MOE_BACKENDS["torch"],
+                reduce=tp,
             )
         else:
             self.mlp = MLP(config, shard, tp)

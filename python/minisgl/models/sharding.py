@@ -1,5 +1,6 @@
 """Where a tensor-parallel rank's shard of each weight is cut: q heads, KV heads (replicated
-when fewer than ranks), MLP rows, and vocabulary rows of the embedding and output head."""
+when fewer than ranks), MLP rows (each expert's too: its intermediate rows, the router whole),
+and vocabulary rows of the embedding and output head."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ class Shard:
         c, n = self.config, self.size
         if n == 1:
             return
-        if c.num_experts > 0:
-            raise ValueError("tensor parallelism does not shard expert (MoE) layers yet")
+        if c.num_experts > 0 and c.moe_intermediate_size % n:
+            raise ValueError(
+                f"expert intermediate size {c.moe_intermediate_size} does not split over {n}"
+            )
         if c.num_qo_heads % n:
             raise ValueError(f"{c.num_qo_heads} attention heads do not split over {n} ranks")
         if c.num_kv_heads % n and n % c.num_kv_heads:
             raise ValueError(f"{c.num_kv_heads} KV heads neither split over nor divide {n} ranks")
-        if c.intermediate_size % n:
+        if c.intermediate_size % n and not all(c.moe_layers):
             raise ValueError(f"intermediate size {c.intermediate_size} does not split over {n}")
         if c.vocab_size < n:
             raise ValueError(f"a vocabulary of {c.vocab_size} does not split over {n} ranks")
@@ -55,6 +58,10 @@ class Shard:
         return self.config.intermediate_size // self.size
 
     @property
+    def moe_intermediate(self) -> int:
+        return self.config.moe_intermediate_size // self.size
+
+    @property
     def vocab(self) -> tuple[int, int]:
         return vocab_range(self.config.vocab_size, self.rank, self.size)
 
@@ -68,6 +75,11 @@ class Shard:
             start, end = self.vocab
             return 0, start, end - start
         proj = part.rsplit(".", 2)[-2]
+        if ".experts." in part:  # an expert's MLP: its intermediate rows, as a dense MLP's
+            width = self.moe_intermediate
+            if proj == "down_proj":
+                return 1, self.rank * width, width
+            return 0, self.rank * width, width
         if proj == "q_proj":
             return 0, self.rank * self.q_heads * head_dim, self.q_heads * head_dim
         if proj in ("k_proj", "v_proj"):
