@@ -6,6 +6,8 @@ float16 scale and offset per 32 columns: 0.625 of a byte a weight) through the C
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,10 +57,6 @@ class QuantizedProjection:
     """x @ W^T (+ bias) for a QuantizedWeight, the module's only copy of its weight. float_out
     (an output head): float32 results. Without the C kernels: dequantized per call."""
 
-    needs_weight = False
-    gated = False
-    gemv_max_rows = 0  # never the bf16 GEMV (Linear's module path reads this)
-
     def __init__(
         self, weight: QuantizedWeight, kernels: CpuKernels | None, float_out: bool = False
     ) -> None:
@@ -70,6 +68,11 @@ class QuantizedProjection:
             weight.values, weight.scales, weight.mins, weight.bits, weight.group
         )
 
+    @functools.cached_property
+    def _all_rows(self) -> torch.Tensor:
+        """Every row's index: the whole weight's lookup (each prefill chunk's dequantization)."""
+        return torch.arange(self.out_features)
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
@@ -77,8 +80,7 @@ class QuantizedProjection:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype` (a temporary)."""
         if self.kernels is not None and self.kernels.supports(dtype):
-            ids = torch.arange(self.out_features)
-            return self.kernels.quantized_rows(self.params, self.shape, ids, dtype)
+            return self.kernels.quantized_rows(self.params, self.shape, self._all_rows, dtype)
         return self.weight.dequantize().to(dtype)
 
     def __call__(

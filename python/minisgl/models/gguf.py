@@ -6,6 +6,7 @@ memory-mapped file."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -281,9 +282,10 @@ class GgufCheckpoint:
         dense = np.array(dequantize(data, qtype), dtype=np.float32)  # a copy, out of the map
         return torch.from_numpy(dense.reshape(self.entries[name].shape))
 
-    @property
+    @functools.cached_property
     def quantized_names(self) -> frozenset[str]:
-        """The tensors `quantized` repacks (the rest are served dense)."""
+        """The tensors `quantized` repacks (the rest are served dense); the loader asks once per
+        parameter."""
         return frozenset(
             name
             for name, (_, qtype) in self._data.items()

@@ -6,6 +6,7 @@ sooner)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -44,7 +45,7 @@ class CachedGguf:
         self.entries = {name: TensorEntry(0, tuple(item["shape"])) for name, item in layout.items()}
         self._quantized = {name: item["quantized"] for name, item in layout.items()}
 
-    @property
+    @functools.cached_property
     def quantized_names(self) -> frozenset[str]:
         return frozenset(name for name, q in self._quantized.items() if q is not None)
 

@@ -28,6 +28,14 @@ class PreemptionMixin:
     _retract: Callable[[Req], None]
     _is_in_flight: Callable[[Req], bool]
 
+    def _dequeue(self, req: Req) -> None:
+        """Take an admitted request off the queue: its head, unless requests it preempted went
+        back in front of it."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+
     def _may_preempt(self) -> bool:
         """Whether a waiting request outranks a running one (priority policy only)."""
         if self.config.schedule_policy != "priority" or not self.waiting or not self.running:

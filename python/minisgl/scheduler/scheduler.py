@@ -265,7 +265,7 @@ class Scheduler(PreemptionMixin, ResultsMixin):
                     self.cache_manager.unlock(handle)
                     break
                 reserved = self.budget.reserved(self._admitted()) + claimed
-            self.waiting.remove(req)  # preempted requests went back in front of it
+            self._dequeue(req)
             reserved += need
             self._admit(req, handle)
             extend = min(len(req.input_ids) - req.cached_len, budget)

@@ -9,12 +9,13 @@
 // reads every weight once, so it is bound by the weight bytes: 8 bits halve bf16's, 4 bits
 // (with a float16 scale and offset per 32) take 0.625 of a byte per weight.
 //
-// 8 bits: each 16 weights are made float32 exactly as the dequantization does (q * scale +
-// min, one rounding) and multiplied with the x rows in float32. 4 bits with bf16 x: the nibbles
-// become bf16 integers through a 16-entry table (exact), vdpbf16ps takes 32 a step against the
-// bf16 x rows, and the sums are scaled per group: sum_g scale_g * sum_k q_k x_k + sum_g min_g *
-// sum_k x_k, the second from each x row's group sums (computed once a call). Each thread takes
-// blocks of weight rows (guided, as the bf16 GEMV), every x row against the block.
+// A few x rows (choose_path has the rest), exactly: 8 bits: each 16 weights are made float32 as
+// the dequantization does (q * scale + min, one rounding) and multiplied with the x rows in
+// float32. 4 bits with bf16 x: the nibbles become bf16 integers through a 16-entry table
+// (exact), vdpbf16ps takes 32 a step against the bf16 x rows, and the sums are scaled per
+// group: sum_g scale_g * sum_k q_k x_k + sum_g min_g * sum_k x_k, the second from each x row's
+// group sums (computed once a call). Each thread takes blocks of weight rows (guided, as the
+// bf16 GEMV), every x row against the block.
 
 #define QBLOCK 4  // weight rows a work item takes
 #define QROWS 4   // x rows one pass over a weight row multiplies
@@ -465,10 +466,13 @@ static inline int layout_fits(const quantized_weight* w, int64_t K) {
             K % w->group == 0);
 }
 
-// How x meets the weight: with bf16 x, up to QROWS rows multiply the nibbles as bf16 integers
-// (4 bits) or the weights dequantized to float32 (8 bits, x converted); more rows multiply
-// blocks of QBLOCK weight rows dequantized to bf16 once (the bf16 GEMV's block kernel). Float32
-// x: up to QROWS rows in float32, more row by row (generic).
+// How x meets the weight: with bf16 x, up to QROWS rows exactly (4 bits: the nibbles as bf16
+// integers; 8 bits: dequantized to float32, x converted); up to WIDE_MAX_ROWS rows against each
+// 32 weights dequantized to bf16 in registers (rows_wide); more against blocks of 32 weight rows
+// dequantized into the packed tile layout (the packed matmul's kernel), or, where K is not a
+// multiple of 32, QBLOCK rows at a time into the bf16 GEMV's block kernel. Float32 x: up to
+// QROWS rows in float32, more row by row (generic). Layers/quantized.py takes batches above
+// QUANTIZED_GEMV_MAX_ROWS to dequantize + oneDNN instead.
 enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PACKED };
 
 static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
