@@ -1,7 +1,8 @@
 """Quantized projections against the bf16 ones they replace, on a model's decoder-layer shapes
 (the Qwen3-0.6B shape by default): per row count, the time of a layer's four projections from
 the bf16 packed copy (the engine's bf16 path) and from each quantized layout through the C
-kernel and through dequantize + oneDNN, and the ratio bf16 / quantized.
+kernel (tiled with int8 activations where the CPU has VNNI, and then the row layout's kernels
+too) and through dequantize + oneDNN, and the ratio bf16 / quantized.
 
 Weights cycle through --layers layers, so they come from memory as in a decode step. Figures
 only: `python benchmark/kernels_quantized.py` (about a minute); --rows 1,8,64.
@@ -60,17 +61,24 @@ def main() -> None:
     ]
     packed = [kernels.pack_weight(w) for w in weights]
     formats = args.formats.split(",")
-    projections = {
-        f: [QuantizedProjection(quantize(w.float(), f), kernels) for w in weights]  # type: ignore[arg-type]
-        for f in formats
+    quantized = {f: [quantize(w.float(), f) for w in weights] for f in formats}
+    projections = {f: [QuantizedProjection(q, kernels) for q in qs] for f, qs in quantized.items()}  # type: ignore[arg-type]
+    # Where the C kernels tile the weights (VNNI), the row layout's kernels too, for comparison.
+    row_layout = {
+        f: [QuantizedProjection(q, kernels, tiled=False) for q in qs]  # type: ignore[arg-type]
+        for f, qs in quantized.items()
+        if kernels.has_vnni
     }
     print(f"# {torch.get_num_threads()} threads, amx: {kernels.has_amx}, {args.layers} layers")
     mb = sum(w.numel() for w in weights[:4]) * 2 / 1e6
     print(f"# one layer's projections: {mb:.1f} MB in bf16; times are per layer, in µs")
     header = "| rows | bf16 packed |"
-    header += "".join(f" {f} C | {f} dequant | bf16/{f} |" for f in formats)
+    rows_cell = " {f} rows C |" if row_layout else ""
+    header += "".join(
+        (" {f} C |" + rows_cell + " {f} dequant | bf16/{f} |").format(f=f) for f in formats
+    )
     print(header)
-    print("|" + "---|" * (2 + 3 * len(formats)))
+    print("|" + "---|" * (2 + (4 if row_layout else 3) * len(formats)))
     for rows in map(int, args.rows.split(",")):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
         base = median_seconds(lambda xs=xs: bf16(weights, packed, xs), args.repeat)
@@ -83,7 +91,13 @@ def main() -> None:
                 lambda p=projs, xs=xs: dequantized(p, xs), max(3, args.repeat // 3)
             )
             c_time, deq = c_time / args.layers * 1e6, deq / args.layers * 1e6
-            cells += [f"{c_time:.0f}", f"{deq:.0f}", f"{base / min(c_time, deq):.2f}x"]
+            cells.append(f"{c_time:.0f}")
+            if row_layout:
+                rows_time = median_seconds(
+                    lambda p=row_layout[f], xs=xs: on_kernel(p, xs), args.repeat
+                )
+                cells.append(f"{rows_time / args.layers * 1e6:.0f}")
+            cells += [f"{deq:.0f}", f"{base / min(c_time, deq):.2f}x"]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 

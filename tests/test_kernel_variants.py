@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import platform
 import shutil
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from minisgl.kernel.build import TARGETS, build_library, can_run
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.kernel.ops import rotate_halves as _rotate
 from minisgl.layers.linear import interleave_gate_up
+from minisgl.layers.quant_weight import quantize_int4, quantize_int8
+from minisgl.layers.quantized import QuantizedProjection
 
 ONLY_WHERE_BUILT = pytest.mark.skipif(
     platform.system() != "Linux"
@@ -43,6 +46,7 @@ EXP_ULPS = 8  # relative error of a float32 exp, in units of U32 (4 ulps)
 DTYPES = [torch.float32, torch.bfloat16]
 RUNNABLE = [t.name for t in TARGETS if can_run(t)] + ["native"]
 BF16_FORMS = {"avx512-bf16-amx", "native"}  # the variants built with avx512_bf16
+VNNI_FORMS = {"avx512-bf16-amx"}  # and with vpdpbusd (native: where this CPU has it)
 
 
 @functools.cache
@@ -97,6 +101,7 @@ def test_every_target_builds_and_reports_its_instructions():
         kernels = variant(name)
         if name != "native":
             assert kernels.has_avx512_bf16 == (name in BF16_FORMS), name
+            assert kernels.has_vnni == (name in VNNI_FORMS), name
             assert not kernels.has_amx
 
 
@@ -152,6 +157,27 @@ def test_packed_matmul_within_float32_accumulation_or_unsupported(
     fused = kernels.packed_gated_silu(x, gated, 32, None)
     unfused = kernels.silu_and_mul(kernels.packed_linear(x, kernels.pack_weight(gate_up), 64, None))
     assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_products_in_every_form(kernels, bits):
+    """Each form's quantized matmul, in the row layout and (with VNNI) the tile layout, against
+    float64 dequantize-then-matmul: within float32 sums (float32 x), the bf16 weights of the
+    wide paths (2^-6 of the largest output, bf16 x) or int8-rounded activations (2^-5, tiled)."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 128, generator=gen)
+    qweight = quantize_int8(weight, 32) if bits == 8 else quantize_int4(weight, 32)
+    dense = qweight.dequantize().double()
+    for tiled in [False, True] if kernels.has_vnni else [False]:
+        projection = QuantizedProjection(qweight, kernels, tiled=tiled)
+        for rows, dtype in itertools.product((1, 6, 20), DTYPES):
+            x = torch.randn(rows, 128, generator=gen).to(dtype)
+            got = projection(x, torch.empty(0), None).double()
+            want = x.double() @ dense.T
+            tol = 1e-5 if dtype == torch.float32 else 2**-5 if tiled else 2**-6
+            assert (got - want).abs().max() <= tol * want.abs().max(), (tiled, rows, dtype)
+        all_rows = projection.rows(torch.arange(40), torch.float32)
+        assert torch.equal(all_rows, qweight.dequantize()), tiled
 
 
 # ----------------------------------------------------------------------- elementwise kernels

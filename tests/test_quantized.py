@@ -107,38 +107,82 @@ def test_bad_layouts_are_refused_naming_the_field() -> None:
     assert quantize(torch.randn(8, 40), "int8") is None  # no group fits: stays dense
 
 
-@pytest.mark.parametrize("kernels", [KERNELS, None], ids=["C kernels", "torch"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype) -> None:
-    if kernels is None and dtype == torch.bfloat16:
-        pytest.skip("the torch path is one F.linear: covered in float32")
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per 32 columns as the tiled kernels do (scale max|x| / 127, nearest
+    even), back in float32."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).view(x.shape)
+
+
+FORMS = ["rows", "tiled"] if KERNELS is not None and KERNELS.has_vnni else ["rows"]
+# The C kernels in each layout and dtype; the torch path (one F.linear) in float32.
+PROJECTION_CASES = [
+    pytest.param(KERNELS, dtype, form, id=f"C kernels-{form}-{str(dtype)[6:]}")
+    for form in FORMS
+    for dtype in (torch.float32, torch.bfloat16)
+] + [pytest.param(None, torch.float32, "rows", id="torch")]
+
+
+@pytest.mark.parametrize(("kernels", "dtype", "form"), PROJECTION_CASES)
+def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form) -> None:
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(52, 256, generator=gen)  # 52: a last block of 4 rows is partial
     bias = torch.randn(52, generator=gen).to(dtype)
     for name, qweight in _layouts(weight).items():
-        projection = QuantizedProjection(qweight, kernels)
+        projection = QuantizedProjection(qweight, kernels, tiled=form == "tiled")
         dense = qweight.dequantize()
-        for rows in (1, 3, 5, 9, QUANTIZED_GEMV_MAX_ROWS + 6):
+        mins = qweight.mins
+        offsets = (
+            torch.zeros_like(dense)
+            if mins is None
+            else mins.float().repeat_interleave(qweight.group, dim=1)
+        )
+        for rows in (1, 3, 5, 9, 17, QUANTIZED_GEMV_MAX_ROWS + 6):
             x = torch.randn(rows, 256, generator=gen).to(dtype)
             got = projection(x, torch.empty(0), bias)
             want = x.float() @ dense.T + bias.float()
             assert got.dtype == dtype and got.shape == (rows, 52)
             # float32: reassociation only. bf16: the output's rounding, and from 5 rows on the
-            # weights dequantized to bf16 once per call (one more bf16 rounding each).
+            # row layout's weights dequantized to bf16 once per call (one more bf16 rounding
+            # each). Tiled, bf16 (up to QUANTIZED_GEMV_MAX_ROWS): the integer part meets x
+            # rounded to int8 per 32 columns, the offsets x itself; a rounding tie may fall the
+            # other way.
             tol = 1e-5 if dtype == torch.float32 else 2**-8 if rows <= 4 else 2**-6
+            if form == "tiled" and dtype == torch.bfloat16 and rows <= QUANTIZED_GEMV_MAX_ROWS:
+                rounded = _int8_rounded(x) @ (dense - offsets).T
+                want, tol = rounded + x.float() @ offsets.T + bias.float(), 2**-7
             scale = want.abs().max().item()
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * scale, msg=name)
+
+
+@pytest.mark.skipif(not KERNELS or not KERNELS.has_vnni, reason="the tile layout needs VNNI")
+def test_int8_activations_stay_close_to_the_exact_product() -> None:
+    """Rounding bf16 activations to int8 per 32 columns costs little against the exact product:
+    llama.cpp's Q8_0 activations, here on a row whose magnitudes span 100x."""
+    gen = torch.Generator().manual_seed(5)
+    weight = quantize_int4(torch.randn(64, 512, generator=gen), 32)
+    x = torch.randn(8, 512, generator=gen) * torch.logspace(-1, 1, 512)
+    x = x.bfloat16()
+    got = QuantizedProjection(weight, KERNELS, tiled=True)(x, torch.empty(0), None).float()
+    want = x.float() @ weight.dequantize().T
+    relative = (got - want).norm() / want.norm()
+    assert relative < 0.01, relative
 
 
 @pytest.mark.skipif(KERNELS is None, reason="the C kernels' lookups")
 def test_quantized_rows_are_the_dequantized_rows() -> None:
     gen = torch.Generator().manual_seed(4)
     ids = torch.tensor([0, 17, 5, 51, 17])
+    all_rows = torch.arange(52)
     for name, qweight in _layouts(torch.randn(52, 256, generator=gen)).items():
-        projection = QuantizedProjection(qweight, KERNELS)
-        want = qweight.dequantize()[ids]
-        assert torch.equal(projection.rows(ids, torch.float32), want), name
-        assert torch.equal(projection.rows(ids, torch.bfloat16), want.bfloat16()), name
+        for form in FORMS:
+            projection = QuantizedProjection(qweight, KERNELS, tiled=form == "tiled")
+            want = qweight.dequantize()
+            assert torch.equal(projection.rows(ids, torch.float32), want[ids]), (name, form)
+            assert torch.equal(projection.rows(ids, torch.bfloat16), want[ids].bfloat16()), name
+            assert torch.equal(projection.rows(all_rows, torch.float32), want), (name, form)
     with pytest.raises(IndexError, match="52"):
         projection.rows(torch.tensor([52]), torch.float32)
 

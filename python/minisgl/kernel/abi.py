@@ -28,6 +28,7 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_fail_allocations": [_i64],
     "minisgl_has_avx512_bf16": [],
     "minisgl_has_amx": [],
+    "minisgl_has_vnni": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "minisgl_packed_elems": [_i64, _i64],
     "minisgl_pack_weight": [_ptr, _ptr, _i64, _i64, _int],
@@ -67,6 +68,7 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_fail_allocations": None,
     "minisgl_has_avx512_bf16": _int,
     "minisgl_has_amx": _int,
+    "minisgl_has_vnni": _int,
     "minisgl_gemv_bf16": None,
     "minisgl_packed_elems": _i64,
     "minisgl_pack_weight": None,
@@ -226,10 +228,11 @@ def check_prefill_tokens(kernel: str, tokens: int, extend_lens: torch.Tensor) ->
 
 class QuantizedWeightParams(ctypes.Structure):
     """A quantized weight's integers, per-group scales and mins (NULL: none) for the C
-    kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight)."""
+    kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight, or with
+    tiled set quant_tiles.py's TiledWeight)."""
 
     _fields_ = [("values", _ptr), ("scales", _ptr), ("mins", _ptr)]
-    _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64)]
+    _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64), ("tiled", _i64)]
 
 
 class ProjectionParams(ctypes.Structure):

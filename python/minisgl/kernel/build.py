@@ -34,6 +34,7 @@ SOURCES = tuple(
         "matmul.c",
         "packing.c",
         "quantized.c",
+        "quantized_tiled.c",
         "sampling.c",
     )
 )
@@ -67,8 +68,8 @@ TARGETS = (
     KernelTarget("avx512-no-bf16", ("-march=x86-64-v4", "-mno-avx512bf16"), _AVX512),
     KernelTarget(
         "avx512-bf16-amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-        _AVX512 | {"avx512_bf16"},
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+        _AVX512 | {"avx512_bf16", "avx512_vnni"},
     ),
 )
 

@@ -25,8 +25,10 @@ def quantized_weight_params(
     mins: torch.Tensor | None,
     bits: int,
     group: int,
+    tiled: bool = False,
 ) -> QuantizedWeightParams:
-    """The C view of a quantized weight's tensors (which the caller keeps alive)."""
+    """The C view of a quantized weight's tensors (which the caller keeps alive); tiled: in
+    the tile layout (layers/quant_tiles.py)."""
     for name, tensor in (("values", values), ("scales", scales), ("mins", mins)):
         if tensor is not None and not tensor.is_contiguous():
             raise_not_contiguous("quantized weight", **{name: tensor})
@@ -37,6 +39,7 @@ def quantized_weight_params(
         bits=bits,
         group=group,
         scales_f32=int(scales.dtype == torch.float32),
+        tiled=int(tiled),
     )
 
 

@@ -15,6 +15,7 @@ from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 from minisgl.kernel.quantized import quantized_weight_params
 
+from .quant_tiles import TiledWeight, tile_weight, tiles_fit
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
 # Quantized at load: "int8" (a scale per output row), "int4" (a float16 scale and offset per 32
@@ -55,17 +56,34 @@ def quantize_head(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
 
 class QuantizedProjection:
     """x @ W^T (+ bias) for a QuantizedWeight, the module's only copy of its weight. float_out
-    (an output head): float32 results. Without the C kernels: dequantized per call."""
+    (an output head): float32 results. Where the C kernels have AVX-512 VNNI the weight is
+    re-laid-out into tiles (quant_tiles.py) and bf16 activations are rounded to int8 per 32
+    columns (llama.cpp's Q8_0) to meet it in integer products. Without the C kernels:
+    dequantized per call."""
 
     def __init__(
-        self, weight: QuantizedWeight, kernels: CpuKernels | None, float_out: bool = False
+        self,
+        weight: QuantizedWeight,
+        kernels: CpuKernels | None,
+        float_out: bool = False,
+        tiled: bool | None = None,
     ) -> None:
-        self.weight = weight
+        """tiled: None takes the tile layout wherever it can, False keeps the row layout."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.kernels = kernels
         self.float_out = float_out
+        can_tile = kernels is not None and kernels.has_vnni and tiles_fit(weight)
+        if tiled and not can_tile:
+            raise ValueError(f"tiled=True: the kernels or in_features {self.in_features} refuse it")
+        tiled = can_tile and tiled is not False
+        self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
         self.params = quantized_weight_params(
-            weight.values, weight.scales, weight.mins, weight.bits, weight.group
+            self.weight.values,
+            self.weight.scales,
+            self.weight.mins,
+            weight.bits,
+            weight.group,
+            tiled,
         )
 
     @functools.cached_property
@@ -79,9 +97,7 @@ class QuantizedProjection:
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype` (a temporary)."""
-        if self.kernels is not None and self.kernels.supports(dtype):
-            return self.kernels.quantized_rows(self.params, self.shape, self._all_rows, dtype)
-        return self.weight.dequantize().to(dtype)
+        return self.rows(self._all_rows, dtype)
 
     def __call__(
         self,
@@ -108,8 +124,12 @@ class QuantizedProjection:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight dequantized (an embedding lookup): [len(ids), in]."""
-        if self.kernels is not None and self.kernels.supports(dtype):
-            return self.kernels.quantized_rows(self.params, self.shape, ids, dtype)
+        kernels = self.kernels
+        if kernels is not None and kernels.supports(dtype):
+            return kernels.quantized_rows(self.params, self.shape, ids, dtype)
+        if isinstance(self.weight, TiledWeight):  # only the kernels read the tile layout
+            assert kernels is not None
+            return kernels.quantized_rows(self.params, self.shape, ids, torch.float32).to(dtype)
         return self.weight.dequantize(ids.reshape(-1).long()).to(dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -31,6 +31,14 @@ int minisgl_has_avx512_bf16(void) {
 #endif
 }
 
+int minisgl_has_vnni(void) {
+#ifdef HAVE_AVX512_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int minisgl_has_amx(void) {
 #ifdef HAVE_AMX
     // Linux hands out the tile state only to processes that ask (ARCH_REQ_XCOMP_PERM, 18 =

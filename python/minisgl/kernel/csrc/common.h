@@ -1,5 +1,5 @@
 // What every kernel file shares: the system headers, what the target flags enable
-// (HAVE_AVX512_BF16, HAVE_AMX), the checked allocator, whether the tiles may be used, and the
+// (HAVE_AVX512_BF16, HAVE_AVX512_VNNI, HAVE_AMX), the checked allocator, whether the tiles may be used, and the
 // scalar bf16 and exp helpers. Functions one file defines for others are hidden
 // (MINISGL_INTERNAL): the library exports only what kernels.h declares.
 #pragma once
@@ -15,6 +15,10 @@
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_AVX512_BF16 1
+#endif
+// vpdpbusd (AVX-512 VNNI): the tiled quantized matmul's int8 products.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_AVX512_VNNI 1
 #endif
 #if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__)
@@ -40,6 +44,26 @@ static inline float bf16_to_f32(bf16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// IEEE half to float32 (exact).
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {  // subnormal: normalise
+        exp = 113;
+        while (!(mant & 0x400u)) mant <<= 1, exp--;
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
     return f;
 }
 

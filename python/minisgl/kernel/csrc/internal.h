@@ -39,3 +39,14 @@ MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, c
                                         void* y, int64_t M, int64_t N, int64_t ksteps, int64_t n0,
                                         int out_f32);
 #endif
+
+#ifdef HAVE_AVX512_VNNI
+// quantized_tiled.c: minisgl_quantized_linear and minisgl_quantized_rows for a weight in the
+// tile layout (w->tiled), their arguments checked.
+MINISGL_INTERNAL int quantized_tiled_linear(const void* x, const quantized_weight* w,
+                                            const void* bias, void* y, int64_t M, int64_t N,
+                                            int64_t K, int x_dtype, int out_f32, int nthreads);
+MINISGL_INTERNAL int quantized_tiled_rows(const quantized_weight* w, const int64_t* ids,
+                                          void* out, int64_t count, int64_t K, int dtype,
+                                          int nthreads);
+#endif

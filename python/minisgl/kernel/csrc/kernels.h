@@ -40,6 +40,7 @@ typedef struct {
     const void* scales;  // [N, K / group] float16, or float32 where scales_f32
     const void* mins;    // the same, or NULL (+ 0)
     int64_t bits, group, scales_f32;
+    int64_t tiled;  // values, scales and mins in the tile layout instead (quantized_tiled.c)
 } quantized_weight;
 
 typedef struct {
@@ -72,6 +73,7 @@ typedef struct {
 void minisgl_fail_allocations(int64_t count);
 int minisgl_has_avx512_bf16(void);
 int minisgl_has_amx(void);
+int minisgl_has_vnni(void);
 
 // gemv.c
 void minisgl_gemv_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* bias, bf16_t* y,

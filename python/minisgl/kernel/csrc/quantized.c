@@ -22,25 +22,6 @@
 #define QROWS_WIDE 8  // the same on bf16 weights dequantized in registers (rows_wide)
 #define WIDE_MAX_ROWS 16  // x rows up to which rows_wide beats the packed-block path
 
-static inline float half_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else {  // subnormal: normalise
-        exp = 113;
-        while (!(mant & 0x400u)) mant <<= 1, exp--;
-        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 // Floats a row's scales (or mins) take in scratch: whole vectors of 16.
 static inline int64_t padded(int64_t groups) { return (groups + 15) / 16 * 16; }
 
@@ -301,31 +282,6 @@ static void rows_int4_bf16(const bf16_t* x, const float* xsums, const quantized_
 #endif
 
 #ifdef HAVE_AVX512_BF16
-// 16 x 16 32-bit elements transposed in registers: row p of the result is column p of rows.
-static inline void transpose16(__m512i rows[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // u[i + j]: column 4L + j of rows i..i+3, in lane L
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i a_even = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
-        const __m512i a_odd = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
-        const __m512i b_even = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-        const __m512i b_odd = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
-        rows[j] = _mm512_shuffle_i32x4(a_even, b_even, 0x88);
-        rows[8 + j] = _mm512_shuffle_i32x4(a_even, b_even, 0xdd);
-        rows[4 + j] = _mm512_shuffle_i32x4(a_odd, b_odd, 0x88);
-        rows[12 + j] = _mm512_shuffle_i32x4(a_odd, b_odd, 0xdd);
-    }
-}
-
 // Weight rows n0..n0+31 (zeros past N) dequantized, rounded to bf16 and laid out as a block of
 // the packed copy (packing.c: per k-step of 32, two tiles of 16 columns' k-pairs), into wblock
 // [K * 32]. scales/mins: 32 rows of padded(groups) floats; chunk_group: each 16 columns' group.
@@ -466,6 +422,34 @@ static inline int layout_fits(const quantized_weight* w, int64_t K) {
             K % w->group == 0);
 }
 
+// The tile layout (quantized_tiled.c): whole 32-column x blocks, groups whole units of them.
+static inline int tiled_fits(const quantized_weight* w, int64_t K) {
+    return layout_fits(w, K) && K % 32 == 0;
+}
+
+// A tiled weight's matmul and rows: only where vpdpbusd was compiled in (quant_tiles.py tiles
+// only then).
+static int tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
+                        int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32, int nthreads) {
+    if (!tiled_fits(w, K)) return MINISGL_ERR_SHAPE;
+#ifdef HAVE_AVX512_VNNI
+    return quantized_tiled_linear(x, w, bias, y, M, N, K, x_dtype, out_f32, nthreads);
+#else
+    (void)x, (void)bias, (void)y, (void)M, (void)N, (void)x_dtype, (void)out_f32, (void)nthreads;
+    return MINISGL_ERR_SHAPE;
+#endif
+}
+
+static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, int64_t count,
+                      int64_t K, int dtype, int nthreads) {
+#ifdef HAVE_AVX512_VNNI
+    return quantized_tiled_rows(w, ids, out, count, K, dtype, nthreads);
+#else
+    (void)w, (void)ids, (void)out, (void)count, (void)K, (void)dtype, (void)nthreads;
+    return MINISGL_ERR_SHAPE;
+#endif
+}
+
 // How x meets the weight: with bf16 x, up to QROWS rows exactly (4 bits: the nibbles as bf16
 // integers; 8 bits: dequantized to float32, x converted); up to WIDE_MAX_ROWS rows against each
 // 32 weights dequantized to bf16 in registers (rows_wide); more against blocks of 32 weight rows
@@ -491,6 +475,7 @@ static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dt
 int minisgl_quantized_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
                              int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
                              int nthreads) {
+    if (w->tiled) return tiled_linear(x, w, bias, y, M, N, K, x_dtype, out_f32, nthreads);
     if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
     const int64_t groups = K / w->group;
     const int path = choose_path(w, M, K, x_dtype);
@@ -581,9 +566,10 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
 // a quantized table, or the whole weight for a large batch), float32 or bf16 (rounded once).
 int minisgl_quantized_rows(const quantized_weight* w, const int64_t* ids, void* out,
                            int64_t count, int64_t N, int64_t K, int dtype, int nthreads) {
-    if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
+    if (!(w->tiled ? tiled_fits(w, K) : layout_fits(w, K))) return MINISGL_ERR_SHAPE;
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= N) return MINISGL_ERR_SHAPE;
+    if (w->tiled) return tiled_rows(w, ids, out, count, K, dtype, nthreads);
     const int64_t groups = K / w->group, per_thread = 2 * padded(groups) + K;
     float* buffer = kernel_alloc((size_t)(nthreads * per_thread) * sizeof(float));
     if (!buffer) return MINISGL_ERR_NOMEM;

@@ -1,5 +1,5 @@
 // The AVX-512 lane helpers several kernel files inline: bf16 lanes to float32 and back, exp,
-// rounding to the dtype, SiLU, the k-pair broadcast of vdpbf16ps, the AMX tile configuration.
+// rounding to the dtype, SiLU, a 16 x 16 transpose, the k-pair broadcast of vdpbf16ps, the AMX tile configuration.
 #pragma once
 
 #include "common.h"
@@ -67,6 +67,34 @@ static inline __m512 silu_times(__m512 gate, __m512 up, int dtype) {
     const __m512 silu = _mm512_div_round_ps(gate, denom, _MM_FROUND_CUR_DIRECTION);
     return round_to_512(dtype, _mm512_mul_ps(round_to_512(dtype, silu), up));
 }
+#endif
+
+#ifdef __AVX512F__
+// 16 x 16 32-bit elements transposed in registers: row p of the result is column p of rows.
+static inline void transpose16(__m512i rows[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + j]: column 4L + j of rows i..i+3, in lane L
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i a_even = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        const __m512i a_odd = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        const __m512i b_even = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i b_odd = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+        rows[j] = _mm512_shuffle_i32x4(a_even, b_even, 0x88);
+        rows[8 + j] = _mm512_shuffle_i32x4(a_even, b_even, 0xdd);
+        rows[4 + j] = _mm512_shuffle_i32x4(a_odd, b_odd, 0x88);
+        rows[12 + j] = _mm512_shuffle_i32x4(a_odd, b_odd, 0xdd);
+    }
+}
+
 #endif
 
 #ifdef HAVE_AVX512_BF16

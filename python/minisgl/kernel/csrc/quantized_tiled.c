@@ -1,0 +1,339 @@
+#include "common.h"
+#include "internal.h"
+#include "simd.h"
+
+// ------------------------------------------------------------------ tiled quantized matmul
+// The quantized weight in the tile layout (layers/quant_tiles.py writes it) against int8
+// activations, with AVX-512 VNNI's vpdpbusd: 64 products of unsigned 8-bit weights and signed
+// 8-bit activations a step, summed exactly in int32 lanes. A tile is 16 weight rows, one per
+// lane, so a step multiplies 16 rows by 4 columns and nothing is transposed at run time:
+//   8 bits: [tiles][K/4][64] bytes, byte 4l+i of quad q = q[16t+l, 4q+i] + 128;
+//   4 bits: [tiles][K/32][4][64] bytes, byte 4l+i of vector j of chunk c holds column
+//           32c+4j+i of row 16t+l in its low nibble and column 32c+4j+16+i in its high one;
+//   scales, mins: [tiles][groups][16], the 16 rows' values per group (float16 or float32).
+// The activations are rounded to int8 per 32 columns (llama.cpp's Q8_0: scale = max|x| / 127,
+// nearest even), so within one unit of columns (32, or 16 where groups are 16) a row's sum is
+// exact in integers: y = sum_units scale_w * scale_x * sum(q * xq) + sum_groups min * sum(x),
+// the offsets' x sums taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side):
+// each unit's integer sum starts at -128 * sum(xq). Float32 activations are multiplied exactly
+// instead, against each tile dequantized to float32.
+
+#define TILE 16    // weight rows a tile holds, one per int32 lane
+#define TILE_MR 8  // activation rows one pass over a tile multiplies
+
+#ifdef HAVE_AVX512_VNNI
+// Columns a unit holds: within one x scale (32 columns) and one weight group.
+static inline int64_t unit_cols(int64_t group) { return group % 32 == 0 ? 32 : 16; }
+
+// Bytes one tile's values take.
+static inline int64_t tile_bytes(int64_t bits, int64_t K) { return bits == 8 ? 16 * K : 8 * K; }
+
+// The 16 rows' scales (or mins) of tile t, group g, as float32 lanes.
+static inline __m512 tile_floats(const void* src, int64_t scales_f32, int64_t index) {
+    if (scales_f32) return _mm512_loadu_ps((const float*)src + index * TILE);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)src + index * TILE)));
+}
+
+// The activations as the tiled kernel takes them (per row m).
+typedef struct {
+    int8_t* xq;    // [M, K]: x rounded to int8, each 32 columns by its own scale
+    float* xd;     // [M, units]: each unit's x scale
+    int32_t* neg;  // [M, units]: -128 * the unit's sum of xq (8-bit weights' +128), or NULL
+    float* xsum;   // [M, groups]: each group's sum of x (the offsets' term), or NULL
+} tiled_x;
+
+// Row x [K] (bf16) rounded to int8 per 32 columns, with its unit scales and sums.
+static void quantize_x_row(const bf16_t* x, int64_t K, int64_t unit, int64_t group, int8_t* xq,
+                           float* xd, int32_t* neg, float* xsum) {
+    if (xsum) memset(xsum, 0, (size_t)(K / group) * sizeof(float));
+    for (int64_t k = 0; k < K; k += 32) {
+        const __m512 lo = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + k)));
+        const __m512 hi = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + k + 16)));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i*)(xq + k), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i*)(xq + k + 16), _mm512_cvtsepi32_epi8(qhi));
+        const int64_t u = k / unit;
+        xd[u] = d;
+        if (unit == 16) xd[u + 1] = d;
+        if (neg && unit == 32) {
+            neg[u] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        } else if (neg) {
+            neg[u] = -128 * _mm512_reduce_add_epi32(qlo);
+            neg[u + 1] = -128 * _mm512_reduce_add_epi32(qhi);
+        }
+        if (xsum) {
+            xsum[k / group] += _mm512_reduce_add_ps(lo);
+            xsum[(k + 16) / group] += _mm512_reduce_add_ps(hi);
+        }
+    }
+}
+
+// Rows m0..m0+MR-1 of y (MR a constant where inlined) for the 16 weight rows of tile t.
+static inline __attribute__((always_inline)) void tile_rows_impl(
+    const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y, int64_t N,
+    int64_t K, int64_t t, int64_t m0, int out_f32, const int MR) {
+    const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
+    const int64_t units = K / unit, units_per_group = group / unit;
+    const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 acc[TILE_MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 scale = tile_floats(w->scales, w->scales_f32, t * groups + g);
+        for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
+            const int8_t* xu = xs->xq + m0 * K + u * unit;
+            // Two sums a row (the high nibbles', or every other quad's): more chains in flight.
+            __m512i sums[TILE_MR], sums2[TILE_MR];
+            for (int r = 0; r < MR; r++) {
+                sums[r] = xs->neg ? _mm512_set1_epi32(xs->neg[(m0 + r) * units + u])
+                                  : _mm512_setzero_si512();
+                sums2[r] = _mm512_setzero_si512();
+            }
+            if (w->bits == 4) {  // unit 32: one chunk, four vectors of two quads each
+                const uint8_t* chunk = values + u * 256;
+                for (int j = 0; j < 4; j++) {
+                    const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+                    const __m512i lo = _mm512_and_si512(v, nibble);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                    for (int r = 0; r < MR; r++) {
+                        int32_t xa, xb;
+                        memcpy(&xa, xu + r * K + 4 * j, 4);
+                        memcpy(&xb, xu + r * K + 4 * j + 16, 4);
+                        sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(xa));
+                        sums2[r] = _mm512_dpbusd_epi32(sums2[r], hi, _mm512_set1_epi32(xb));
+                    }
+                }
+            } else {
+                const uint8_t* quads = values + u * (unit / 4) * 64;
+                for (int64_t q = 0; q < unit / 4; q += 2) {
+                    const __m512i v = _mm512_loadu_si512(quads + 64 * q);
+                    const __m512i v2 = _mm512_loadu_si512(quads + 64 * q + 64);
+                    for (int r = 0; r < MR; r++) {
+                        int32_t xa, xb;
+                        memcpy(&xa, xu + r * K + 4 * q, 4);
+                        memcpy(&xb, xu + r * K + 4 * q + 4, 4);
+                        sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(xa));
+                        sums2[r] = _mm512_dpbusd_epi32(sums2[r], v2, _mm512_set1_epi32(xb));
+                    }
+                }
+            }
+            for (int r = 0; r < MR; r++) {
+                const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs->xd[(m0 + r) * units + u]));
+                const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], sums2[r]));
+                acc[r] = _mm512_fmadd_ps(sum, s, acc[r]);
+            }
+        }
+        if (w->mins) {
+            const __m512 mins = tile_floats(w->mins, w->scales_f32, t * groups + g);
+            for (int r = 0; r < MR; r++)
+                acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs->xsum[(m0 + r) * groups + g]),
+                                         acc[r]);
+        }
+    }
+    const int64_t n0 = t * TILE, count = N - n0 < TILE ? N - n0 : TILE;
+    const __mmask16 mask = count == TILE ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    const __m512 b = bias ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + n0))
+                          : _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) {
+        const __m512 v = _mm512_add_ps(acc[r], b);
+        const int64_t index = (m0 + r) * N + n0;
+        if (out_f32) {
+            _mm512_mask_storeu_ps((float*)y + index, mask, v);
+        } else {
+            const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(v)), 16);
+            _mm256_mask_storeu_epi16((bf16_t*)y + index, mask, _mm512_cvtepi32_epi16(bits));
+        }
+    }
+}
+
+static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y,
+                      int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_MR) {
+        switch (M - m0 < TILE_MR ? M - m0 : TILE_MR) {
+#define TILE_CASE(r) \
+    case r: tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r); break;
+            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+            TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
+            default:
+            TILE_CASE(8)
+#undef TILE_CASE
+        }
+    }
+}
+
+// Bytes 16p..16p+15 of v (the extract takes a constant).
+static inline __m128i quarter(__m512i v, int p) {
+    switch (p) {
+        case 0: return _mm512_extracti32x4_epi32(v, 0);
+        case 1: return _mm512_extracti32x4_epi32(v, 1);
+        case 2: return _mm512_extracti32x4_epi32(v, 2);
+        default: return _mm512_extracti32x4_epi32(v, 3);
+    }
+}
+
+// Row n of a tiled weight dequantized (q * scale + min in float32, one rounding) into out [K]:
+// float32, or rounded to bf16 where bf16_out.
+static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out, int bf16_out) {
+    const int64_t t = n / TILE, lane = n % TILE, groups = K / w->group;
+    const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
+    // Dword i of a gather: 4 columns of row n (8 bits: quad i; 4 bits: vector i % 4 of chunk
+    // i / 4, whose low nibbles are 4 columns and high nibbles 4 columns 16 further on).
+    const __m512i quad = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(quad, _mm512_set1_epi32(64)),
+                                           _mm512_set1_epi32((int)(4 * lane)));
+    float ints[64];
+    for (int64_t k = 0; k < K; k += 64) {
+        if (w->bits == 8) {
+            const __m512i v = _mm512_i32gather_epi32(index, values + k * 16, 1);
+            for (int p = 0; p < 4; p++) {
+                const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(quarter(v, p)),
+                                                   _mm512_set1_epi32(128));
+                _mm512_storeu_ps(ints + 16 * p, _mm512_cvtepi32_ps(q));
+            }
+        } else {  // two chunks: dwords 0..3 of chunk k / 32, 4..7 of the next
+            const __m256i v = _mm256_i32gather_epi32((const int*)(values + k * 8),
+                                                     _mm512_castsi512_si256(index), 1);
+            const __m512i bytes = _mm512_cvtepu8_epi16(v);
+            const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+            const __m512i hi = _mm512_srli_epi16(bytes, 4);
+            // lo/hi words 0..15: chunk 0's columns 0..15 / 16..31; words 16..31: chunk 1's.
+            const __m256i parts[4] = {_mm512_castsi512_si256(lo), _mm512_castsi512_si256(hi),
+                                      _mm512_extracti64x4_epi64(lo, 1),
+                                      _mm512_extracti64x4_epi64(hi, 1)};
+            for (int p = 0; p < 4; p++)
+                _mm512_storeu_ps(ints + 16 * p, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(parts[p])));
+        }
+        for (int p = 0; p < 4; p++) {
+            const int64_t col = k + 16 * p, g = col / w->group;
+            const int64_t at = (t * groups + g) * TILE + lane;
+            const float scale = w->scales_f32 ? ((const float*)w->scales)[at]
+                                              : half_to_f32(((const uint16_t*)w->scales)[at]);
+            float offset = 0.0f;
+            if (w->mins)
+                offset = w->scales_f32 ? ((const float*)w->mins)[at]
+                                       : half_to_f32(((const uint16_t*)w->mins)[at]);
+            const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(ints + 16 * p), _mm512_set1_ps(scale),
+                                             _mm512_set1_ps(offset));
+            if (bf16_out)
+                store16(out, col, 1, round_bf16_512(v));
+            else
+                _mm512_storeu_ps((float*)out + col, v);
+        }
+    }
+}
+
+// Tile t's rows (those below N) dequantized into out [N, K] (float32, or bf16 where bf16_out):
+// each 64 columns' 16 quads transposed in registers to 16 rows of 64 bytes.
+static void tiled_block(const quantized_weight* w, int64_t t, int64_t N, int64_t K, void* out,
+                        int bf16_out) {
+    const int64_t groups = K / w->group, n0 = t * TILE, count = N - n0 < TILE ? N - n0 : TILE;
+    const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
+    float scales[TILE], mins[TILE];
+    for (int64_t k = 0; k < K; k += 64) {
+        __m512i rows[16];  // quad q of the 64 columns, then (transposed) row l of them
+        if (w->bits == 8) {
+            for (int q = 0; q < 16; q++) rows[q] = _mm512_loadu_si512(values + k * 16 + 64 * q);
+        } else {
+            for (int c = 0; c < 2; c++)
+                for (int j = 0; j < 4; j++) {
+                    const __m512i v = _mm512_loadu_si512(values + k * 8 + 256 * c + 64 * j);
+                    rows[8 * c + j] = _mm512_and_si512(v, _mm512_set1_epi8(15));
+                    rows[8 * c + 4 + j] =
+                        _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+                }
+        }
+        transpose16(rows);
+        for (int p = 0; p < 4; p++) {
+            const int64_t col = k + 16 * p, at = (t * groups + col / w->group) * TILE;
+            _mm512_storeu_ps(scales, tile_floats(w->scales, w->scales_f32, at / TILE));
+            if (w->mins) _mm512_storeu_ps(mins, tile_floats(w->mins, w->scales_f32, at / TILE));
+            for (int64_t l = 0; l < count; l++) {
+                __m512i ints = _mm512_cvtepu8_epi32(quarter(rows[l], p));
+                if (w->bits == 8) ints = _mm512_sub_epi32(ints, _mm512_set1_epi32(128));
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(scales[l]),
+                                                 _mm512_set1_ps(w->mins ? mins[l] : 0.0f));
+                const int64_t index = (n0 + l) * K + col;
+                if (bf16_out)
+                    store16(out, index, 1, round_bf16_512(v));
+                else
+                    _mm512_storeu_ps((float*)out + index, v);
+            }
+        }
+    }
+}
+
+// Float32 activations, exactly: each tile's 16 rows dequantized to float32 (scratch [16 * K]),
+// then every x row's 16 dot products in float32.
+static void tile_rows_f32(const quantized_weight* w, const float* x, const float* bias, float* y,
+                          int64_t M, int64_t N, int64_t K, int64_t t, float* scratch) {
+    const int64_t n0 = t * TILE, count = N - n0 < TILE ? N - n0 : TILE;
+    for (int64_t r = 0; r < count; r++) tiled_row(w, n0 + r, K, scratch + r * K, 0);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t r = 0; r < count; r++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k),
+                                      _mm512_loadu_ps(scratch + r * K + k), acc);
+            y[m * N + n0 + r] = _mm512_reduce_add_ps(acc) + (bias ? bias[n0 + r] : 0.0f);
+        }
+}
+
+int quantized_tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
+                           int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
+                           int nthreads) {
+    const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
+    const int64_t units = K / unit, tiles = (N + TILE - 1) / TILE;
+    // x's int8 rows, unit scales, unit sums and group sums; or (float32 x) a tile per thread.
+    const int64_t xq_floats = (M * K + 3) / 4, unit_floats = M * units, sum_floats = M * groups;
+    const int64_t total = x_dtype == 1 ? xq_floats + 2 * unit_floats + sum_floats
+                                       : (int64_t)nthreads * TILE * K;
+    float* buffer = kernel_alloc((size_t)total * sizeof(float));
+    if (!buffer) return MINISGL_ERR_NOMEM;
+    if (x_dtype == 0) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            tile_rows_f32(w, (const float*)x, (const float*)bias, (float*)y, M, N, K, t,
+                          buffer + (int64_t)omp_get_thread_num() * TILE * K);
+        free(buffer);
+        return MINISGL_OK;
+    }
+    tiled_x xs = {
+        .xq = (int8_t*)buffer,
+        .xd = buffer + xq_floats,
+        .neg = w->bits == 8 ? (int32_t*)(buffer + xq_floats + unit_floats) : NULL,
+        .xsum = w->mins ? buffer + xq_floats + 2 * unit_floats : NULL,
+    };
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_x_row((const bf16_t*)x + m * K, K, unit, group, xs.xq + m * K,
+                           xs.xd + m * units, xs.neg ? xs.neg + m * units : NULL,
+                           xs.xsum ? xs.xsum + m * groups : NULL);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            tile_rows(w, &xs, (const bf16_t*)bias, y, M, N, K, t, out_f32);
+    }
+    free(buffer);
+    return MINISGL_OK;
+}
+
+int quantized_tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, int64_t count,
+                         int64_t K, int dtype, int nthreads) {
+    const size_t elem = dtype == 0 ? 4 : 2;
+    int64_t in_order = 0;  // every row, in order: tile by tile (a prefill's whole weight)
+    while (in_order < count && ids[in_order] == in_order) in_order++;
+    if (in_order == count) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t t = 0; t < (count + TILE - 1) / TILE; t++) tiled_block(w, t, count, K, out, dtype == 1);
+        return MINISGL_OK;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (count * K >= (1 << 16))
+    for (int64_t i = 0; i < count; i++)
+        tiled_row(w, ids[i], K, (char*)out + (size_t)(i * K) * elem, dtype == 1);
+    return MINISGL_OK;
+}
+#endif
