@@ -4,7 +4,9 @@ reference model at every position of a fixed text (teacher-forced) and the text'
 The reference is HF transformers in float32 on the model's dense checkpoint (for the default
 model: its Q4_1 GGUF dequantized by transformers, the same weight values the "gguf" format
 keeps quantized) and, for formats quantized at load, also minisgl bf16 (their own starting
-point). Figures only:
+point). The text is prefilled whole (weights past 128 rows are dequantized: exact arithmetic)
+and in chunks of --chunks tokens (the row counts decode batches take: where the CPU has VNNI,
+up to 16 rows activations kept to 16 bits, 17-128 rounded to int8 per 32 columns). Figures only:
 
     python benchmark/quantized_quality.py                         # the default model
     python benchmark/quantized_quality.py --formats bf16,int8,int4,int4-g32,gguf
@@ -72,9 +74,12 @@ def hf_reference(model: Path, ids: list[int]) -> tuple[list[int], float]:
     return logits.argmax(-1).tolist(), math.exp(-logprobs.mean().item())
 
 
-def ours(path: Path, kwargs: dict, ids: list[int]) -> tuple[list[int], float]:
-    """minisgl's top-1 at each position and the text's perplexity (teacher-forced)."""
-    llm = LLM(str(path), dtype="bfloat16", num_page_override=2048, **kwargs)
+def ours(path: Path, kwargs: dict, ids: list[int], chunk: int) -> tuple[list[int], float]:
+    """minisgl's top-1 at each position and the text's perplexity (teacher-forced), prefilled
+    `chunk` tokens a step."""
+    llm = LLM(
+        str(path), dtype="bfloat16", num_page_override=2048, max_prefill_length=chunk, **kwargs
+    )
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=1)
         out = llm.generate([ids], params, use_tqdm=False)[0]["prompt_logprobs"][1:]
@@ -93,6 +98,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default, qwen3-0.6b-random, a folder")
     p.add_argument("--formats", default="bf16,int8,int4,int4-g32,gguf")
+    p.add_argument("--chunks", default="16,64", help="chunk sizes, tokens per prefill step")
     args = p.parse_args()
     model = resolve_bench_model(args.model)
     gguf = default_gguf_path() if args.model in (None, "default") else None
@@ -101,21 +107,30 @@ def main() -> None:
     ids = AutoTokenizer.from_pretrained(str(model))(TEXT).input_ids
     ref_top1, ref_ppl = hf_reference(model, ids)
     print(f"# {model.name}: {len(ids)} tokens; HF float32 perplexity {ref_ppl:.3f}")
-    print("| format | top-1 vs HF fp32 | top-1 vs minisgl bf16 | perplexity | vs HF fp32 |")
-    print("|---|---|---|---|---|")
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    print(
+        "| format | top-1 vs HF fp32 | top-1 vs minisgl bf16 | perplexity | vs HF fp32 |"
+        + "".join(f" {c}-token chunks: top-1, perplexity vs HF fp32 |" for c in chunks)
+    )
+    print("|---|---|---|---|---|" + "---|" * len(chunks))
     bf16_top1 = None
     for fmt in args.formats.split(","):
         if fmt == "gguf" and gguf is None:
             continue
         path = gguf if fmt == "gguf" else model
         kwargs = {} if fmt == "bf16" else {"quantization": fmt}
-        top1, ppl = ours(path, kwargs, ids)
+        top1, ppl = ours(path, kwargs, ids, len(ids))
+        chunked = [ours(path, kwargs, ids, c) for c in chunks]
         if fmt == "bf16":
             bf16_top1 = top1
         vs_bf16 = "" if bf16_top1 is None else f"{agreement(bf16_top1, top1):.1%}"
         print(
             f"| {fmt} | {agreement(ref_top1, top1):.1%} | {vs_bf16} | {ppl:.3f} | "
-            f"{(ppl / ref_ppl - 1):+.1%} |",
+            f"{(ppl / ref_ppl - 1):+.1%} |"
+            + "".join(
+                f" {agreement(ref_top1, c_top1):.1%}, {(c_ppl / ref_ppl - 1):+.1%} |"
+                for c_top1, c_ppl in chunked
+            ),
             flush=True,
         )
 

@@ -11,6 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from minisgl.env import ENV
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 from minisgl.kernel.quantized import quantized_weight_params
@@ -29,6 +30,10 @@ QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 # dequantizing it to the activations' dtype once per call and multiplying through oneDNN is
 # faster; benchmark/kernels_quantized.py).
 QUANTIZED_GEMV_MAX_ROWS = 128
+# Rows up to which the tiled kernels keep bf16 activations to 16 bits (two int8 passes: as
+# precise as bf16); from here to QUANTIZED_GEMV_MAX_ROWS they round them to int8 per 32 columns
+# (csrc/quantized_tiled.c's PRECISE_MAX_ROWS).
+TILED_PRECISE_MAX_ROWS = 16
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
@@ -57,9 +62,9 @@ def quantize_head(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
 class QuantizedProjection:
     """x @ W^T (+ bias) for a QuantizedWeight, the module's only copy of its weight. float_out
     (an output head): float32 results. Where the C kernels have AVX-512 VNNI the weight is
-    re-laid-out into tiles (quant_tiles.py) and bf16 activations are rounded to int8 per 32
-    columns (llama.cpp's Q8_0) to meet it in integer products. Without the C kernels:
-    dequantized per call."""
+    re-laid-out into tiles (quant_tiles.py) and bf16 activations meet it in integer products:
+    to 16 bits up to TILED_PRECISE_MAX_ROWS rows, rounded to int8 per 32 columns (llama.cpp's
+    Q8_0) above. Without the C kernels: dequantized per call."""
 
     def __init__(
         self,
@@ -68,14 +73,15 @@ class QuantizedProjection:
         float_out: bool = False,
         tiled: bool | None = None,
     ) -> None:
-        """tiled: None takes the tile layout wherever it can, False keeps the row layout."""
+        """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
+        is 0), False keeps the row layout."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.kernels = kernels
         self.float_out = float_out
         can_tile = kernels is not None and kernels.has_vnni and tiles_fit(weight)
         if tiled and not can_tile:
             raise ValueError(f"tiled=True: the kernels or in_features {self.in_features} refuse it")
-        tiled = can_tile and tiled is not False
+        tiled = can_tile and (ENV.CPU_INT8_ACTIVATIONS.value if tiled is None else tiled)
         self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
         self.params = quantized_weight_params(
             self.weight.values,

@@ -20,6 +20,11 @@
 
 #define TILE 16    // weight rows a tile holds, one per int32 lane
 #define TILE_MR 8  // activation rows one pass over a tile multiplies
+// Activation rows up to which x is kept to 16 bits (two int8 passes: the rounding's remainder
+// too), as precise as bf16 activations; more rows take one pass (Q8_0's precision).
+#ifndef PRECISE_MAX_ROWS
+#define PRECISE_MAX_ROWS 16
+#endif
 
 #ifdef HAVE_AVX512_VNNI
 // Columns a unit holds: within one x scale (32 columns) and one weight group.
@@ -37,32 +42,46 @@ static inline __m512 tile_floats(const void* src, int64_t scales_f32, int64_t in
 // The activations as the tiled kernel takes them (per row m).
 typedef struct {
     int8_t* xq;    // [M, K]: x rounded to int8, each 32 columns by its own scale
-    float* xd;     // [M, units]: each unit's x scale
-    int32_t* neg;  // [M, units]: -128 * the unit's sum of xq (8-bit weights' +128), or NULL
+    int8_t* xlo;   // [M, K]: precise: what xq left, in 256ths of its step; else NULL
+    float* xd;     // [M, units]: each unit's x scale (precise: its 256th)
+    int32_t* neg;  // [M, units]: -128 * the unit's sum of x's integers (8-bit weights' +128)
     float* xsum;   // [M, groups]: each group's sum of x (the offsets' term), or NULL
 } tiled_x;
 
-// Row x [K] (bf16) rounded to int8 per 32 columns, with its unit scales and sums.
+// Columns k..k+15 of a row (as t = x / step) rounded: into xq, and (xlo given) the remainder
+// in 256ths of a step; the sum of the integers (x / step in 256ths where precise).
+static inline int32_t round_half_block(__m512 t, int8_t* xq, int8_t* xlo) {
+    const __m512i q = _mm512_cvtps_epi32(t);
+    _mm_storeu_si128((__m128i*)xq, _mm512_cvtsepi32_epi8(q));
+    if (!xlo) return _mm512_reduce_add_epi32(q);
+    const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(256));
+    const __m512i q_lo = _mm512_cvtps_epi32(rest);  // |rest| <= 128: 128 saturates to 127
+    _mm_storeu_si128((__m128i*)xlo, _mm512_cvtsepi32_epi8(q_lo));
+    return 256 * _mm512_reduce_add_epi32(q) + _mm512_reduce_add_epi32(_mm512_min_epi32(q_lo, _mm512_set1_epi32(127)));
+}
+
+// Row x [K] (bf16) rounded to int8 per 32 columns (and, xlo given, its remainders), with its
+// unit scales and sums.
 static void quantize_x_row(const bf16_t* x, int64_t K, int64_t unit, int64_t group, int8_t* xq,
-                           float* xd, int32_t* neg, float* xsum) {
+                           int8_t* xlo, float* xd, int32_t* neg, float* xsum) {
     if (xsum) memset(xsum, 0, (size_t)(K / group) * sizeof(float));
     for (int64_t k = 0; k < K; k += 32) {
         const __m512 lo = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + k)));
         const __m512 hi = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + k + 16)));
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i*)(xq + k), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i*)(xq + k + 16), _mm512_cvtsepi32_epi8(qhi));
+        const int32_t sum_lo = round_half_block(_mm512_mul_ps(lo, _mm512_set1_ps(id)), xq + k,
+                                                xlo ? xlo + k : NULL);
+        const int32_t sum_hi = round_half_block(_mm512_mul_ps(hi, _mm512_set1_ps(id)), xq + k + 16,
+                                                xlo ? xlo + k + 16 : NULL);
         const int64_t u = k / unit;
-        xd[u] = d;
-        if (unit == 16) xd[u + 1] = d;
+        xd[u] = xlo ? d / 256.0f : d;
+        if (unit == 16) xd[u + 1] = xd[u];
         if (neg && unit == 32) {
-            neg[u] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            neg[u] = -128 * (sum_lo + sum_hi);
         } else if (neg) {
-            neg[u] = -128 * _mm512_reduce_add_epi32(qlo);
-            neg[u + 1] = -128 * _mm512_reduce_add_epi32(qhi);
+            neg[u] = -128 * sum_lo;
+            neg[u + 1] = -128 * sum_hi;
         }
         if (xsum) {
             xsum[k / group] += _mm512_reduce_add_ps(lo);
@@ -74,7 +93,7 @@ static void quantize_x_row(const bf16_t* x, int64_t K, int64_t unit, int64_t gro
 // Rows m0..m0+MR-1 of y (MR a constant where inlined) for the 16 weight rows of tile t.
 static inline __attribute__((always_inline)) void tile_rows_impl(
     const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y, int64_t N,
-    int64_t K, int64_t t, int64_t m0, int out_f32, const int MR) {
+    int64_t K, int64_t t, int64_t m0, int out_f32, const int MR, const int PRECISE) {
     const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
     const int64_t units = K / unit, units_per_group = group / unit;
     const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
@@ -84,13 +103,17 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
     for (int64_t g = 0; g < groups; g++) {
         const __m512 scale = tile_floats(w->scales, w->scales_f32, t * groups + g);
         for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
-            const int8_t* xu = xs->xq + m0 * K + u * unit;
-            // Two sums a row (the high nibbles', or every other quad's): more chains in flight.
+            const int64_t at = m0 * K + u * unit;  // row m0's first column of the unit
+            const int8_t *xu = xs->xq + at, *xl = PRECISE ? xs->xlo + at : NULL;
+            // Two sums a row: precise, the integers' and the remainders' (the first shifted by
+            // 8 bits at the end); else two chains (the high nibbles', or every other quad's)
+            // in flight. The +128's correction goes to the unshifted one.
             __m512i sums[TILE_MR], sums2[TILE_MR];
             for (int r = 0; r < MR; r++) {
-                sums[r] = xs->neg ? _mm512_set1_epi32(xs->neg[(m0 + r) * units + u])
-                                  : _mm512_setzero_si512();
-                sums2[r] = _mm512_setzero_si512();
+                const __m512i neg = xs->neg ? _mm512_set1_epi32(xs->neg[(m0 + r) * units + u])
+                                            : _mm512_setzero_si512();
+                sums[r] = PRECISE ? _mm512_setzero_si512() : neg;
+                sums2[r] = PRECISE ? neg : _mm512_setzero_si512();
             }
             if (w->bits == 4) {  // unit 32: one chunk, four vectors of two quads each
                 const uint8_t* chunk = values + u * 256;
@@ -102,8 +125,18 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
                         int32_t xa, xb;
                         memcpy(&xa, xu + r * K + 4 * j, 4);
                         memcpy(&xb, xu + r * K + 4 * j + 16, 4);
-                        sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(xa));
-                        sums2[r] = _mm512_dpbusd_epi32(sums2[r], hi, _mm512_set1_epi32(xb));
+                        if (PRECISE) {
+                            int32_t la, lb;
+                            memcpy(&la, xl + r * K + 4 * j, 4);
+                            memcpy(&lb, xl + r * K + 4 * j + 16, 4);
+                            sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(xa));
+                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], lo, _mm512_set1_epi32(la));
+                            sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(xb));
+                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], hi, _mm512_set1_epi32(lb));
+                        } else {
+                            sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(xa));
+                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], hi, _mm512_set1_epi32(xb));
+                        }
                     }
                 }
             } else {
@@ -115,15 +148,26 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
                         int32_t xa, xb;
                         memcpy(&xa, xu + r * K + 4 * q, 4);
                         memcpy(&xb, xu + r * K + 4 * q + 4, 4);
-                        sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(xa));
-                        sums2[r] = _mm512_dpbusd_epi32(sums2[r], v2, _mm512_set1_epi32(xb));
+                        if (PRECISE) {
+                            int32_t la, lb;
+                            memcpy(&la, xl + r * K + 4 * q, 4);
+                            memcpy(&lb, xl + r * K + 4 * q + 4, 4);
+                            sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(xa));
+                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], v, _mm512_set1_epi32(la));
+                            sums[r] = _mm512_dpbusd_epi32(sums[r], v2, _mm512_set1_epi32(xb));
+                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], v2, _mm512_set1_epi32(lb));
+                        } else {
+                            sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(xa));
+                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], v2, _mm512_set1_epi32(xb));
+                        }
                     }
                 }
             }
             for (int r = 0; r < MR; r++) {
                 const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs->xd[(m0 + r) * units + u]));
-                const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], sums2[r]));
-                acc[r] = _mm512_fmadd_ps(sum, s, acc[r]);
+                const __m512i total = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(sums[r], 8), sums2[r])
+                                              : _mm512_add_epi32(sums[r], sums2[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, acc[r]);
             }
         }
         if (w->mins) {
@@ -153,8 +197,13 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
                       int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
     for (int64_t m0 = 0; m0 < M; m0 += TILE_MR) {
         switch (M - m0 < TILE_MR ? M - m0 : TILE_MR) {
-#define TILE_CASE(r) \
-    case r: tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r); break;
+#define TILE_CASE(r)                                                            \
+    case r:                                                                     \
+        if (xs->xlo)                                                            \
+            tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, 1);         \
+        else                                                                    \
+            tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, 0);         \
+        break;
             TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
             TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
             default:
@@ -286,10 +335,13 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
                            int nthreads) {
     const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
     const int64_t units = K / unit, tiles = (N + TILE - 1) / TILE;
-    // x's int8 rows, unit scales, unit sums and group sums; or (float32 x) a tile per thread.
+    // x's int8 rows (and remainders), unit scales, unit sums and group sums; or (float32 x) a
+    // tile per thread.
+    const int precise = M <= PRECISE_MAX_ROWS;
     const int64_t xq_floats = (M * K + 3) / 4, unit_floats = M * units, sum_floats = M * groups;
-    const int64_t total = x_dtype == 1 ? xq_floats + 2 * unit_floats + sum_floats
-                                       : (int64_t)nthreads * TILE * K;
+    const int64_t total = x_dtype == 1
+                              ? (1 + precise) * xq_floats + 2 * unit_floats + sum_floats
+                              : (int64_t)nthreads * TILE * K;
     float* buffer = kernel_alloc((size_t)total * sizeof(float));
     if (!buffer) return MINISGL_ERR_NOMEM;
     if (x_dtype == 0) {
@@ -300,18 +352,20 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
         free(buffer);
         return MINISGL_OK;
     }
+    float* floats = buffer + (1 + precise) * xq_floats;
     tiled_x xs = {
         .xq = (int8_t*)buffer,
-        .xd = buffer + xq_floats,
-        .neg = w->bits == 8 ? (int32_t*)(buffer + xq_floats + unit_floats) : NULL,
-        .xsum = w->mins ? buffer + xq_floats + 2 * unit_floats : NULL,
+        .xlo = precise ? (int8_t*)(buffer + xq_floats) : NULL,
+        .xd = floats,
+        .neg = w->bits == 8 ? (int32_t*)(floats + unit_floats) : NULL,
+        .xsum = w->mins ? floats + 2 * unit_floats : NULL,
     };
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_x_row((const bf16_t*)x + m * K, K, unit, group, xs.xq + m * K,
-                           xs.xd + m * units, xs.neg ? xs.neg + m * units : NULL,
+                           precise ? xs.xlo + m * K : NULL, xs.xd + m * units, xs.neg ? xs.neg + m * units : NULL,
                            xs.xsum ? xs.xsum + m * groups : NULL);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++)
