@@ -297,7 +297,7 @@ class DiskKVTier:
     # ---------------------------------------------------------------- lifecycle
     def clear(self) -> int:
         """Delete every file of this fingerprint (other servers' too); returns how many."""
-        self._barrier()
+        self.wait_writes()
         removed = 0
         for sub in self.dir.iterdir():
             if sub.is_dir():
@@ -309,18 +309,21 @@ class DiskKVTier:
         self.stats.disk_bytes = self.stats.files = 0
         return removed
 
-    def close(self) -> None:
-        """Finish the queued writes and stop the writer."""
-        if self._writer.is_alive():
-            self._jobs.put(None)
-            self._writer.join()
-        self._drain()
-
-    def _barrier(self) -> None:
+    def wait_writes(self) -> None:
+        """Block until every write queued so far is on disk (or failed) and accounted for."""
+        if not self._writer.is_alive():
+            return
         done = threading.Event()
         self._jobs.put(done)
         done.wait()
         self._drain()
+
+    def close(self) -> None:
+        """Finish the queued writes (and the deletions they make due) and stop the writer."""
+        self.wait_writes()
+        if self._writer.is_alive():
+            self._jobs.put(None)
+            self._writer.join()
 
 
 def _as_bytes(x: torch.Tensor) -> np.ndarray:
