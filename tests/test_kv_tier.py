@@ -290,9 +290,9 @@ def test_server_restart_restores_and_reports(tmp_path):
             texts.append(out.choices[0].text)
             cached.append(out.usage.prompt_tokens_details.cached_tokens)
             if attempt == 1:
-                disk_hits = "minisgl_prefix_cache_hit_tokens_total{tier=disk}"
-                wait_for(lambda: metrics(server.url).get(disk_hits) == cached[1], what="stats")
-                assert metrics(server.url)["minisgl_kv_tier_chunks_total{event=read}"] == 4
+                url, hits = server.url, "minisgl_prefix_cache_hit_tokens_total{tier=disk}"
+                wait_for(lambda: metrics(url).get(hits) == cached[1], what="stats")  # noqa: B023
+                assert metrics(url)["minisgl_kv_tier_chunks_total{event=read}"] == 4
                 r = httpx.post(f"{server.url}/flush_cache", params={"tier": 1}, timeout=60)
                 assert r.status_code == 200 and "4 disk tier files deleted" in r.text
         finally:
