@@ -235,4 +235,6 @@ def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # A group-wide SIGTERM is followed by the launcher's own: it must not cut shutdown short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
