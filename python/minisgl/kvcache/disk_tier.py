@@ -147,7 +147,10 @@ class DiskKVTier:
                 job.set()  # everything queued before it is done
             elif isinstance(job, list):
                 for path in job:
-                    path.unlink(missing_ok=True)
+                    try:
+                        path.unlink(missing_ok=True)
+                    except OSError as exc:  # someone else's file now, or a read-only disk
+                        logger.warning("KV tier: cannot delete %s: %s", path, exc)
             else:
                 self._write_job(job)
 
@@ -161,7 +164,7 @@ class DiskKVTier:
             parts = [x[i, j * c : (j + 1) * c] for x in (job.k, job.v) for i in range(len(x))]
             path = self._path(key)
             try:
-                path.parent.mkdir(exist_ok=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
                 size = write_chunk(path, self.fingerprint, job.ids[j], parts)
             except Exception as exc:  # disk full, read-only, gone: the engine runs on
                 self._write_failed = True
@@ -299,12 +302,12 @@ class DiskKVTier:
         """Delete every file of this fingerprint (other servers' too); returns how many."""
         self.wait_writes()
         removed = 0
-        for sub in self.dir.iterdir():
-            if sub.is_dir():
-                for entry in os.scandir(sub):
-                    if entry.name.endswith(SUFFIX):
-                        Path(entry.path).unlink(missing_ok=True)
-                        removed += 1
+        for path in self.dir.glob("*/*" + SUFFIX):
+            try:
+                path.unlink()
+                removed += 1
+            except OSError as exc:  # gone already, or not ours to delete
+                logger.warning("KV tier: cannot delete %s: %s", path, exc)
         self._index.clear()
         self.stats.disk_bytes = self.stats.files = 0
         return removed
@@ -315,7 +318,8 @@ class DiskKVTier:
             return
         done = threading.Event()
         self._jobs.put(done)
-        done.wait()
+        while not done.wait(1.0) and self._writer.is_alive():
+            pass
         self._drain()
 
     def close(self) -> None:

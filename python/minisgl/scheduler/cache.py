@@ -68,14 +68,15 @@ class CacheManager:
         size = self.prefix_cache.size_info
         if size.protected_size:
             raise RuntimeError(f"{size.protected_size} cached tokens are in use by requests")
-        spill = getattr(self.prefix_cache, "spill", None)
-        if spill is not None:
-            self.prefix_cache.spill = None  # type: ignore[attr-defined]
+        radix = self.prefix_cache if isinstance(self.prefix_cache, RadixPrefixCache) else None
+        spill = None if radix is None else radix.spill
+        if radix is not None:
+            radix.spill = None
         try:
             evicted = self.prefix_cache.evict(size.evictable_size)
         finally:
-            if spill is not None:
-                self.prefix_cache.spill = spill  # type: ignore[attr-defined]
+            if radix is not None:
+                radix.spill = spill
         page_starts = evicted[evicted % self.page_size == 0]
         self._free_slots = torch.cat([self._free_slots, page_starts.to(self._free_slots)])
         self._free_sorted = False
@@ -132,10 +133,9 @@ class CacheManager:
         self.lock(handle)  # page allocation may evict: not the matched prefix
         try:
             pages = (end - matched) // self.page_size
-            if pages > self.num_free_pages + self.prefix_cache.size_info.evictable_size // (
-                self.page_size
-            ):
-                return handle
+            evictable = self.prefix_cache.size_info.evictable_size // self.page_size
+            if pages > self.num_free_pages + evictable:
+                return handle  # the pool cannot hold them now: computed instead
             page_slots = self._take_pages(pages)
         finally:
             self.unlock(handle)
