@@ -98,6 +98,45 @@ def test_evicted_kv_is_written_and_loaded_back_in_one_engine(tmp_path):
     llm.shutdown()
 
 
+def test_memory_match_ending_mid_chunk_continues_on_disk(tmp_path):
+    cold_run(tmp_path)
+    llm = build_llm(MODEL, kv_cache_dir=tmp_path)
+    branch = PROMPT[:100] + OTHER[:50]  # leaves PROMPT[:100] in memory: 36 tokens into chunk 1
+    assert run(llm, branch)[0] == hf_greedy(MODEL, [branch], NEW_TOKENS)[0]
+    loaded = tier_of(llm).stats.tokens_loaded
+    computed = spy_prefill_tokens(llm)
+    tokens, cached = run(llm, PROMPT)
+    assert tokens == hf_greedy(MODEL, [PROMPT], NEW_TOKENS)[0]
+    assert cached == restorable(PROMPT) and sum(computed) == len(PROMPT) - cached
+    assert tier_of(llm).stats.tokens_loaded - loaded == restorable(PROMPT) - 100
+    llm.shutdown()
+
+
+def test_a_busy_writer_drops_writes_instead_of_stalling(tmp_path, monkeypatch):
+    import threading
+
+    from minisgl.kvcache import disk_tier
+
+    release = threading.Event()
+    write_chunk = disk_tier.write_chunk
+
+    def slow_write(*args):
+        release.wait()
+        return write_chunk(*args)
+
+    monkeypatch.setattr(disk_tier, "write_chunk", slow_write)
+    llm = build_llm(MODEL, kv_cache_dir=tmp_path, num_page_override=400)
+    tier = tier_of(llm)
+    tier.max_pending_bytes = tier.chunk_bytes  # one chunk in flight at most
+    prompts = [PROMPT, OTHER, PROMPT[::-1]]
+    for prompt, want in zip(prompts, hf_greedy(MODEL, prompts, NEW_TOKENS)):
+        assert run(llm, prompt)[0] == want  # the writer is stuck: the engine is not
+    assert tier.stats.writes_dropped > 0 and tier.stats.chunks_written == 0
+    release.set()
+    llm.shutdown()
+    assert tier.stats.chunks_written > 0
+
+
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40  # inside the payload
