@@ -131,3 +131,22 @@ def test_eviction_benchmark_smoke_run() -> None:
     assert [r[1].strip() for r in rows[1:]] == ["lru", "priority"]
     for r in rows[1:]:
         assert 0.0 <= float(r[2].strip().removesuffix("%")) <= 100.0 and float(r[3]) > 0
+
+
+def test_kv_tier_benchmark_smoke_run() -> None:
+    """A short prompt across a restart, then a tiny P3: a row per run, the restored one cached."""
+    from test_server import free_port
+
+    env = {**os.environ, "MINISGL_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, str(ROOT / "benchmark" / "kv_tier.py"), "--models", "default"]
+    cmd += ["--prompt-len", "200", "--p3-prompts", "2", "--repeat", "2", "--threads", "2"]
+    cmd += ["--port", str(free_port())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        r[2].strip(): r
+        for r in (line.split("|") for line in proc.stdout.splitlines())
+        if len(r) == 7
+    }
+    assert int(rows["cold"][4]) == 0 and int(rows["restored"][4]) == 192
+    assert "outputs equal: yes" in proc.stdout and "tier cost over naive" in proc.stdout

@@ -156,6 +156,16 @@ class TPWorkers:
             process.join(max(0.0, deadline - time.monotonic()))
         stop_processes(self.processes, timeout_s=1.0)
 
+    def shutdown(self, engine: Engine) -> None:
+        """Tell the ranks to stop (where they can still hear it), stop them, leave the group."""
+        try:
+            if all(p.is_alive() for p in self.processes):
+                engine.tp.send_stop()
+        except Exception as e:  # a rank already gone: it is stopped below regardless
+            logger.warning("tensor-parallel stop message failed: %s", e)
+        self.stop()
+        engine.tp.close()
+
 
 def _engine_fields(config: EngineConfig) -> dict:
     """The EngineConfig part of a (scheduler) config: what a worker's engine takes."""

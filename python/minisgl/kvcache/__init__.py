@@ -16,9 +16,11 @@ from .base import (
     MatchResult,
     SizeInfo,
 )
+from .disk_tier import DiskKVTier, TierStats
 from .eviction import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
 from .mha_pool import MHAKVCache
 from .naive_cache import NaivePrefixCache
+from .page_hash import chunk_keys, chunk_tokens, model_fingerprint
 from .radix_cache import RadixPrefixCache
 
 # Factories of (device, eviction policy name); a cache that evicts nothing ignores the policy.
@@ -41,6 +43,7 @@ __all__ = [
     "BaseCacheHandle",
     "BaseKVCache",
     "BasePrefixCache",
+    "DiskKVTier",
     "EvictionPolicy",
     "InsertResult",
     "MHAKVCache",
@@ -48,6 +51,10 @@ __all__ = [
     "NaivePrefixCache",
     "RadixPrefixCache",
     "SizeInfo",
+    "TierStats",
+    "chunk_keys",
+    "chunk_tokens",
     "create_prefix_cache",
     "make_eviction_policy",
+    "model_fingerprint",
 ]

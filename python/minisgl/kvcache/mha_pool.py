@@ -46,6 +46,17 @@ class MHAKVCache(BaseKVCache):
         self._k[layer_id].index_copy_(0, out_loc, k)
         self._v[layer_id].index_copy_(0, out_loc, v)
 
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V at `slots`, every layer: [num_layers, len(slots), heads, dim]."""
+        index = slots.to(device=self._k.device, dtype=torch.int64)
+        return self._k.index_select(1, index), self._v.index_select(1, index)
+
+    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V shaped as `gather` returns them into `slots`."""
+        index = slots.to(device=self._k.device, dtype=torch.int64)
+        self._k.index_copy_(1, index, k.to(self._k.device))
+        self._v.index_copy_(1, index, v.to(self._v.device))
+
     @property
     def num_layers(self) -> int:
         return self._k.shape[0]

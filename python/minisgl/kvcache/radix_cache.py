@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -11,100 +10,21 @@ from typing import Any, TypeAlias
 import torch
 
 from minisgl.core import get_global_ctx
-from minisgl.kernel.torch_ops import fast_compare_key
 from minisgl.utils import align_down
 
 from .base import BaseCacheHandle, BasePrefixCache, InsertResult, MatchResult, SizeInfo
 from .eviction import EvictionPolicy, make_eviction_policy
+from .radix_node import KeyFn, RadixTreeNode, _clock, path_of
 
-KeyFn: TypeAlias = Callable[[torch.Tensor], Any]
+__all__ = ["RadixCacheHandle", "RadixPrefixCache", "RadixTreeNode", "SpillFn"]
+
+# Told about a node whose KV leaves memory: (token ids and KV slots of the path from the root
+# to the node's end, where the node starts in that path). The slots are valid during the call.
+SpillFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor, int], None]
 
 # Rebuild the lazily cleaned heap once stale entries outnumber live leaves this many times over.
 _HEAP_SLACK_FACTOR = 4
 _HEAP_MIN_REBUILD_SIZE = 64
-
-_last_tick = 0
-
-
-def _clock() -> int:
-    """time.monotonic_ns(), made strictly increasing: two accesses never tie, so the eviction
-    order is the order of the calls (two reads of the clock can return the same value)."""
-    global _last_tick
-    _last_tick = max(time.monotonic_ns(), _last_tick + 1)
-    return _last_tick
-
-
-class RadixTreeNode:
-    """A run of tokens (`_key`) with the KV slots holding them (`value`); children by first page."""
-
-    counter: int = 0
-
-    def __init__(self, key_fn: KeyFn, tic: int | None = None) -> None:
-        self.key_fn = key_fn
-        self.children: dict[Any, RadixTreeNode] = {}
-        self._parent: RadixTreeNode | None = None
-        self.ref_count = 0
-        self.uuid = RadixTreeNode.counter
-        RadixTreeNode.counter += 1
-        self.timestamp = tic or _clock()
-        # Statistics the eviction policies read (kvcache/eviction.py, NodeStats).
-        self.creation_time = self.timestamp
-        self.hit_count = 0
-        self.priority = 0
-        self._key: torch.Tensor
-        self._value: torch.Tensor
-        self._length: int
-
-    def set_key_value(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        assert len(key) == len(value)
-        self._key, self._value, self._length = key, value, len(key)
-
-    def set_parent(self, parent: RadixTreeNode) -> None:
-        self._parent = parent
-        parent.children[self.key_fn(self._key)] = self
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def parent(self) -> RadixTreeNode:
-        assert self._parent is not None
-        return self._parent
-
-    @property
-    def value(self) -> torch.Tensor:
-        return self._value
-
-    def is_root(self) -> bool:
-        return self._parent is None
-
-    def is_leaf(self) -> bool:
-        return len(self.children) == 0
-
-    def get_match_len(self, input_ids: torch.Tensor) -> int:
-        return fast_compare_key(self._key, input_ids)
-
-    def split_at(self, pos: int) -> RadixTreeNode:
-        """Split this node at `pos`; the new head becomes this node's parent and is returned."""
-        assert 0 < pos < self.length
-        parent = self.parent
-        new_node = RadixTreeNode(self.key_fn, self.timestamp)
-        new_node.set_key_value(self._key[:pos], self._value[:pos])
-        # Same first page as this node, so it takes over this node's slot in parent.children.
-        new_node.set_parent(parent)
-        new_node.ref_count = self.ref_count
-        # The head's KV was cached, used and wanted exactly as the whole node's was.
-        new_node.creation_time = self.creation_time
-        new_node.hit_count, new_node.priority = self.hit_count, self.priority
-        self.set_key_value(self._key[pos:], self._value[pos:])
-        self.set_parent(new_node)
-        return new_node
-
-    def __lt__(self, other: RadixTreeNode) -> bool:
-        # Least recently used first; uuid keeps equal timestamps in a deterministic order.
-        return (self.timestamp, self.uuid) < (other.timestamp, other.uuid)
-
 
 # A heap entry: (the policy's key when pushed, node uuid as the tie-break, node).
 _HeapEntry: TypeAlias = tuple[Any, int, RadixTreeNode]
@@ -150,6 +70,9 @@ class RadixPrefixCache(BasePrefixCache):
         self.empty_tensor = torch.empty(0, dtype=torch.int32, device=device)
         self.eviction_policy = make_eviction_policy(eviction_policy)
         self._evict_key = self.eviction_policy.key
+        # A lower KV tier (kvcache/disk_tier.py) that keeps what is evicted; None: nothing does.
+        self.spill: SpillFn | None = None
+        self.evicted_tokens = 0  # lifetime total, for /metrics
         self.reset()
 
     def reset(self) -> None:
@@ -242,9 +165,27 @@ class RadixPrefixCache(BasePrefixCache):
                 continue
             evicted_size += node.length
             evicted.append(node.value)
+            if self.spill is not None:
+                self._spill(node)
             self._remove_leaf(node)
             heap = self._leaf_heap  # _remove_leaf may have rebuilt it
+        self.evicted_tokens += evicted_size
         return torch.cat(evicted)
+
+    def spill_all(self) -> None:
+        """Offer every node to `spill` (parents first), as if all were evicted; nothing changes."""
+        if self.spill is None:
+            return
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            self._spill(node)
+            stack.extend(node.children.values())
+
+    def _spill(self, node: RadixTreeNode) -> None:
+        assert self.spill is not None
+        ids, slots = path_of(node)
+        self.spill(ids, slots, len(ids) - node.length)
 
     @property
     def size_info(self) -> SizeInfo:

@@ -58,8 +58,12 @@ class LLM(Scheduler):
         logprobs_mode: str = "raw_logprobs",
         quantization: str | None = None,
         tp_size: int = 1,
+        kv_cache_dir: str | os.PathLike | None = None,
+        kv_cache_disk_gb: float = 16.0,
     ) -> None:
-        """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others)."""
+        """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others).
+        kv_cache_dir: a disk KV tier there (bounded by kv_cache_disk_gb), reused across runs;
+        `shutdown()` writes the cache's KV to it."""
         from transformers import AutoTokenizer, GenerationConfig
 
         path = resolve_model_path(model_path)
@@ -92,6 +96,8 @@ class LLM(Scheduler):
             quantization=quantization,
             gguf_path=None if gguf is None else str(gguf),
             tp_size=tp_size,
+            kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
+            kv_cache_disk_gb=kv_cache_disk_gb,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 

@@ -152,6 +152,11 @@ class StatsMsg:
     idle: bool
     # When idle: did free + cached pages account for every page? (None while busy.)
     pages_ok: bool | None = None
+    # Lifetime tokens evicted from the radix tree, and the eviction policy that chose them.
+    evicted_tokens: int = 0
+    eviction_policy: str = ""
+    # The disk KV tier's counters (kvcache.TierStats as a dict); None without a tier.
+    tier: dict[str, int] | None = None
 
 
 @register_message
@@ -203,9 +208,11 @@ class DecodedMsg:
 @register_message
 @dataclass
 class FlushCacheMsg:
-    """API server -> tokenizer -> scheduler: empty the prefix cache if no request is running."""
+    """API server -> tokenizer -> scheduler: empty the prefix cache if no request is running
+    (with `tier`, the disk KV tier too)."""
 
     rid: int
+    tier: bool = False
 
 
 @register_message

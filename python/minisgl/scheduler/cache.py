@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from minisgl.core import Req
-from minisgl.kvcache import BaseCacheHandle, BasePrefixCache
+from minisgl.kvcache import BaseCacheHandle, BasePrefixCache, DiskKVTier, RadixPrefixCache
 from minisgl.utils import align_down, align_up, div_ceil
 
 
 class CacheManager:
-    """Owns the free page list and the prefix cache; keeps free + cached == all pages."""
+    """Owns the free page list and the prefix cache (and the disk tier below it, if any);
+    keeps free + cached == all pages."""
 
     def __init__(
         self,
@@ -18,8 +19,14 @@ class CacheManager:
         page_size: int,
         page_table: torch.Tensor,
         prefix_cache: BasePrefixCache,
+        tier: DiskKVTier | None = None,
     ) -> None:
         self.num_pages, self.page_size = num_pages, page_size
+        self.tier = tier
+        if tier is not None:
+            if not isinstance(prefix_cache, RadixPrefixCache):
+                raise ValueError("a disk KV tier needs the radix prefix cache")
+            prefix_cache.spill = tier.save  # evicted KV goes to disk
         self.page_table = page_table
         self.device = page_table.device
         self.prefix_cache = prefix_cache
@@ -54,29 +61,103 @@ class CacheManager:
         )
         assert len(torch.unique(self._free_slots)) == free, "a page is on the free list twice"
 
-    def flush(self) -> int:
-        """Empty the prefix cache, its pages back on the free list; returns how many. Only
+    def flush(self, tier: bool = False) -> tuple[int, int]:
+        """Empty the prefix cache, its pages back on the free list (not written to the disk
+        tier), and with `tier` the disk tier too; returns (pages freed, files deleted). Only
         while no request holds pages (a locked prefix is a RuntimeError, nothing changed)."""
         size = self.prefix_cache.size_info
         if size.protected_size:
             raise RuntimeError(f"{size.protected_size} cached tokens are in use by requests")
-        evicted = self.prefix_cache.evict(size.evictable_size)
+        radix = self.prefix_cache if isinstance(self.prefix_cache, RadixPrefixCache) else None
+        spill = None if radix is None else radix.spill
+        if radix is not None:
+            radix.spill = None
+        try:
+            evicted = self.prefix_cache.evict(size.evictable_size)
+        finally:
+            if radix is not None:
+                radix.spill = spill
         page_starts = evicted[evicted % self.page_size == 0]
         self._free_slots = torch.cat([self._free_slots, page_starts.to(self._free_slots)])
         self._free_sorted = False
         self.prefix_cache.reset()
         self.check_integrity()
-        return len(page_starts)
+        files = self.tier.clear() if tier and self.tier is not None else 0
+        return len(page_starts), files
+
+    def close(self) -> None:
+        """Write what the tree holds to the disk tier (waiting for it) and stop the tier."""
+        if self.tier is None:
+            return
+        cache = self.prefix_cache
+        assert isinstance(cache, RadixPrefixCache)
+        tier = self.tier
+        cache.spill = lambda ids, slots, start: tier.save(ids, slots, start, block=True)
+        try:
+            cache.spill_all()
+        finally:
+            cache.spill = None
+            tier.close()
+            self.tier = None
 
     # ---------------------------------------------------------------- request lifecycle
-    def match_req(self, req: Req) -> BaseCacheHandle:
+    def match_req(self, req: Req, tier_pages: int | None = None) -> BaseCacheHandle:
         """Longest cached prefix of the prompt, stopping before its last token (>= 1 to compute).
         A request that wants its prompt's log-probabilities matches nothing: cached positions
-        have no logits, so the whole prompt is computed (and cached again)."""
+        have no logits, so the whole prompt is computed (and cached again). With `tier_pages`,
+        the match continues into the disk tier, loading up to that many pages into the tree."""
         matchable = len(req.input_ids) - 1
         if req.sampling_params.prompt_logprobs is not None and req.output_len == 0:
             matchable = 0
-        return self.prefix_cache.match_prefix(req.input_ids[:matchable]).cuda_handle
+        ids = req.input_ids[:matchable]
+        handle = self.prefix_cache.match_prefix(ids).cuda_handle
+        if self.tier is None or tier_pages is None or tier_pages <= 0:
+            return handle
+        return self._load_from_tier(req, ids, handle, tier_pages)
+
+    def _load_from_tier(
+        self, req: Req, ids: torch.Tensor, handle: BaseCacheHandle, max_pages: int
+    ) -> BaseCacheHandle:
+        """Extend the in-memory match with the tier's consecutive chunks that fit in
+        `max_pages`: their KV copied into new pages and inserted into the tree. A chunk that
+        turns out missing or invalid ends the extension there (it is recomputed)."""
+        assert self.tier is not None
+        tier, matched = self.tier, handle.cached_len
+        first, keys = tier.lookup(ids, matched)
+        c = tier.chunk
+        fits = (max_pages * self.page_size + matched) // c - first
+        keys = keys[: max(0, fits)]
+        if not keys:
+            return handle
+        end = (first + len(keys)) * c
+        self.lock(handle)  # page allocation may evict: not the matched prefix
+        try:
+            pages = (end - matched) // self.page_size
+            evictable = self.prefix_cache.size_info.evictable_size // self.page_size
+            if pages > self.num_free_pages + evictable:
+                return handle  # the pool cannot hold them now: computed instead
+            page_slots = self._take_pages(pages)
+        finally:
+            self.unlock(handle)
+        slots = (page_slots[:, None] + torch.arange(self.page_size, device=self.device)).flatten()
+        loaded = matched
+        for i, key in enumerate(keys):
+            lo = (first + i) * c
+            skip = max(0, matched - lo)
+            if not tier.read_into(
+                key, ids[lo : lo + c], slots[lo + skip - matched : lo + c - matched], skip
+            ):
+                break
+            loaded = lo + c
+        self._free(slots[loaded - matched :])
+        if loaded == matched:
+            return handle
+        indices = torch.cat([handle.get_matched_indices(), slots[: loaded - matched]])
+        cached_len, new = self.prefix_cache.insert_prefix(
+            ids[:loaded], indices, priority=req.sampling_params.priority, count_hit=False
+        )
+        assert cached_len == matched, "the tree changed while the tier loaded"
+        return new
 
     def lock(self, handle: BaseCacheHandle) -> None:
         self.prefix_cache.lock_handle(handle)

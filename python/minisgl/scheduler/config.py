@@ -23,6 +23,10 @@ class SchedulerConfig(EngineConfig):
     overlap_schedule: bool | None = None
     # Prompt tokens computed per prefill step; longer prompts are prefilled in chunks.
     max_prefill_length: int | None = None
+    # The disk KV tier (kvcache/disk_tier.py): where evicted KV is kept across restarts
+    # (None: no tier), and how many GiB of files it may hold there.
+    kv_cache_dir: str | None = None
+    kv_cache_disk_gb: float = 16.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,3 +52,12 @@ class SchedulerConfig(EngineConfig):
             self.max_prefill_length = 2048 if self.device.type == "cpu" else 8192
         if self.max_prefill_length < 1:
             raise ValueError(f"max_prefill_length must be >= 1, got {self.max_prefill_length}")
+        if not self.kv_cache_disk_gb > 0:
+            raise ValueError(f"kv_cache_disk_gb must be > 0, got {self.kv_cache_disk_gb}")
+        if self.kv_cache_dir is not None:
+            self.kv_cache_dir = str(self.kv_cache_dir)
+            if self.cache_type != "radix":
+                raise ValueError(f"kv_cache_dir needs cache_type 'radix', got {self.cache_type!r}")
+            if self.tp_size > 1:
+                # Every rank holds its own KV heads: a load would have to reach all of them.
+                raise ValueError(f"kv_cache_dir is not supported with tp_size > 1 ({self.tp_size})")

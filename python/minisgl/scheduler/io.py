@@ -7,6 +7,8 @@ before every step it drains everything queued, so new requests join the next bat
 
 from __future__ import annotations
 
+import dataclasses
+import signal
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -61,7 +63,7 @@ class SchedulerIO:
                 if uid is not None:
                     self.scheduler.abort_request(uid)
             elif isinstance(msg, FlushCacheMsg):
-                replies.extend(self._flush(msg.rid))
+                replies.extend(self._flush(msg.rid, msg.tier))
             else:
                 logger.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
         return replies
@@ -101,17 +103,20 @@ class SchedulerIO:
             accepted.prompt_ids = list(msg.input_ids)
         return accepted
 
-    def _flush(self, rid: int) -> list[Any]:
-        """Empty the prefix cache when no request is queued or running (SGLang's
-        /flush_cache); the reply, and fresh stats once it is done."""
+    def _flush(self, rid: int, tier: bool = False) -> list[Any]:
+        """Empty the prefix cache (and with `tier` the disk KV tier) when no request is queued
+        or running (SGLang's /flush_cache); the reply, and fresh stats once it is done."""
         s = self.scheduler
         if s.has_work:
             running = len(s.running) + (s.chunked is not None)
             why = f"{running} running and {len(s.waiting)} waiting request(s)"
             return [FlushCacheReply(rid, False, f"the cache was not flushed: {why}")]
-        pages = s.cache_manager.flush()
-        logger.info("prefix cache flushed: %d pages freed", pages)
-        return [FlushCacheReply(rid, True, f"cache flushed: {pages} pages freed"), self.stats()]
+        pages, files = s.cache_manager.flush(tier=tier)
+        text = f"cache flushed: {pages} pages freed"
+        if tier:
+            text += f", {files} disk tier files deleted"
+        logger.info("prefix %s", text)
+        return [FlushCacheReply(rid, True, text), self.stats()]
 
     # ---------------------------------------------------------------- tokens out
     def convert(self, outputs: list[TokenOutput]) -> list[TokenMsg | ErrorMsg]:
@@ -170,6 +175,9 @@ class SchedulerIO:
             hit_rate=s.stats.hit_rate,
             idle=idle,
             pages_ok=pages_ok,
+            evicted_tokens=getattr(cm.prefix_cache, "evicted_tokens", 0),
+            eviction_policy=s.config.radix_eviction_policy,
+            tier=None if cm.tier is None else dataclasses.asdict(cm.tier.stats),
         )
 
     # ---------------------------------------------------------------- the loop
@@ -214,8 +222,19 @@ def run_scheduler_process(config: Any, addrs: Any, ready: Connection) -> None:
         }
     )
     ready.close()
+    # The launcher stops this process with SIGTERM: unwind, so shutdown writes the cache's KV
+    # to the disk tier (an engine failure does not: what failed may be in it).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         io.run_forever()
+    except SystemExit:
+        scheduler.shutdown()
     except Exception:
         logger.exception("scheduler process failed")
         raise
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # A group-wide SIGTERM is followed by the launcher's own: it must not cut shutdown short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(0)

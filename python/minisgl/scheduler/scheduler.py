@@ -27,6 +27,7 @@ from .preemption import PreemptionMixin
 from .prepare import prepare_forward_input, validate_request
 from .results import ResultsMixin
 from .table import TableManager
+from .tier import open_disk_tier
 
 logger = init_logger(__name__)
 
@@ -57,6 +58,7 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             config.page_size,
             self.engine.page_table,
             create_prefix_cache(config.cache_type, self.device, config.radix_eviction_policy),
+            open_disk_tier(config, self.engine),
         )
         self.order_queue = SCHEDULE_POLICIES[config.schedule_policy]
         self.waiting: deque[Req] = deque()
@@ -255,7 +257,9 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             self.order_queue(self.waiting, lambda r: self.cache_manager.match_req(r).cached_len)
         while self.waiting and budget > 0 and self.table_manager.available > 0:
             req = self.waiting[0]
-            handle = self.cache_manager.match_req(req)
+            # The disk tier may load pages beside what admitted requests reserve.
+            spare = self.cache_manager.available_size // self.page_size - reserved
+            handle = self.cache_manager.match_req(req, tier_pages=spare)
             self.cache_manager.lock(handle)  # its pages stop counting as evictable
             need = self.budget.pages_to_claim(req, handle.cached_len)
             if need > self.cache_manager.available_size // self.page_size - reserved:
@@ -314,16 +318,6 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         self.budget.on_decode()
         return Batch(reqs, "decode")
 
-    def _stop_tp_workers(self, workers: TPWorkers) -> None:
-        """Tell the other ranks to stop (where they can still hear it) and leave the group."""
-        try:
-            if all(p.is_alive() for p in workers.processes):
-                self.engine.tp.send_stop()
-        except Exception as e:  # a rank already gone: it is stopped below regardless
-            logger.warning("tensor-parallel stop message failed: %s", e)
-        workers.stop()
-        self.engine.tp.close()
-
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its KV stays cached."""
         assert not self._is_in_flight(req), "retracting a request of a running step"
@@ -342,8 +336,9 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self.cache_manager.close()  # the tree's KV to the disk tier, if there is one
         if self.tp_workers is not None:
-            self._stop_tp_workers(self.tp_workers)
+            self.tp_workers.shutdown(self.engine)
             self.tp_workers = None
         if self.engine.cpu_threads is not None:
             self.engine.cpu_threads.close()

@@ -50,6 +50,8 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     router_policy: str = "cache_aware"
+    kv_cache_dir: str | None = None
+    kv_cache_disk_gb: float = 16.0
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
 
@@ -67,6 +69,8 @@ class ServerArgs:
             logprobs_mode=self.logprobs_mode,
             quantization=self.quantization,
             tp_size=self.tp_size,
+            kv_cache_dir=self.kv_cache_dir,
+            kv_cache_disk_gb=self.kv_cache_disk_gb,
         )
         if self.schedule_policy is not None:
             kwargs["schedule_policy"] = self.schedule_policy
@@ -139,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
         "used, default), lfu (least often used), fifo (oldest), mru (most recently used), filo "
         "(newest), priority (lowest request priority, then lru), slru (used once before used "
         "twice or more, lru within each)",
+    )
+    p.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="a disk KV tier in DIR: KV evicted from memory (and the whole cache at shutdown) is "
+        "written there and loaded back when a prompt's prefix matches, also after a restart; "
+        "keyed by model, dtype, page size and KV layout (not with --tp > 1)",
+    )
+    p.add_argument(
+        "--kv-cache-disk-gb",
+        type=_positive_float,
+        default=16.0,
+        metavar="G",
+        help="GiB the disk KV tier may hold in DIR (least recently used files go first)",
     )
     p.add_argument(
         "--max-prefill-length",
@@ -266,6 +285,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 

@@ -224,7 +224,8 @@ def launch_server(args: ServerArgs) -> int:
         # A second Ctrl-C must not cut the cleanup short and leave children behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_processes(procs)
+        # The scheduler writes its cache's KV to the disk tier as it stops: give it time.
+        stop_processes(procs, timeout_s=120.0 if config.kv_cache_dir else 5.0)
         shutil.rmtree(socket_dir, ignore_errors=True)
         logger.info("all server processes stopped")
     return 1 if failure else 0

@@ -33,6 +33,17 @@ _LATENCY_BUCKETS = (
     60.0,
 )
 
+# minisgl_kv_tier_chunks{event} <- TierStats field
+_TIER_CHUNK_FIELDS = {
+    "written": "chunks_written",
+    "read": "chunks_read",
+    "dropped": "writes_dropped",
+    "corrupt": "corrupt_skipped",
+    "missing": "missing_skipped",
+    "evicted": "files_evicted",
+    "write_errors": "write_errors",
+}
+
 
 class ServerMetrics:
     """Counters and histograms from the token stream, gauges from the scheduler's stats.
@@ -97,7 +108,35 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.cache_hits = Counter(
+            "minisgl_prefix_cache_hit_tokens",
+            "Prompt tokens served from a cache tier (memory: the radix tree; disk: loaded back "
+            "from the disk KV tier)",
+            ["tier"],
+            registry=r,
+        )
+        self.evicted = Counter(
+            "minisgl_radix_evicted_tokens",
+            "Tokens evicted from the radix tree, by eviction policy",
+            ["policy"],
+            registry=r,
+        )
+        self.tier_chunks = Counter(
+            "minisgl_kv_tier_chunks",
+            "Disk KV tier chunk files: written, read, dropped (write queue full), corrupt "
+            "(rejected and recomputed), missing, evicted (disk budget), write_errors",
+            ["event"],
+            registry=r,
+        )
+        self.tier_bytes = Counter(
+            "minisgl_kv_tier_bytes", "Disk KV tier bytes written and read", ["op"], registry=r
+        )
+        self.tier_disk = Gauge(
+            "minisgl_kv_tier_disk", "Disk KV tier now: files and bytes", ["unit"], registry=r
+        )
         self.last_stats: StatsMsg | None = None
+        # Lifetime totals as last reported: counters move by the difference.
+        self._totals: dict[str, int] = {}
 
     def update_stats(self, stats: StatsMsg) -> None:
         self.last_stats = stats
@@ -110,6 +149,27 @@ class ServerMetrics:
         self.hit_rate.set(stats.hit_rate)
         if stats.pages_ok is not None:
             self.pages_ok.set(1.0 if stats.pages_ok else 0.0)
+        tier = stats.tier or {}
+        disk_hits = tier.get("tokens_loaded", 0)
+        self._advance(self.cache_hits.labels("memory"), "memory", stats.cached_tokens - disk_hits)
+        self._advance(self.cache_hits.labels("disk"), "disk", disk_hits)
+        policy = stats.eviction_policy or "lru"
+        self._advance(self.evicted.labels(policy), "evicted", stats.evicted_tokens)
+        if not tier:
+            return
+        for event, field in _TIER_CHUNK_FIELDS.items():
+            self._advance(self.tier_chunks.labels(event), field, tier.get(field, 0))
+        for op in ("written", "read"):
+            self._advance(self.tier_bytes.labels(op), f"bytes_{op}", tier.get(f"bytes_{op}", 0))
+        self.tier_disk.labels("files").set(tier.get("files", 0))
+        self.tier_disk.labels("bytes").set(tier.get("disk_bytes", 0))
+
+    def _advance(self, counter: Counter, name: str, total: int) -> None:
+        """Move `counter` to the scheduler's lifetime `total` (never backwards)."""
+        delta = total - self._totals.get(name, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._totals[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -186,9 +186,10 @@ def register_native_routes(
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        """Empty the prefix cache; refused (400) while requests are queued or running."""
-        reply = await call(FlushCacheMsg(frontend.new_rid()))
+    async def flush_cache(tier: int = 0) -> Response:
+        """Empty the prefix cache (`?tier=1`: the disk KV tier too); refused (400) while
+        requests are queued or running."""
+        reply = await call(FlushCacheMsg(frontend.new_rid(), tier=bool(tier)))
         return PlainTextResponse(reply.message + "\n", status_code=200 if reply.flushed else 400)
 
     @app.post("/tokenize")
