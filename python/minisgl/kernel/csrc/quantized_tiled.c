@@ -19,7 +19,9 @@
 // instead, against each tile dequantized to float32.
 
 #define TILE 16    // weight rows a tile holds, one per int32 lane
-#define TILE_MR 8  // activation rows one pass over a tile multiplies
+#define TILE_MR 4     // activation rows one pass over two tiles multiplies
+#define PRECISE_MR 3  // the same with x to 16 bits (two sums a tile and row)
+#define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 // Activation rows up to which x is kept to 16 bits (two int8 passes: the rounding's remainder
 // too), as precise as bf16 activations; more rows take one pass (Q8_0's precision).
 #ifndef PRECISE_MAX_ROWS
@@ -90,125 +92,137 @@ static void quantize_x_row(const bf16_t* x, int64_t K, int64_t unit, int64_t gro
     }
 }
 
-// Rows m0..m0+MR-1 of y (MR a constant where inlined) for the 16 weight rows of tile t.
+// x's 4 bytes at p as the 16 lanes of vpdpbusd's signed operand.
+static inline __m512i quad_x(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// Rows m0..m0+MR-1 of y for the 16 weight rows of tiles t..t+TP-1 (MR, TP and PRECISE
+// constants where inlined). Each x broadcast feeds TP tiles' products (one a product cost as
+// much as the product itself). Precise: a second sum per tile, of the remainders, the first
+// shifted 8 bits at the end; the +128's correction goes to the unshifted one.
 static inline __attribute__((always_inline)) void tile_rows_impl(
     const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y, int64_t N,
-    int64_t K, int64_t t, int64_t m0, int out_f32, const int MR, const int PRECISE) {
-    const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
+    int64_t K, int64_t t, int64_t m0, int out_f32, const int MR, const int TP,
+    const int PRECISE, const int BITS, const int QUADS) {
+    const int64_t group = w->group, groups = K / group, unit = 4 * QUADS;
     const int64_t units = K / unit, units_per_group = group / unit;
-    const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
+    const int64_t bytes = tile_bytes(BITS, K);
+    const uint8_t* values = (const uint8_t*)w->values + t * bytes;
     const __m512i nibble = _mm512_set1_epi8(15);
-    __m512 acc[TILE_MR];
-    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[2][TILE_MR];
+    for (int p = 0; p < TP; p++)
+        for (int r = 0; r < MR; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const __m512 scale = tile_floats(w->scales, w->scales_f32, t * groups + g);
+        __m512 scale[2];
+        for (int p = 0; p < TP; p++)
+            scale[p] = tile_floats(w->scales, w->scales_f32, (t + p) * groups + g);
         for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
             const int64_t at = m0 * K + u * unit;  // row m0's first column of the unit
             const int8_t *xu = xs->xq + at, *xl = PRECISE ? xs->xlo + at : NULL;
-            // Two sums a row: precise, the integers' and the remainders' (the first shifted by
-            // 8 bits at the end); else two chains (the high nibbles', or every other quad's)
-            // in flight. The +128's correction goes to the unshifted one.
-            __m512i sums[TILE_MR], sums2[TILE_MR];
+            // The unit PREFETCH_UNITS on, per tile: the hardware's streams alone left a batch
+            // of 1 at ~60% of the memory's bandwidth.
+            for (int p = 0; p < TP; p++) {
+                const uint8_t* ahead = values + p * bytes + (u + PREFETCH_UNITS) * QUADS * BITS * 8;
+                for (int line = 0; line < QUADS * BITS * 8; line += 64)
+                    _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+            }
+            __m512i sums[2][TILE_MR], rests[2][TILE_MR];
             for (int r = 0; r < MR; r++) {
                 const __m512i neg = xs->neg ? _mm512_set1_epi32(xs->neg[(m0 + r) * units + u])
                                             : _mm512_setzero_si512();
-                sums[r] = PRECISE ? _mm512_setzero_si512() : neg;
-                sums2[r] = PRECISE ? neg : _mm512_setzero_si512();
+                for (int p = 0; p < TP; p++) {
+                    sums[p][r] = PRECISE ? _mm512_setzero_si512() : neg;
+                    if (PRECISE) rests[p][r] = neg;
+                }
             }
-            if (w->bits == 4) {  // unit 32: one chunk, four vectors of two quads each
-                const uint8_t* chunk = values + u * 256;
-                for (int j = 0; j < 4; j++) {
-                    const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
-                    const __m512i lo = _mm512_and_si512(v, nibble);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                    for (int r = 0; r < MR; r++) {
-                        int32_t xa, xb;
-                        memcpy(&xa, xu + r * K + 4 * j, 4);
-                        memcpy(&xb, xu + r * K + 4 * j + 16, 4);
-                        if (PRECISE) {
-                            int32_t la, lb;
-                            memcpy(&la, xl + r * K + 4 * j, 4);
-                            memcpy(&lb, xl + r * K + 4 * j + 16, 4);
-                            sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(xa));
-                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], lo, _mm512_set1_epi32(la));
-                            sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(xb));
-                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], hi, _mm512_set1_epi32(lb));
-                        } else {
-                            sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(xa));
-                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], hi, _mm512_set1_epi32(xb));
-                        }
+            // Quad q of the unit (columns 4q..4q+3): its weights per tile, then every row.
+#pragma GCC unroll 8
+            for (int q = 0; q < QUADS; q++) {
+                __m512i wq[2];
+                for (int p = 0; p < TP; p++) {
+                    const uint8_t* tile = values + p * bytes;
+                    if (BITS == 8) {
+                        wq[p] = _mm512_loadu_si512(tile + (u * unit / 4 + q) * 64);
+                    } else {  // vector q % 4 of the unit's chunk: low nibbles, then high
+                        const __m512i v = _mm512_loadu_si512(tile + u * 256 + (q % 4) * 64);
+                        wq[p] = q < 4 ? _mm512_and_si512(v, nibble)
+                                      : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
                     }
                 }
-            } else {
-                const uint8_t* quads = values + u * (unit / 4) * 64;
-                for (int64_t q = 0; q < unit / 4; q += 2) {
-                    const __m512i v = _mm512_loadu_si512(quads + 64 * q);
-                    const __m512i v2 = _mm512_loadu_si512(quads + 64 * q + 64);
-                    for (int r = 0; r < MR; r++) {
-                        int32_t xa, xb;
-                        memcpy(&xa, xu + r * K + 4 * q, 4);
-                        memcpy(&xb, xu + r * K + 4 * q + 4, 4);
-                        if (PRECISE) {
-                            int32_t la, lb;
-                            memcpy(&la, xl + r * K + 4 * q, 4);
-                            memcpy(&lb, xl + r * K + 4 * q + 4, 4);
-                            sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(xa));
-                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], v, _mm512_set1_epi32(la));
-                            sums[r] = _mm512_dpbusd_epi32(sums[r], v2, _mm512_set1_epi32(xb));
-                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], v2, _mm512_set1_epi32(lb));
-                        } else {
-                            sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(xa));
-                            sums2[r] = _mm512_dpbusd_epi32(sums2[r], v2, _mm512_set1_epi32(xb));
-                        }
+                for (int r = 0; r < MR; r++) {
+                    const __m512i xv = quad_x(xu + r * K + 4 * q);
+                    for (int p = 0; p < TP; p++) sums[p][r] = _mm512_dpbusd_epi32(sums[p][r], wq[p], xv);
+                    if (PRECISE) {
+                        const __m512i lv = quad_x(xl + r * K + 4 * q);
+                        for (int p = 0; p < TP; p++)
+                            rests[p][r] = _mm512_dpbusd_epi32(rests[p][r], wq[p], lv);
                     }
                 }
             }
             for (int r = 0; r < MR; r++) {
-                const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs->xd[(m0 + r) * units + u]));
-                const __m512i total = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(sums[r], 8), sums2[r])
-                                              : _mm512_add_epi32(sums[r], sums2[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, acc[r]);
+                const __m512 xd = _mm512_set1_ps(xs->xd[(m0 + r) * units + u]);
+                for (int p = 0; p < TP; p++) {
+                    const __m512i total =
+                        PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(sums[p][r], 8), rests[p][r])
+                                : sums[p][r];
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                                                _mm512_mul_ps(scale[p], xd), acc[p][r]);
+                }
             }
         }
         if (w->mins) {
-            const __m512 mins = tile_floats(w->mins, w->scales_f32, t * groups + g);
-            for (int r = 0; r < MR; r++)
-                acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs->xsum[(m0 + r) * groups + g]),
-                                         acc[r]);
+            for (int p = 0; p < TP; p++) {
+                const __m512 mins = tile_floats(w->mins, w->scales_f32, (t + p) * groups + g);
+                for (int r = 0; r < MR; r++)
+                    acc[p][r] = _mm512_fmadd_ps(
+                        mins, _mm512_set1_ps(xs->xsum[(m0 + r) * groups + g]), acc[p][r]);
+            }
         }
     }
-    const int64_t n0 = t * TILE, count = N - n0 < TILE ? N - n0 : TILE;
-    const __mmask16 mask = count == TILE ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
-    const __m512 b = bias ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + n0))
-                          : _mm512_setzero_ps();
-    for (int r = 0; r < MR; r++) {
-        const __m512 v = _mm512_add_ps(acc[r], b);
-        const int64_t index = (m0 + r) * N + n0;
-        if (out_f32) {
-            _mm512_mask_storeu_ps((float*)y + index, mask, v);
-        } else {
-            const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(v)), 16);
-            _mm256_mask_storeu_epi16((bf16_t*)y + index, mask, _mm512_cvtepi32_epi16(bits));
+    for (int p = 0; p < TP; p++) {
+        const int64_t n0 = (t + p) * TILE, count = N - n0 < TILE ? N - n0 : TILE;
+        const __mmask16 mask = count == TILE ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+        const __m512 b = bias ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + n0))
+                              : _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+            const __m512 v = _mm512_add_ps(acc[p][r], b);
+            const int64_t index = (m0 + r) * N + n0;
+            if (out_f32) {
+                _mm512_mask_storeu_ps((float*)y + index, mask, v);
+            } else {
+                const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(v)), 16);
+                _mm256_mask_storeu_epi16((bf16_t*)y + index, mask, _mm512_cvtepi32_epi16(top));
+            }
         }
     }
 }
 
+// Every row of y for tiles t..t+tiles-1 (1 or 2): passes of TILE_MR rows (precise:
+// PRECISE_MR, its sums twice the registers). Each (rows, tiles, precision, bits, unit) is its
+// own compiled form: the unit's quads unrolled, the sums in registers.
 static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y,
-                      int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
-    for (int64_t m0 = 0; m0 < M; m0 += TILE_MR) {
-        switch (M - m0 < TILE_MR ? M - m0 : TILE_MR) {
-#define TILE_CASE(r)                                                            \
-    case r:                                                                     \
-        if (xs->xlo)                                                            \
-            tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, 1);         \
-        else                                                                    \
-            tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, 0);         \
+                      int64_t M, int64_t N, int64_t K, int64_t t, int64_t tiles, int out_f32) {
+    const int precise = xs->xlo != NULL;
+    const int64_t pass = precise ? PRECISE_MR : TILE_MR;
+    const int form = w->bits == 4 ? 0 : unit_cols(w->group) == 32 ? 1 : 2;
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t rows = M - m0 < pass ? M - m0 : pass;
+        switch ((((rows * 2 + (tiles - 1)) * 2 + precise) * 3) + form) {
+#define TILE_FORM(r, tp, exact, f, bits, quads)                                              \
+    case (((r * 2 + tp - 1) * 2 + exact) * 3) + f:                                           \
+        tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, tp, exact, bits, quads);     \
         break;
-            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
-            TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
-            default:
-            TILE_CASE(8)
+#define TILE_CASE(r, tp, exact) \
+    TILE_FORM(r, tp, exact, 0, 4, 8) TILE_FORM(r, tp, exact, 1, 8, 8) TILE_FORM(r, tp, exact, 2, 8, 4)
+#define TILE_CASES(r, exact) TILE_CASE(r, 1, exact) TILE_CASE(r, 2, exact)
+            TILE_CASES(1, 0) TILE_CASES(2, 0) TILE_CASES(3, 0) TILE_CASES(4, 0)
+            TILE_CASES(1, 1) TILE_CASES(2, 1) TILE_CASES(3, 1)
+#undef TILE_CASES
 #undef TILE_CASE
+#undef TILE_FORM
         }
     }
 }
@@ -368,8 +382,9 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
                            precise ? xs.xlo + m * K : NULL, xs.xd + m * units, xs.neg ? xs.neg + m * units : NULL,
                            xs.xsum ? xs.xsum + m * groups : NULL);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++)
-            tile_rows(w, &xs, (const bf16_t*)bias, y, M, N, K, t, out_f32);
+        for (int64_t pair = 0; pair < (tiles + 1) / 2; pair++)
+            tile_rows(w, &xs, (const bf16_t*)bias, y, M, N, K, 2 * pair,
+                      tiles - 2 * pair < 2 ? 1 : 2, out_f32);
     }
     free(buffer);
     return MINISGL_OK;
