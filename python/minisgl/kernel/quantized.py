@@ -85,10 +85,15 @@ class QuantizedKernels(KernelLibrary):
         shape: tuple[int, int],
         ids: torch.Tensor,
         dtype: torch.dtype,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows `ids` of W [N, K] = `shape` dequantized: [count, K] in `dtype`."""
+        """Rows `ids` of W [N, K] = `shape` dequantized: [count, K] in `dtype` (into `out`, a
+        contiguous tensor of that shape and dtype, when given)."""
         ids = ids.to(torch.int64).contiguous()
-        out = torch.empty(ids.numel(), shape[1], dtype=dtype)
+        if out is None:
+            out = torch.empty(ids.numel(), shape[1], dtype=dtype)
+        elif out.shape != (ids.numel(), shape[1]) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"quantized_rows: out {out.dtype} {tuple(out.shape)} for {shape}")
         status = self.lib.minisgl_quantized_rows(
             ctypes.byref(weight),
             ids.data_ptr(),

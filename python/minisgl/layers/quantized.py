@@ -36,6 +36,10 @@ QUANTIZED_GEMV_MAX_ROWS = 128
 TILED_PRECISE_MAX_ROWS = 16
 
 
+# The dequantized weight of a prefill's matmul, per dtype: one buffer, the largest weight's size.
+_DEQUANTIZED: dict[torch.dtype, torch.Tensor] = {}
+
+
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     """A dense weight quantized by a LOAD_QUANTIZATIONS method; None where its in_features fit
     no group of the kernels (int8: a multiple of 16; int4: of 32), which then stays dense.
@@ -102,8 +106,19 @@ class QuantizedProjection:
         return (self.out_features, self.in_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight in `dtype` (a temporary)."""
-        return self.rows(self._all_rows, dtype)
+        """The whole weight in `dtype`, in a scratch buffer every projection shares (valid
+        until the next projection's call): a fresh tensor each prefill chunk cost more in page
+        faults than the dequantization itself."""
+        kernels = self.kernels
+        # An output head (prompt logprobs: rarely this many rows) would keep vocab x hidden.
+        if kernels is None or not kernels.supports(dtype) or self.float_out:
+            return self.rows(self._all_rows, dtype)
+        count = self.out_features * self.in_features
+        scratch = _DEQUANTIZED.get(dtype)
+        if scratch is None or scratch.numel() < count:
+            scratch = _DEQUANTIZED[dtype] = torch.empty(count, dtype=dtype)
+        out = scratch[:count].view(self.out_features, self.in_features)
+        return kernels.quantized_rows(self.params, self.shape, self._all_rows, dtype, out)
 
     def __call__(
         self,
