@@ -4,6 +4,7 @@ the directory is unusable."""
 from __future__ import annotations
 
 from minisgl.engine import Engine
+from minisgl.env import ENV
 from minisgl.kvcache import DiskKVTier, model_fingerprint
 from minisgl.kvcache.tier_file import FORMAT_VERSION
 from minisgl.utils import init_logger
@@ -25,6 +26,8 @@ def tier_fingerprint(config: SchedulerConfig, engine: Engine) -> str:
         "kv_heads": engine.num_kv_heads,
         "head_dim": mc.head_dim,
         "quantization": config.quantization,
+        # Quantized weights meet int8-rounded activations, or bf16 ones: other KV values.
+        "int8_activations": ENV.CPU_INT8_ACTIVATIONS.value,
         "tp": [config.tp_rank, config.tp_size],
     }
     return model_fingerprint(config.model_path, config.gguf_path, settings)
