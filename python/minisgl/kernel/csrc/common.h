@@ -1,7 +1,7 @@
 // What every kernel file shares: the system headers, what the target flags enable
-// (HAVE_AVX512_BF16, HAVE_AVX512_VNNI, HAVE_AMX), the checked allocator, whether the tiles may be used, and the
-// scalar bf16 and exp helpers. Functions one file defines for others are hidden
-// (MINISGL_INTERNAL): the library exports only what kernels.h declares.
+// (HAVE_AVX512_BF16, HAVE_AVX512_VNNI, HAVE_AMX), the checked allocator, whether the tiles may
+// be used, and the scalar bf16, half and exp helpers. Functions one file defines for others are
+// hidden (MINISGL_INTERNAL): the library exports only what kernels.h declares.
 #pragma once
 
 #include <math.h>

@@ -38,7 +38,8 @@ static inline int64_t tile_bytes(int64_t bits, int64_t K) { return bits == 8 ? 1
 // The 16 rows' scales (or mins) of tile t, group g, as float32 lanes.
 static inline __m512 tile_floats(const void* src, int64_t scales_f32, int64_t index) {
     if (scales_f32) return _mm512_loadu_ps((const float*)src + index * TILE);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)src + index * TILE)));
+    const uint16_t* half = (const uint16_t*)src + index * TILE;
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)half));
 }
 
 // The activations as the tiled kernel takes them (per row m).
@@ -59,7 +60,8 @@ static inline int32_t round_half_block(__m512 t, int8_t* xq, int8_t* xlo) {
     const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(256));
     const __m512i q_lo = _mm512_cvtps_epi32(rest);  // |rest| <= 128: 128 saturates to 127
     _mm_storeu_si128((__m128i*)xlo, _mm512_cvtsepi32_epi8(q_lo));
-    return 256 * _mm512_reduce_add_epi32(q) + _mm512_reduce_add_epi32(_mm512_min_epi32(q_lo, _mm512_set1_epi32(127)));
+    const __m512i stored = _mm512_min_epi32(q_lo, _mm512_set1_epi32(127));
+    return 256 * _mm512_reduce_add_epi32(q) + _mm512_reduce_add_epi32(stored);
 }
 
 // Row x [K] (bf16) rounded to int8 per 32 columns (and, xlo given, its remainders), with its
@@ -70,7 +72,8 @@ static void quantize_x_row(const bf16_t* x, int64_t K, int64_t unit, int64_t gro
     for (int64_t k = 0; k < K; k += 32) {
         const __m512 lo = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + k)));
         const __m512 hi = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + k + 16)));
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 larger = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+        const float amax = _mm512_reduce_max_ps(larger);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         const int32_t sum_lo = round_half_block(_mm512_mul_ps(lo, _mm512_set1_ps(id)), xq + k,
                                                 xlo ? xlo + k : NULL);
@@ -154,7 +157,8 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
                 }
                 for (int r = 0; r < MR; r++) {
                     const __m512i xv = quad_x(xu + r * K + 4 * q);
-                    for (int p = 0; p < TP; p++) sums[p][r] = _mm512_dpbusd_epi32(sums[p][r], wq[p], xv);
+                    for (int p = 0; p < TP; p++)
+                        sums[p][r] = _mm512_dpbusd_epi32(sums[p][r], wq[p], xv);
                     if (PRECISE) {
                         const __m512i lv = quad_x(xl + r * K + 4 * q);
                         for (int p = 0; p < TP; p++)
@@ -215,8 +219,9 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
     case (((r * 2 + tp - 1) * 2 + exact) * 3) + f:                                           \
         tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, tp, exact, bits, quads);     \
         break;
-#define TILE_CASE(r, tp, exact) \
-    TILE_FORM(r, tp, exact, 0, 4, 8) TILE_FORM(r, tp, exact, 1, 8, 8) TILE_FORM(r, tp, exact, 2, 8, 4)
+#define TILE_CASE(r, tp, exact)                                  \
+    TILE_FORM(r, tp, exact, 0, 4, 8) TILE_FORM(r, tp, exact, 1, 8, 8) \
+    TILE_FORM(r, tp, exact, 2, 8, 4)
 #define TILE_CASES(r, exact) TILE_CASE(r, 1, exact) TILE_CASE(r, 2, exact)
             TILE_CASES(1, 0) TILE_CASES(2, 0) TILE_CASES(3, 0) TILE_CASES(4, 0)
             TILE_CASES(1, 1) TILE_CASES(2, 1) TILE_CASES(3, 1)
@@ -267,7 +272,8 @@ static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out
                                       _mm512_extracti64x4_epi64(lo, 1),
                                       _mm512_extracti64x4_epi64(hi, 1)};
             for (int p = 0; p < 4; p++)
-                _mm512_storeu_ps(ints + 16 * p, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(parts[p])));
+                _mm512_storeu_ps(ints + 16 * p,
+                                 _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(parts[p])));
         }
         for (int p = 0; p < 4; p++) {
             const int64_t col = k + 16 * p, g = col / w->group;
@@ -316,8 +322,9 @@ static void tiled_block(const quantized_weight* w, int64_t t, int64_t N, int64_t
             for (int64_t l = 0; l < count; l++) {
                 __m512i ints = _mm512_cvtepu8_epi32(quarter(rows[l], p));
                 if (w->bits == 8) ints = _mm512_sub_epi32(ints, _mm512_set1_epi32(128));
-                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(scales[l]),
-                                                 _mm512_set1_ps(w->mins ? mins[l] : 0.0f));
+                const __m512 offset = _mm512_set1_ps(w->mins ? mins[l] : 0.0f);
+                const __m512 v =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(scales[l]), offset);
                 const int64_t index = (n0 + l) * K + col;
                 if (bf16_out)
                     store16(out, index, 1, round_bf16_512(v));
@@ -379,7 +386,8 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_x_row((const bf16_t*)x + m * K, K, unit, group, xs.xq + m * K,
-                           precise ? xs.xlo + m * K : NULL, xs.xd + m * units, xs.neg ? xs.neg + m * units : NULL,
+                           precise ? xs.xlo + m * K : NULL, xs.xd + m * units,
+                           xs.neg ? xs.neg + m * units : NULL,
                            xs.xsum ? xs.xsum + m * groups : NULL);
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < (tiles + 1) / 2; pair++)
@@ -397,7 +405,8 @@ int quantized_tiled_rows(const quantized_weight* w, const int64_t* ids, void* ou
     while (in_order < count && ids[in_order] == in_order) in_order++;
     if (in_order == count) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t t = 0; t < (count + TILE - 1) / TILE; t++) tiled_block(w, t, count, K, out, dtype == 1);
+        for (int64_t t = 0; t < (count + TILE - 1) / TILE; t++)
+            tiled_block(w, t, count, K, out, dtype == 1);
         return MINISGL_OK;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (count * K >= (1 << 16))

@@ -1,5 +1,6 @@
 // The AVX-512 lane helpers several kernel files inline: bf16 lanes to float32 and back, exp,
-// rounding to the dtype, SiLU, a 16 x 16 transpose, the k-pair broadcast of vdpbf16ps, the AMX tile configuration.
+// rounding to the dtype, SiLU, a 16 x 16 transpose, the k-pair broadcast of vdpbf16ps, the AMX
+// tile configuration.
 #pragma once
 
 #include "common.h"
