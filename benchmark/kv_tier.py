@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import machine_note, set_threads  # noqa: E402
 from models import QWEN3_RANDOM, model_label, resolve_bench_model  # noqa: E402
+from native_generate import greedy_generate_request  # noqa: E402
 from processes import exit_on_sigterm  # noqa: E402
 from runners.minisgl import MinisglRunner  # noqa: E402
 from workloads import Distinct, TokenSource  # noqa: E402
@@ -68,16 +69,7 @@ def stop_server(server: subprocess.Popen) -> float:
 
 def send(port: int, ids: list[int], max_tokens: int) -> tuple[float, int, str]:
     """(TTFT s, cached prompt tokens, text) of one streamed greedy /generate."""
-    body = {
-        "input_ids": ids,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-    }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/generate",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
+    request = greedy_generate_request(port, max_tokens, input_ids=ids)
     start = time.perf_counter()
     first, last = None, {}
     with urllib.request.urlopen(request, timeout=1200) as response:

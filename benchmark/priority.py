@@ -11,7 +11,6 @@ quiet figure while the low ones wait. One invocation, figures only:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -25,21 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import resolve_bench_model  # noqa: E402
+from native_generate import greedy_generate_request  # noqa: E402
 
 
 def ttft(port: int, prompt: str, max_tokens: int, priority: int) -> float:
     """Seconds from sending a streamed /generate to its first event."""
-    body = {
-        "text": prompt,
-        "stream": True,
-        "priority": priority,
-        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-    }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/generate",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
+    request = greedy_generate_request(port, max_tokens, text=prompt, priority=priority)
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
         first = None
