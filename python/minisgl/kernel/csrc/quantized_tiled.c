@@ -12,21 +12,20 @@
 //           32c+4j+i of row 16t+l in its low nibble and column 32c+4j+16+i in its high one;
 //   scales, mins: [tiles][groups][16], the 16 rows' values per group (float16 or float32).
 // The activations are rounded to int8 per 32 columns (llama.cpp's Q8_0: scale = max|x| / 127,
-// nearest even), so within one unit of columns (32, or 16 where groups are 16) a row's sum is
+// nearest even; up to PRECISE_MAX_ROWS rows their remainders too, a second pass), so within one unit of columns (32, or 16 where groups are 16) a row's sum is
 // exact in integers: y = sum_units scale_w * scale_x * sum(q * xq) + sum_groups min * sum(x),
 // the offsets' x sums taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side):
 // each unit's integer sum starts at -128 * sum(xq). Float32 activations are multiplied exactly
 // instead, against each tile dequantized to float32.
 
-#define TILE 16    // weight rows a tile holds, one per int32 lane
-#define TILE_MR 4     // activation rows one pass over two tiles multiplies
-#define PRECISE_MR 3  // the same with x to 16 bits (two sums a tile and row)
+#define TILE 16           // weight rows a tile holds, one per int32 lane
+#define TILE_MR 4         // activation rows one pass over two tiles multiplies
+#define PRECISE_MR 3      // the same with x to 16 bits (two sums a tile and row)
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 // Activation rows up to which x is kept to 16 bits (two int8 passes: the rounding's remainder
 // too), as precise as bf16 activations; more rows take one pass (Q8_0's precision).
-#ifndef PRECISE_MAX_ROWS
+// layers/quantized.py's TILED_PRECISE_MAX_ROWS is this number.
 #define PRECISE_MAX_ROWS 16
-#endif
 
 #ifdef HAVE_AVX512_VNNI
 // Columns a unit holds: within one x scale (32 columns) and one weight group.
