@@ -6,6 +6,8 @@ HF's float32 dequantization of the same file."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import (
@@ -20,7 +22,7 @@ from helpers import (
 
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig
-from minisgl.kernel.cpu import cpu_kernels
+from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers.quant_weight import (
     QuantizedWeight,
     as_8bit,
@@ -30,6 +32,7 @@ from minisgl.layers.quant_weight import (
     quantize_int8,
 )
 from minisgl.layers.quantized import (
+    QUANTIZED_AMX_MIN_ROWS,
     QUANTIZED_GEMV_MAX_ROWS,
     TILED_PRECISE_MAX_ROWS,
     QuantizedProjection,
@@ -121,10 +124,25 @@ def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * scale).view(x.shape)
 
 
+def _without_amx(kernels: CpuKernels | None) -> CpuKernels | None:
+    """The kernels as a CPU without AMX tiles runs them (the tiled weights' int8 products)."""
+    if kernels is None or not kernels.has_amx:
+        return kernels
+    vector = copy.copy(kernels)
+    vector.has_amx = False
+    return vector
+
+
 FORMS = ["rows", "tiled"] if KERNELS is not None and KERNELS.has_vnni else ["rows"]
+FORMS += ["tiled-amx"] if KERNELS is not None and KERNELS.has_amx else []
 # The C kernels in each layout and dtype; the torch path (one F.linear) in float32.
 PROJECTION_CASES = [
-    pytest.param(KERNELS, dtype, form, id=f"C kernels-{form}-{str(dtype)[6:]}")
+    pytest.param(
+        KERNELS if form == "tiled-amx" else _without_amx(KERNELS),
+        dtype,
+        form,
+        id=f"C kernels-{form}-{str(dtype)[6:]}",
+    )
     for form in FORMS
     for dtype in (torch.float32, torch.bfloat16)
 ] + [pytest.param(None, torch.float32, "rows", id="torch")]
@@ -136,7 +154,8 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
     weight = torch.randn(52, 256, generator=gen)  # 52: a last block of 4 rows is partial
     bias = torch.randn(52, generator=gen).to(dtype)
     for name, qweight in _layouts(weight).items():
-        projection = QuantizedProjection(qweight, kernels, tiled=form == "tiled")
+        projection = QuantizedProjection(qweight, kernels, tiled=form.startswith("tiled"))
+        assert projection.on_amx == (form == "tiled-amx")
         dense = qweight.dequantize()
         mins = qweight.mins
         offsets = (
@@ -144,7 +163,7 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
             if mins is None
             else mins.float().repeat_interleave(qweight.group, dim=1)
         )
-        for rows in (1, 3, 5, 9, 17, QUANTIZED_GEMV_MAX_ROWS + 6):
+        for rows in (1, 3, 5, 9, QUANTIZED_AMX_MIN_ROWS, 17, 35, QUANTIZED_GEMV_MAX_ROWS + 6):
             x = torch.randn(rows, 256, generator=gen).to(dtype)
             got = projection(x, torch.empty(0), bias)
             want = x.float() @ dense.T + bias.float()
@@ -154,9 +173,14 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
             # each); tiled, x to 16 bits (2^-15 of each 32 columns' largest) up to
             # TILED_PRECISE_MAX_ROWS. Tiled, bf16, more rows (up to QUANTIZED_GEMV_MAX_ROWS): the
             # integer part meets x rounded to int8 per 32 columns, the offsets x itself; a
-            # rounding tie may fall the other way.
+            # rounding tie may fall the other way. On AMX from QUANTIZED_AMX_MIN_ROWS: x as it
+            # is against the weights rounded to bf16 once, then the output's rounding.
             tol = 1e-5 if dtype == torch.float32 else 2**-8 if rows <= 4 else 2**-6
-            if form == "tiled" and rows <= TILED_PRECISE_MAX_ROWS:
+            on_amx = form == "tiled-amx" and dtype == torch.bfloat16
+            if on_amx and rows >= QUANTIZED_AMX_MIN_ROWS:
+                want = x.float() @ dense.bfloat16().float().T + bias.float()
+                tol = 2**-8
+            elif form.startswith("tiled") and rows <= TILED_PRECISE_MAX_ROWS:
                 tol = 1e-5 if dtype == torch.float32 else 2**-8
             elif form == "tiled" and dtype == torch.bfloat16 and rows <= QUANTIZED_GEMV_MAX_ROWS:
                 rounded = _int8_rounded(x) @ (dense - offsets).T
@@ -172,13 +196,39 @@ def test_int8_activations_stay_close_to_the_exact_product() -> None:
     columns (llama.cpp's Q8_0) costs under 1%."""
     gen = torch.Generator().manual_seed(5)
     weight = quantize_int4(torch.randn(64, 512, generator=gen), 32)
-    projection = QuantizedProjection(weight, KERNELS, tiled=True)
+    projection = QuantizedProjection(weight, _without_amx(KERNELS), tiled=True)
     for rows, bound in ((TILED_PRECISE_MAX_ROWS, 2**-8), (TILED_PRECISE_MAX_ROWS + 1, 0.01)):
         x = (torch.randn(rows, 512, generator=gen) * torch.logspace(-1, 1, 512)).bfloat16()
         got = projection(x, torch.empty(0), None).float()
         want = x.float() @ weight.dequantize().T
         relative = (got - want).norm() / want.norm()
         assert relative < bound, (rows, relative)
+
+
+@pytest.mark.skipif(not KERNELS or not KERNELS.has_amx, reason="SiLU fused on the AMX tiles")
+def test_gated_projection_fuses_silu_on_amx() -> None:
+    """A gate_up weight ([gate; up]) on AMX gives silu(gate) * up straight from its matmul, from
+    QUANTIZED_AMX_MIN_ROWS rows up to a prefill's (the whole weight dequantized, gate and up
+    paired); fewer rows leave the activation to the caller (None)."""
+    gen = torch.Generator().manual_seed(6)
+    inter = 48
+    for name, qweight in _layouts(torch.randn(2 * inter, 256, generator=gen)).items():
+        projection = QuantizedProjection(qweight, KERNELS, gated=True)
+        assert projection.gated, name
+        dense = qweight.dequantize().bfloat16().float()
+        assert projection.silu_and_mul(torch.randn(QUANTIZED_AMX_MIN_ROWS - 1, 256)) is None
+        for rows in (QUANTIZED_AMX_MIN_ROWS, 40, QUANTIZED_GEMV_MAX_ROWS + 6):
+            x = torch.randn(rows, 256, generator=gen).bfloat16()
+            act = projection.silu_and_mul(x)
+            gate, up = (x.float() @ dense.T).split(inter, dim=-1)
+            want = torch.nn.functional.silu(gate) * up
+            assert act is not None and act.shape == (rows, inter) and act.dtype == torch.bfloat16
+            scale = want.abs().max().item()
+            torch.testing.assert_close(act.float(), want, rtol=2**-7, atol=2**-7 * scale)
+            plain = projection(x, torch.empty(0), None).float()  # columns in order
+            exact = x.float() @ dense.T
+            bound = 2**-8 * exact.abs().max().item()
+            torch.testing.assert_close(plain, exact, rtol=2**-8, atol=bound)
 
 
 @pytest.mark.skipif(KERNELS is None, reason="the C kernels' lookups")

@@ -62,6 +62,8 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_packed_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "minisgl_quantized_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int, _int],
     "minisgl_quantized_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
+    "minisgl_quantized_gated_silu": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_quantized_packed": [_ptr, _ptr, _i64, _i64, _int, _int],
 }
 # None: void. The int results of the kernels that can fail are status codes (`check_status`).
 RESTYPES: dict[str, type | None] = {
@@ -93,6 +95,8 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_packed_rows": _int,
     "minisgl_quantized_linear": _int,
     "minisgl_quantized_rows": _int,
+    "minisgl_quantized_gated_silu": _int,
+    "minisgl_quantized_packed": _int,
 }
 
 
@@ -229,10 +233,11 @@ def check_prefill_tokens(kernel: str, tokens: int, extend_lens: torch.Tensor) ->
 class QuantizedWeightParams(ctypes.Structure):
     """A quantized weight's integers, per-group scales and mins (NULL: none) for the C
     kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight, or with
-    tiled set quant_tiles.py's TiledWeight)."""
+    tiled set quant_tiles.py's TiledWeight; amx: a tiled one meets bf16 rows on the AMX tiles)."""
 
     _fields_ = [("values", _ptr), ("scales", _ptr), ("mins", _ptr)]
     _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64), ("tiled", _i64)]
+    _fields_ += [("amx", _i64)]
 
 
 class ProjectionParams(ctypes.Structure):

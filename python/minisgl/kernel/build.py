@@ -34,6 +34,7 @@ SOURCES = tuple(
         "matmul.c",
         "packing.c",
         "quantized.c",
+        "quantized_amx.c",
         "quantized_tiled.c",
         "sampling.c",
     )

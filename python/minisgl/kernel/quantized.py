@@ -26,9 +26,11 @@ def quantized_weight_params(
     bits: int,
     group: int,
     tiled: bool = False,
+    amx: bool = False,
 ) -> QuantizedWeightParams:
     """The C view of a quantized weight's tensors (which the caller keeps alive); tiled: in
-    the tile layout (layers/quant_tiles.py)."""
+    the tile layout (layers/quant_tiles.py); amx: tiled, and multiplied on the AMX tiles from
+    QUANTIZED_AMX_MIN_ROWS bf16 rows (where the kernels have them)."""
     for name, tensor in (("values", values), ("scales", scales), ("mins", mins)):
         if tensor is not None and not tensor.is_contiguous():
             raise_not_contiguous("quantized weight", **{name: tensor})
@@ -40,6 +42,7 @@ def quantized_weight_params(
         group=group,
         scales_f32=int(scales.dtype == torch.float32),
         tiled=int(tiled),
+        amx=int(tiled and amx),
     )
 
 
@@ -109,4 +112,43 @@ class QuantizedKernels(KernelLibrary):
             if len(bad):
                 raise IndexError(f"quantized_rows: row {int(bad[0])} outside [0, {shape[0]})")
             check_status("quantized_rows", status)
+        return out
+
+    def quantized_gated_silu(
+        self, x: torch.Tensor, weight: QuantizedWeightParams, inter: int
+    ) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) [M, inter] for a tiled gate_up weight ([gate; up],
+        2 * inter rows) on the AMX tiles; only where `quantized_gated_silu_takes` says so."""
+        rows, in_features = x.shape
+        if not x.is_contiguous() or x.dtype != torch.bfloat16:
+            raise ValueError(f"quantized_gated_silu: x must be contiguous bfloat16, got {x.dtype}")
+        out = x.new_empty(rows, inter)
+        status = self.lib.minisgl_quantized_gated_silu(
+            x.data_ptr(),
+            ctypes.byref(weight),
+            out.data_ptr(),
+            rows,
+            inter,
+            in_features,
+            kernel_threads(),
+        )
+        check_status("quantized_gated_silu", status)
+        return out
+
+    def quantized_packed(
+        self,
+        weight: QuantizedWeightParams,
+        shape: tuple[int, int],
+        out: torch.Tensor,
+        gated: bool = False,
+    ) -> torch.Tensor:
+        """A tiled weight [N, K] = `shape` dequantized into `out`, a packed copy for
+        `packed_linear` (gated: its gate and up halves paired for `packed_gated_silu`)."""
+        elems = int(self.lib.minisgl_packed_elems(*shape))
+        if out.numel() != elems or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"quantized_packed: out {out.dtype} {out.numel()} for {elems} bf16")
+        status = self.lib.minisgl_quantized_packed(
+            ctypes.byref(weight), out.data_ptr(), shape[0], shape[1], int(gated), kernel_threads()
+        )
+        check_status("quantized_packed", status)
         return out

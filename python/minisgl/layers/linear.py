@@ -273,7 +273,8 @@ class Linear(nn.Module):
         if isinstance(weight, torch.Tensor) and self.quantization is not None:
             weight = quantize(weight, self.quantization) or weight
         if isinstance(weight, QuantizedWeight):
-            self.cpu_projection = QuantizedProjection(weight, kernels)
+            gated = self.gated and self.bias is None  # the fused SiLU takes no bias
+            self.cpu_projection = QuantizedProjection(weight, kernels, gated=gated)
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             return
         if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:

@@ -34,10 +34,25 @@ QUANTIZED_GEMV_MAX_ROWS = 128
 # precise as bf16); from here to QUANTIZED_GEMV_MAX_ROWS they round them to int8 per 32 columns
 # (csrc/quantized_tiled.c's PRECISE_MAX_ROWS).
 TILED_PRECISE_MAX_ROWS = 16
+# Where the CPU has AMX, rows from which bf16 activations meet a tiled weight on the tiles as
+# they are, each 32 weight rows dequantized to bf16 in L2 (csrc/quantized_amx.c), instead of in
+# int8 products: from 10 rows the dequantization, shared by every row, costs less than a
+# product per row (csrc/internal.h's QUANTIZED_AMX_MIN_ROWS; benchmark/kernels_quantized.py).
+QUANTIZED_AMX_MIN_ROWS = 10
 
 
-# The dequantized weight of a prefill's matmul, per dtype: one buffer, the largest weight's size.
+# A prefill's dequantized weight (row-major, or the packed layout on AMX), per dtype: one buffer
+# for every projection, the largest weight's size.
 _DEQUANTIZED: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, count: int) -> torch.Tensor:
+    """`count` elements of the shared dequantization buffer (valid until the next projection's
+    call): a fresh tensor each prefill chunk cost more in page faults than the dequantization."""
+    scratch = _DEQUANTIZED.get(dtype)
+    if scratch is None or scratch.numel() < count:
+        scratch = _DEQUANTIZED[dtype] = torch.empty(count, dtype=dtype)
+    return scratch[:count]
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
@@ -68,7 +83,10 @@ class QuantizedProjection:
     (an output head): float32 results. Where the C kernels have AVX-512 VNNI the weight is
     re-laid-out into tiles (quant_tiles.py) and bf16 activations meet it in integer products:
     to 16 bits up to TILED_PRECISE_MAX_ROWS rows, rounded to int8 per 32 columns (llama.cpp's
-    Q8_0) above. Without the C kernels: dequantized per call."""
+    Q8_0) above; with AMX, from QUANTIZED_AMX_MIN_ROWS rows as bf16 on the tiles, the weight
+    dequantized block by block (a prefill's: whole, into the packed matmul's layout). gated (a
+    gate_up without bias): with AMX, `silu_and_mul` runs SiLU in the matmul. Without the C
+    kernels: dequantized per call."""
 
     def __init__(
         self,
@@ -76,6 +94,7 @@ class QuantizedProjection:
         kernels: CpuKernels | None,
         float_out: bool = False,
         tiled: bool | None = None,
+        gated: bool = False,
     ) -> None:
         """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
         is 0), False keeps the row layout."""
@@ -87,6 +106,8 @@ class QuantizedProjection:
             raise ValueError(f"tiled=True: the kernels or in_features {self.in_features} refuse it")
         tiled = can_tile and (ENV.CPU_INT8_ACTIVATIONS.value if tiled is None else tiled)
         self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
+        # The AMX paths: a tiled weight on a CPU with tiles.
+        self.on_amx = tiled and kernels is not None and kernels.has_amx
         self.params = quantized_weight_params(
             self.weight.values,
             self.weight.scales,
@@ -94,7 +115,9 @@ class QuantizedProjection:
             weight.bits,
             weight.group,
             tiled,
+            self.on_amx,
         )
+        self.gated = gated and self.on_amx and self.out_features % 32 == 0
 
     @functools.cached_property
     def _all_rows(self) -> torch.Tensor:
@@ -106,19 +129,22 @@ class QuantizedProjection:
         return (self.out_features, self.in_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight in `dtype`, in a scratch buffer every projection shares (valid
-        until the next projection's call): a fresh tensor each prefill chunk cost more in page
-        faults than the dequantization itself."""
+        """The whole weight in `dtype`, in the shared scratch buffer (see `_scratch`)."""
         kernels = self.kernels
         # An output head (prompt logprobs: rarely this many rows) would keep vocab x hidden.
         if kernels is None or not kernels.supports(dtype) or self.float_out:
             return self.rows(self._all_rows, dtype)
-        count = self.out_features * self.in_features
-        scratch = _DEQUANTIZED.get(dtype)
-        if scratch is None or scratch.numel() < count:
-            scratch = _DEQUANTIZED[dtype] = torch.empty(count, dtype=dtype)
-        out = scratch[:count].view(self.out_features, self.in_features)
+        out = _scratch(dtype, self.out_features * self.in_features)
+        out = out.view(self.out_features, self.in_features)
         return kernels.quantized_rows(self.params, self.shape, self._all_rows, dtype, out)
+
+    def _packed(self, gated: bool) -> torch.Tensor:
+        """The whole weight in the packed matmul's layout (gated: gate and up paired), in the
+        shared scratch buffer."""
+        assert self.kernels is not None
+        elems = self.kernels.packed_elems(self.out_features, self.in_features)
+        packed = _scratch(torch.bfloat16, elems)
+        return self.kernels.quantized_packed(self.params, self.shape, packed, gated)
 
     def __call__(
         self,
@@ -137,6 +163,10 @@ class QuantizedProjection:
             y = kernels.quantized_linear(
                 rows.contiguous(), self.params, self.shape, bias, self.float_out, out
             )
+        elif self.on_amx and x.dtype == torch.bfloat16 and not self.float_out:
+            assert kernels is not None
+            packed = self._packed(gated=False)
+            y = kernels.packed_linear(rows.contiguous(), packed, self.out_features, bias, out=out)
         else:
             y = F.linear(rows, self.dequantized(rows.dtype), bias)
             if self.float_out:
@@ -154,7 +184,19 @@ class QuantizedProjection:
         return self.weight.dequantize(ids.reshape(-1).long()).to(dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        return None  # no fused activation: the Linear applies it after the matmul
+        """silu(gate) * up with SiLU in the matmul where this gated projection has it (bf16 x
+        of QUANTIZED_AMX_MIN_ROWS rows or more); else None."""
+        rows = x.reshape(-1, self.in_features)
+        if not self.gated or x.dtype != torch.bfloat16 or len(rows) < QUANTIZED_AMX_MIN_ROWS:
+            return None
+        assert self.kernels is not None
+        inter = self.out_features // 2
+        if len(rows) <= QUANTIZED_GEMV_MAX_ROWS:
+            act = self.kernels.quantized_gated_silu(rows.contiguous(), self.params, inter)
+        else:
+            packed = self._packed(gated=True)
+            act = self.kernels.packed_gated_silu(rows.contiguous(), packed, inter, None)
+        return act.view(*x.shape[:-1], inter)
 
     def fused_params(self, weight: torch.Tensor, bias: torch.Tensor | None) -> ProjectionParams:
         """The quantized weight for the C decode layer (which multiplies it as __call__ does)."""
@@ -163,6 +205,6 @@ class QuantizedProjection:
             weight=None,
             tiles=None,
             bias=None if bias is None else bias.data_ptr(),
-            gated=0,
+            gated=int(self.gated),
             quantized=self.params,
         )

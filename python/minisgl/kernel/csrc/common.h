@@ -1,7 +1,8 @@
 // What every kernel file shares: the system headers, what the target flags enable
-// (HAVE_AVX512_BF16, HAVE_AVX512_VNNI, HAVE_AMX), the checked allocator, whether the tiles may
-// be used, and the scalar bf16, half and exp helpers. Functions one file defines for others are
-// hidden (MINISGL_INTERNAL): the library exports only what kernels.h declares.
+// (HAVE_AVX512_BF16, HAVE_AVX512_VNNI, HAVE_AMX, HAVE_QUANTIZED_AMX), the checked allocator,
+// whether the tiles may be used, and the scalar bf16, half and exp helpers. Functions one file
+// defines for others are hidden (MINISGL_INTERNAL): the library exports only what kernels.h
+// declares.
 #pragma once
 
 #include <math.h>
@@ -25,6 +26,12 @@
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+
+// A tiled quantized weight dequantized block by block onto the tiles (quantized_amx.c): vpermb
+// (AVX-512 VBMI, which every CPU with AMX has) moves its bytes into place.
+#if defined(HAVE_AMX) && defined(__AVX512VBMI__)
+#define HAVE_QUANTIZED_AMX 1
 #endif
 
 #include "kernels.h"

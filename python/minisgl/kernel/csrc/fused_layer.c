@@ -192,11 +192,17 @@ int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_
     if (status != MINISGL_OK) return status;
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
+    // A gated quantized gate_up runs SiLU in its matmul where it can (AMX), else as below.
+    status = MINISGL_ERR_UNSUPPORTED;
     if (L->gate_up.gated && L->gate_up.tiles) {
         status = minisgl_packed_gated_silu(s.normed, L->gate_up.tiles, L->gate_up.bias, s.act,
                                            tokens, m->inter, hidden, layer_tiles(m, tokens),
                                            nthreads);
-    } else {
+    } else if (L->gate_up.gated && L->gate_up.quantized.values) {
+        status = minisgl_quantized_gated_silu(s.normed, &L->gate_up.quantized, s.act, tokens,
+                                              m->inter, hidden, nthreads);
+    }
+    if (status == MINISGL_ERR_UNSUPPORTED) {
         status = layer_matmul(m, s.normed, &L->gate_up, s.gate_up, tokens, 2 * m->inter, hidden,
                               nthreads);
         if (status == MINISGL_OK)

@@ -9,6 +9,12 @@
 #define AMX_KSTEP 32
 #define AMX_NBLOCK 32
 
+// What the packed matmul writes: bf16 rows of y, silu(gate) * up (bf16) from a gate_up weight
+// packed with its gate and up rows interleaved in 16s, or float32 rows (logits, unrounded).
+#define EPILOGUE_BF16 0
+#define EPILOGUE_GATED 1
+#define EPILOGUE_F32 2
+
 // The largest head_dim the attention kernels take (their per-head buffers; abi.MAX_HEAD_DIM).
 #define ATTN_MAX_DIM 256
 
@@ -39,6 +45,30 @@ MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, c
                                         void* y, int64_t M, int64_t N, int64_t ksteps, int64_t n0,
                                         int out_f32);
 #endif
+
+#ifdef HAVE_AMX
+// matmul.c: every row of x (zero rows up to whole 16-row tiles, row stride ldx) times one packed
+// block on the AMX tiles (configured by the caller), through the epilogue.
+MINISGL_INTERNAL void packed_block_tiles(const bf16_t* x, int64_t ldx, const bf16_t* wblock,
+                                         const bf16_t* bias, void* y, int64_t M, int64_t N,
+                                         int64_t ksteps, int64_t n0, int epilogue);
+#endif
+
+#ifdef HAVE_QUANTIZED_AMX
+// Rows from which a tiled quantized weight meets bf16 x on the AMX tiles (quantized_amx.c)
+// instead of in int8 products (quantized_tiled.c); layers/quantized.py's
+// QUANTIZED_AMX_MIN_ROWS is this number.
+#define QUANTIZED_AMX_MIN_ROWS 10
+// quantized_amx.c: a tiled quantized weight (w->tiled) against bf16 x, dequantized block by
+// block onto the tiles; epilogue EPILOGUE_GATED: N = 2 * inter gate and up rows, y [M, inter].
+MINISGL_INTERNAL int quantized_amx_linear(const bf16_t* x, const quantized_weight* w,
+                                          const bf16_t* bias, void* y, int64_t M, int64_t N,
+                                          int64_t K, int epilogue, int nthreads);
+#endif
+
+// quantized_amx.c: tiled weight w [N, K] in the packed copy's layout (gated: gate and up paired).
+MINISGL_INTERNAL int quantized_tiled_packed(const quantized_weight* w, bf16_t* packed, int64_t N,
+                                            int64_t K, int gated, int nthreads);
 
 #ifdef HAVE_AVX512_VNNI
 // quantized_tiled.c: minisgl_quantized_linear and minisgl_quantized_rows for a weight in the

@@ -41,6 +41,7 @@ typedef struct {
     const void* mins;    // the same, or NULL (+ 0)
     int64_t bits, group, scales_f32;
     int64_t tiled;  // values, scales and mins in the tile layout instead (quantized_tiled.c)
+    int64_t amx;    // tiled: bf16 x of QUANTIZED_AMX_MIN_ROWS rows on the tiles (quantized_amx.c)
 } quantized_weight;
 
 typedef struct {
@@ -99,6 +100,10 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
                              int nthreads);
 int minisgl_quantized_rows(const quantized_weight* w, const int64_t* ids, void* out,
                            int64_t count, int64_t N, int64_t K, int dtype, int nthreads);
+int minisgl_quantized_gated_silu(const bf16_t* x, const quantized_weight* w, bf16_t* y, int64_t M,
+                                 int64_t inter, int64_t K, int nthreads);
+int minisgl_quantized_packed(const quantized_weight* w, bf16_t* packed, int64_t N, int64_t K,
+                             int gated, int nthreads);
 
 // attention_decode.c
 int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_cache, void* out,

@@ -15,11 +15,6 @@
 #define AMX_MGROUP 64        // rows per task: a task's weight block is reused from cache
 #define AMX_PREFETCH_STEPS 4  // k-steps ahead the weight tiles are prefetched
 #define VEC_ROWS 6            // x rows per register block without tiles (vec_rows)
-// What the packed matmul writes: bf16 rows of y, silu(gate) * up (bf16) from a gate_up weight
-// packed with its gate and up rows interleaved in 16s, or float32 rows (logits, unrounded).
-#define EPILOGUE_BF16 0
-#define EPILOGUE_GATED 1
-#define EPILOGUE_F32 2
 
 #ifdef HAVE_AVX512_BF16
 // Two accumulator tiles side by side (float32 rows of 16 columns: columns n0.. and n0 + 16..)
@@ -274,6 +269,17 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
         }
         amx_store_block((const float(*)[16][16])acc, bias, y, M, N, m, m1, n0, epilogue);
     }
+}
+
+// Every row of x (M rows, padded with rows of zeros to whole 16-row tiles; row stride ldx) times
+// one packed column block at n0 (wblock) on the tiles, through the epilogue: the quantized
+// matmul's, on a block it dequantized. The caller has configured the tiles.
+void packed_block_tiles(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
+                        void* y, int64_t M, int64_t N, int64_t ksteps, int64_t n0, int epilogue) {
+    const int64_t mpad = (M + 15) / 16 * 16;
+    for (int64_t m0 = 0; m0 < mpad; m0 += AMX_MGROUP)
+        amx_task(x, ldx, wblock, bias, y, M, N, ksteps, m0,
+                 m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad, n0, epilogue);
 }
 
 // Rows [m0, m1) (at most 32) against the column blocks [nb0, nb1) of a panel, k in chunks of

@@ -196,8 +196,8 @@ static inline float dot_groups(const float* a, const float* b, int64_t groups) {
     for (int64_t g = 0; g < groups; g += 16) {
         const __mmask16 mask =
             groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + g), _mm512_maskz_loadu_ps(mask, b + g),
-                              acc);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + g),
+                              _mm512_maskz_loadu_ps(mask, b + g), acc);
     }
     return _mm512_reduce_add_ps(acc);
 }
@@ -305,10 +305,13 @@ static void dequant_block_packed(const quantized_weight* w, int64_t n0, int64_t 
                 }
                 const float* s = scales + r * stride;
                 const float* m = mins + r * stride;
-                const __m512 lo = _mm512_fmadd_ps(ints16(w, n, K, kb * 32), _mm512_set1_ps(s[g0]),
-                                                  w->mins ? _mm512_set1_ps(m[g0]) : _mm512_setzero_ps());
-                const __m512 hi = _mm512_fmadd_ps(ints16(w, n, K, kb * 32 + 16), _mm512_set1_ps(s[g1]),
-                                                  w->mins ? _mm512_set1_ps(m[g1]) : _mm512_setzero_ps());
+                const __m512 zero = _mm512_setzero_ps();
+                const __m512 lo =
+                    _mm512_fmadd_ps(ints16(w, n, K, kb * 32), _mm512_set1_ps(s[g0]),
+                                    w->mins ? _mm512_set1_ps(m[g0]) : zero);
+                const __m512 hi =
+                    _mm512_fmadd_ps(ints16(w, n, K, kb * 32 + 16), _mm512_set1_ps(s[g1]),
+                                    w->mins ? _mm512_set1_ps(m[g1]) : zero);
                 rows[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // k-pairs 0..15 in k order
             }
             transpose16(rows);
@@ -418,8 +421,8 @@ static inline int64_t thread_scratch(int64_t K, int64_t group) {
 
 static inline int layout_fits(const quantized_weight* w, int64_t K) {
     return (w->bits == 8 && w->group % 16 == 0 && w->group > 0 && K % w->group == 0) ||
-           (w->bits == 4 && K % 64 == 0 && (w->group == 32 || (w->group > 0 && w->group % 64 == 0)) &&
-            K % w->group == 0);
+           (w->bits == 4 && K % 64 == 0 &&
+            (w->group == 32 || (w->group > 0 && w->group % 64 == 0)) && K % w->group == 0);
 }
 
 // The tile layout (quantized_tiled.c): whole 32-column x blocks, groups whole units of them.
@@ -461,7 +464,8 @@ enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PA
 
 static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
 #ifdef HAVE_AVX512_BF16
-    if (x_dtype == 1 && M > QROWS && K % 32 == 0) return M <= WIDE_MAX_ROWS ? PATH_WIDE : PATH_PACKED;
+    if (x_dtype == 1 && M > QROWS && K % 32 == 0)
+        return M <= WIDE_MAX_ROWS ? PATH_WIDE : PATH_PACKED;
     if (x_dtype == 1 && M > QROWS) return PATH_BF16_BLOCK;
     if (x_dtype == 1 && w->bits == 4) return PATH_NIBBLES;
 #endif
@@ -480,7 +484,8 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     const int64_t groups = K / w->group;
     const int path = choose_path(w, M, K, x_dtype);
     // x as float32 (PATH_F32), or its per-group sums (PATH_NIBBLES, for the offsets).
-    const int64_t x_floats = path == PATH_F32 ? M * K : path == PATH_NIBBLES && w->mins ? M * groups : 0;
+    const int64_t x_floats =
+        path == PATH_F32 ? M * K : path == PATH_NIBBLES && w->mins ? M * groups : 0;
     const int64_t per_thread = thread_scratch(K, w->group);
     float* buffer =
         kernel_alloc((size_t)(padded(x_floats) + nthreads * per_thread) * sizeof(float));
@@ -560,6 +565,28 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     }
     free(buffer);
     return MINISGL_OK;
+}
+
+// silu(gate) * up into y [M, inter] from bf16 x [M, K] and a tiled gate_up weight (2 * inter
+// rows: gate, then up), on the AMX tiles from QUANTIZED_AMX_MIN_ROWS rows; elsewhere (fewer
+// rows, no tiles) MINISGL_ERR_UNSUPPORTED, and the caller multiplies, then applies SiLU.
+int minisgl_quantized_gated_silu(const bf16_t* x, const quantized_weight* w, bf16_t* y, int64_t M,
+                                 int64_t inter, int64_t K, int nthreads) {
+    if (!w->tiled || !tiled_fits(w, K) || inter % 16 != 0) return MINISGL_ERR_SHAPE;
+#ifdef HAVE_QUANTIZED_AMX
+    if (M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx))
+        return quantized_amx_linear(x, w, NULL, y, M, 2 * inter, K, EPILOGUE_GATED, nthreads);
+#endif
+    (void)x, (void)y, (void)M, (void)nthreads;
+    return MINISGL_ERR_UNSUPPORTED;
+}
+
+// A tiled weight [N, K] dequantized into a packed copy (minisgl_packed_elems(N, K) bf16; gated:
+// N = 2 * inter gate and up rows paired, for minisgl_packed_gated_silu): a prefill's weight.
+int minisgl_quantized_packed(const quantized_weight* w, bf16_t* packed, int64_t N, int64_t K,
+                             int gated, int nthreads) {
+    if (!w->tiled || !tiled_fits(w, K) || (gated && N % 32 != 0)) return MINISGL_ERR_SHAPE;
+    return quantized_tiled_packed(w, packed, N, K, gated, nthreads);
 }
 
 // Rows `ids` of a quantized weight dequantized into out [count, K] (an embedding lookup from

@@ -12,9 +12,10 @@
 //           32c+4j+i of row 16t+l in its low nibble and column 32c+4j+16+i in its high one;
 //   scales, mins: [tiles][groups][16], the 16 rows' values per group (float16 or float32).
 // The activations are rounded to int8 per 32 columns (llama.cpp's Q8_0: scale = max|x| / 127,
-// nearest even; up to PRECISE_MAX_ROWS rows their remainders too, a second pass), so within one unit of columns (32, or 16 where groups are 16) a row's sum is
-// exact in integers: y = sum_units scale_w * scale_x * sum(q * xq) + sum_groups min * sum(x),
-// the offsets' x sums taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side):
+// nearest even; up to PRECISE_MAX_ROWS rows their remainders too, a second pass), so within
+// one unit of columns (32, or 16 where groups are 16) a row's sum is exact in integers:
+// y = sum_units scale_w * scale_x * sum(q * xq) + sum_groups min * sum(x), the offsets' x sums
+// taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side):
 // each unit's integer sum starts at -128 * sum(xq). Float32 activations are multiplied exactly
 // instead, against each tile dequantized to float32.
 
@@ -353,6 +354,11 @@ static void tile_rows_f32(const quantized_weight* w, const float* x, const float
 int quantized_tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
                            int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
                            int nthreads) {
+#ifdef HAVE_QUANTIZED_AMX
+    if (x_dtype == 1 && M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx))
+        return quantized_amx_linear((const bf16_t*)x, w, (const bf16_t*)bias, y, M, N, K,
+                                    out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16, nthreads);
+#endif
     const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
     const int64_t units = K / unit, tiles = (N + TILE - 1) / TILE;
     // x's int8 rows (and remainders), unit scales, unit sums and group sums; or (float32 x) a
