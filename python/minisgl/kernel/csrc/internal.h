@@ -70,6 +70,27 @@ MINISGL_INTERNAL int quantized_amx_linear(const bf16_t* x, const quantized_weigh
 MINISGL_INTERNAL int quantized_tiled_packed(const quantized_weight* w, bf16_t* packed, int64_t N,
                                             int64_t K, int gated, int nthreads);
 
+#ifdef __AVX512F__
+// The tile layout of a quantized weight (layers/quant_tiles.py; quantized_tiled.c describes
+// it), which quantized_tiled.c and quantized_amx.c read: TILE_ROWS weight rows a tile.
+#define TILE_ROWS 16
+
+// Bytes one tile's values take.
+static inline int64_t tile_bytes(int64_t bits, int64_t K) { return bits == 8 ? 16 * K : 8 * K; }
+
+// Where the 16 rows' scales (or mins) of tile t, group g (index t * groups + g) start.
+static inline const void* tile_group_at(const void* src, int64_t scales_f32, int64_t index) {
+    return (const char*)src + index * TILE_ROWS * (scales_f32 ? 4 : 2);
+}
+
+// The 16 rows' scales (or mins) of tile t, group g, as float32 lanes.
+static inline __m512 tile_floats(const void* src, int64_t scales_f32, int64_t index) {
+    const void* at = tile_group_at(src, scales_f32, index);
+    if (scales_f32) return _mm512_loadu_ps(at);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)at));
+}
+#endif
+
 #ifdef HAVE_AVX512_VNNI
 // quantized_tiled.c: minisgl_quantized_linear and minisgl_quantized_rows for a weight in the
 // tile layout (w->tiled), their arguments checked.

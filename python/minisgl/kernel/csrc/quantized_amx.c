@@ -15,25 +15,12 @@
 // block's epilogue writes silu(gate) * up.
 
 #ifdef HAVE_QUANTIZED_AMX
-#define TILE 16
+#define TILE TILE_ROWS
 #define FETCH_STEPS 8  // k-steps ahead a tile's values, scales and mins are fetched
 #define TOP_BYTES 0x8888888888888888ull  // the top byte of every dword
 
-// Bytes one tile's values take, and a k-step's of them (quantized_tiled.c's layout).
-static inline int64_t tile_bytes(int64_t bits, int64_t K) { return bits == 8 ? 16 * K : 8 * K; }
+// Bytes a k-step (32 columns) of one tile's values take.
 static inline int64_t step_bytes(int64_t bits) { return bits == 8 ? 512 : 256; }
-
-// Where tile t's scales (or mins) of group g start (index t * groups + g).
-static inline const void* group_at(const void* src, int64_t scales_f32, int64_t index) {
-    return (const char*)src + index * TILE * (scales_f32 ? 4 : 2);
-}
-
-// The 16 rows' scales (or mins) of one group as float32 lanes.
-static inline __m512 group_lanes(const void* src, int64_t scales_f32, int64_t index) {
-    const void* at = group_at(src, scales_f32, index);
-    if (scales_f32) return _mm512_loadu_ps(at);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)at));
-}
 
 // A k-pair row of the packed tile is made from the weight's bytes in two halves: weight rows
 // 8h..8h+7, two columns each, as 16 float32 lanes (lane 2j + c: row 8h + j, column 2p + c of
@@ -86,15 +73,15 @@ static void dequant_step(const quantized_weight* w, int64_t t, int64_t K, int64_
         for (int line = 0; line < step_bytes(w->bits) / 64; line++)
             __builtin_prefetch(step + FETCH_STEPS * step_bytes(w->bits) + 64 * line, 0, 3);
         const int64_t ahead = t * groups + (kb + FETCH_STEPS) * 32 / w->group;
-        __builtin_prefetch(group_at(w->scales, w->scales_f32, ahead), 0, 3);
-        if (w->mins) __builtin_prefetch(group_at(w->mins, w->scales_f32, ahead), 0, 3);
+        __builtin_prefetch(tile_group_at(w->scales, w->scales_f32, ahead), 0, 3);
+        if (w->mins) __builtin_prefetch(tile_group_at(w->mins, w->scales_f32, ahead), 0, 3);
     }
     __m512 scale[2][2], offset[2][2];  // [columns 0-15, 16-31 (groups are 16 or more)][h]
     for (int c = 0; c < 2; c++) {
         const int64_t index = t * groups + (kb * 32 + 16 * c) / w->group;
-        const __m512 s = _mm512_mul_ps(group_lanes(w->scales, w->scales_f32, index),
+        const __m512 s = _mm512_mul_ps(tile_floats(w->scales, w->scales_f32, index),
                                        _mm512_set1_ps(0x1p-24f));
-        const __m512 m = w->mins ? group_lanes(w->mins, w->scales_f32, index) : _mm512_setzero_ps();
+        const __m512 m = w->mins ? tile_floats(w->mins, w->scales_f32, index) : _mm512_setzero_ps();
         for (int h = 0; h < 2; h++) {
             scale[c][h] = _mm512_permutexvar_ps(moves->spread[h], s);
             offset[c][h] = _mm512_permutexvar_ps(moves->spread[h], m);
