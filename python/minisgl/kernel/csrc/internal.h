@@ -48,10 +48,12 @@ MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, c
 
 #ifdef HAVE_AMX
 // matmul.c: every row of x (zero rows up to whole 16-row tiles, row stride ldx) times one packed
-// block on the AMX tiles (configured by the caller), through the epilogue.
+// block on the AMX tiles (configured by the caller), through the epilogue; fill(ctx, kb) writes
+// the block's k-step kb just before the tiles first take it.
 MINISGL_INTERNAL void packed_block_tiles(const bf16_t* x, int64_t ldx, const bf16_t* wblock,
                                          const bf16_t* bias, void* y, int64_t M, int64_t N,
-                                         int64_t ksteps, int64_t n0, int epilogue);
+                                         int64_t ksteps, int64_t n0, int epilogue,
+                                         void (*fill)(void* ctx, int64_t kb), void* ctx);
 #endif
 
 #ifdef HAVE_QUANTIZED_AMX

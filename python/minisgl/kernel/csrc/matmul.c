@@ -273,11 +273,32 @@ static void amx_task(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const b
 
 // Every row of x (M rows, padded with rows of zeros to whole 16-row tiles; row stride ldx) times
 // one packed column block at n0 (wblock) on the tiles, through the epilogue: the quantized
-// matmul's, on a block it dequantized. The caller has configured the tiles.
+// matmul's, on a block it makes. fill(ctx, kb) writes k-step kb of wblock just before the
+// first 32 rows' tiles take it, so that making the block (a dequantization, on the vector
+// units) overlaps their tile products; the other rows find it whole. The caller has
+// configured the tiles.
 void packed_block_tiles(const bf16_t* x, int64_t ldx, const bf16_t* wblock, const bf16_t* bias,
-                        void* y, int64_t M, int64_t N, int64_t ksteps, int64_t n0, int epilogue) {
+                        void* y, int64_t M, int64_t N, int64_t ksteps, int64_t n0, int epilogue,
+                        void (*fill)(void* ctx, int64_t kb), void* ctx) {
+    float acc[4][16][16] __attribute__((aligned(64)));
     const int64_t mpad = (M + 15) / 16 * 16;
-    for (int64_t m0 = 0; m0 < mpad; m0 += AMX_MGROUP)
+    const int pair = mpad >= 32;
+    const bf16_t* a1 = x + 16 * ldx;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < ksteps; kb++) {
+        fill(ctx, kb);
+        amx_ksteps(x, a1, pair, ldx, wblock, kb, kb + 1, ksteps, 0);
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+    const int64_t first = pair ? 32 : 16;
+    amx_store_block((const float(*)[16][16])acc, bias, y, M, N, 0, first, n0, epilogue);
+    for (int64_t m0 = first; m0 < mpad; m0 += AMX_MGROUP)
         amx_task(x, ldx, wblock, bias, y, M, N, ksteps, m0,
                  m0 + AMX_MGROUP < mpad ? m0 + AMX_MGROUP : mpad, n0, epilogue);
 }

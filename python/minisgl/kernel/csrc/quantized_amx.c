@@ -105,18 +105,24 @@ static void dequant_step(const quantized_weight* w, int64_t t, int64_t K, int64_
     }
 }
 
-// Block of the packed layout from tiles `left` (columns 0-15) and `right` (16-31; -1: zeros).
-static void dequant_block(const quantized_weight* w, int64_t left, int64_t right, int64_t K,
-                          bf16_t* wblock) {
-    const pair_moves moves = make_moves();
-    for (int64_t kb = 0; kb < K / 32; kb++) {
-        bf16_t* dst = wblock + kb * AMX_NBLOCK * AMX_KSTEP;
-        dequant_step(w, left, K, kb, &moves, dst);
-        if (right >= 0)
-            dequant_step(w, right, K, kb, &moves, dst + 512);
-        else
-            memset(dst + 512, 0, 1024);
-    }
+// A block of the packed layout in the making: tiles `left` (columns 0-15) and `right` (16-31;
+// -1: zeros) of w into wblock.
+typedef struct {
+    const quantized_weight* w;
+    int64_t left, right, K;
+    const pair_moves* moves;
+    bf16_t* wblock;
+} block_fill;
+
+// K-step kb of the block (packed_block_tiles' fill).
+static void fill_step(void* ctx, int64_t kb) {
+    const block_fill* f = (const block_fill*)ctx;
+    bf16_t* dst = f->wblock + kb * AMX_NBLOCK * AMX_KSTEP;
+    dequant_step(f->w, f->left, f->K, kb, f->moves, dst);
+    if (f->right >= 0)
+        dequant_step(f->w, f->right, f->K, kb, f->moves, dst + 512);
+    else
+        memset(dst + 512, 0, 1024);
 }
 
 // Blocks [b0, b1) of the packed copy (minisgl_packed_elems(N, K) elements) of tiled weight w;
@@ -149,13 +155,14 @@ int quantized_amx_linear(const bf16_t* x, const quantized_weight* w, const bf16_
 #pragma omp parallel num_threads(nthreads)
     {
         amx_configure();
+        const pair_moves moves = make_moves();
         bf16_t* wblock = (bf16_t*)(blocks_at + (size_t)omp_get_thread_num() * block_bytes);
 #pragma omp for schedule(guided)
         for (int64_t b = 0; b < blocks; b++) {
-            int64_t left, right;
-            block_tiles(b, N, gated, &left, &right);
-            dequant_block(w, left, right, K, wblock);
-            packed_block_tiles(a, K, wblock, bias, y, M, N, K / 32, 32 * b, epilogue);
+            block_fill fill = {.w = w, .K = K, .moves = &moves, .wblock = wblock};
+            block_tiles(b, N, gated, &fill.left, &fill.right);
+            packed_block_tiles(a, K, wblock, bias, y, M, N, K / 32, 32 * b, epilogue, fill_step,
+                               &fill);
         }
         _tile_release();
     }
@@ -171,11 +178,12 @@ int quantized_tiled_packed(const quantized_weight* w, bf16_t* packed, int64_t N,
                            int gated, int nthreads) {
 #ifdef HAVE_QUANTIZED_AMX
     const int64_t blocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
+    const pair_moves moves = make_moves();
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t left, right;
-        block_tiles(b, N, gated, &left, &right);
-        dequant_block(w, left, right, K, packed + b * K * AMX_NBLOCK);
+        block_fill fill = {.w = w, .K = K, .moves = &moves, .wblock = packed + b * K * AMX_NBLOCK};
+        block_tiles(b, N, gated, &fill.left, &fill.right);
+        for (int64_t kb = 0; kb < K / 32; kb++) fill_step(&fill, kb);
     }
     return MINISGL_OK;
 #else
