@@ -77,6 +77,12 @@ def main() -> None:
     gguf = Path(args.gguf) if args.gguf else None
     if gguf is None and args.model in (None, "default"):
         gguf = default_gguf_path()
+    if args.peer == "llamacpp":  # before the minutes of minisgl runs, not after them
+        if gguf is None:
+            raise SystemExit("--peer llamacpp runs on a GGUF: the default model, or --gguf")
+        from runners.llamacpp import require_llama_bench
+
+        require_llama_bench()
     formats = (args.formats or ("bf16,int8,int4,gguf" if gguf else "bf16,int8,int4")).split(",")
     shapes: list[Shape] = decode_shapes([int(b) for b in args.batch_sizes.split(",")], False)
     if args.workloads != "none":

@@ -53,7 +53,8 @@ class _Env:
         # The AMX matmul for 5-1023 rows where the CPU has tiles; 0 leaves those to oneDNN.
         self.CPU_AMX = EnvVar("CPU_AMX", True, _parse_bool)
         # Quantized weights in the tile layout, met by int8-rounded activations (VNNI) up to 128
-        # rows; 0 keeps the row layout and bf16 activations (weight-only arithmetic, slower).
+        # rows (with AMX: up to 9, bf16 on the tiles from 10); 0 keeps the row layout and bf16
+        # activations (weight-only arithmetic, slower).
         self.CPU_INT8_ACTIVATIONS = EnvVar("CPU_INT8_ACTIVATIONS", True, _parse_bool)
         # The C kernels' instruction set: "native" (-march=native) or a kernel.build.TARGETS name,
         # e.g. x86-64-v3 to run this machine as an AVX2-only one.
