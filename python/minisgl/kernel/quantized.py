@@ -18,6 +18,12 @@ from minisgl.kernel.abi import (
 from minisgl.kernel.library import KernelLibrary
 from minisgl.kernel.threads import kernel_threads
 
+# Where the CPU has AMX, rows from which bf16 activations meet a tiled weight on the tiles as
+# they are, each 32 weight rows dequantized to bf16 in L2 (csrc/quantized_amx.c), instead of in
+# int8 products: from 10 rows the dequantization, shared by every row, costs less than a
+# product per row (csrc/internal.h's QUANTIZED_AMX_MIN_ROWS; benchmark/kernels_quantized.py).
+QUANTIZED_AMX_MIN_ROWS = 10
+
 
 def quantized_weight_params(
     values: torch.Tensor,
@@ -118,10 +124,15 @@ class QuantizedKernels(KernelLibrary):
         self, x: torch.Tensor, weight: QuantizedWeightParams, inter: int
     ) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) [M, inter] for a tiled gate_up weight ([gate; up],
-        2 * inter rows) on the AMX tiles; only where `quantized_gated_silu_takes` says so."""
+        2 * inter rows) with amx set, on the AMX tiles: M at least QUANTIZED_AMX_MIN_ROWS."""
         rows, in_features = x.shape
         if not x.is_contiguous() or x.dtype != torch.bfloat16:
             raise ValueError(f"quantized_gated_silu: x must be contiguous bfloat16, got {x.dtype}")
+        if rows < QUANTIZED_AMX_MIN_ROWS or not weight.amx:
+            raise ValueError(
+                f"quantized_gated_silu: {rows} rows (amx {weight.amx}) run unfused: the tiles take "
+                f"an AMX weight's {QUANTIZED_AMX_MIN_ROWS} rows or more"
+            )
         out = x.new_empty(rows, inter)
         status = self.lib.minisgl_quantized_gated_silu(
             x.data_ptr(),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from minisgl.env import ENV
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
-from minisgl.kernel.quantized import quantized_weight_params
+from minisgl.kernel.quantized import QUANTIZED_AMX_MIN_ROWS, quantized_weight_params
 
 from .quant_tiles import TiledWeight, tile_weight, tiles_fit
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
@@ -34,11 +34,6 @@ QUANTIZED_GEMV_MAX_ROWS = 128
 # precise as bf16); from here to QUANTIZED_GEMV_MAX_ROWS they round them to int8 per 32 columns
 # (csrc/quantized_tiled.c's PRECISE_MAX_ROWS).
 TILED_PRECISE_MAX_ROWS = 16
-# Where the CPU has AMX, rows from which bf16 activations meet a tiled weight on the tiles as
-# they are, each 32 weight rows dequantized to bf16 in L2 (csrc/quantized_amx.c), instead of in
-# int8 products: from 10 rows the dequantization, shared by every row, costs less than a
-# product per row (csrc/internal.h's QUANTIZED_AMX_MIN_ROWS; benchmark/kernels_quantized.py).
-QUANTIZED_AMX_MIN_ROWS = 10
 
 
 # A prefill's dequantized weight (row-major, or the packed layout on AMX), per dtype: one buffer
