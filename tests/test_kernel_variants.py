@@ -159,14 +159,17 @@ def test_packed_matmul_within_float32_accumulation_or_unsupported(
     assert torch.equal(fused, unfused)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_quantized_products_in_every_form(kernels, bits):
     """Each form's quantized matmul, in the row layout and (with VNNI) the tile layout, against
     float64 dequantize-then-matmul: within float32 sums (float32 x), the bf16 weights of the
     wide paths (2^-6 of the largest output, bf16 x) or int8-rounded activations (2^-5, tiled)."""
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(40, 128, generator=gen)
-    qweight = quantize_int8(weight, 32) if bits == 8 else quantize_int4(weight, 32)
+    if bits == 4:
+        qweight = quantize_int4(weight, 32)
+    else:  # 6: 8-bit integers within -32..31, which the tile layout holds in 6 bits
+        qweight = quantize_int8(weight, 32, limit=127 if bits == 8 else 31)
     dense = qweight.dequantize().double()
     for tiled in [False, True] if kernels.has_vnni else [False]:
         projection = QuantizedProjection(qweight, kernels, tiled=tiled)

@@ -172,15 +172,21 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
-def quantize_int8(weight: torch.Tensor, group: int | None = None) -> QuantizedWeight:
-    """Symmetric int8 with a float32 scale per `group` columns (None: per output row): the
-    group's largest magnitude maps to 127."""
+def quantize_int8(
+    weight: torch.Tensor,
+    group: int | None = None,
+    limit: int = 127,
+    scale_dtype: torch.dtype = torch.float32,
+) -> QuantizedWeight:
+    """Symmetric int8 with a scale (float32, or `scale_dtype`) per `group` columns (None: per
+    output row): the group's largest magnitude maps to `limit` (31: 6-bit integers, which tile
+    in 6 bits)."""
     out_features, in_features = weight.shape
     group = group or in_features
     w = weight.float().view(out_features, -1, group)
-    scales = w.abs().amax(dim=2) / 127.0
+    scales = (w.abs().amax(dim=2) / float(limit)).to(scale_dtype)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    values = torch.round(w / scales[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    values = torch.round(w / scales.float()[:, :, None]).clamp_(-limit, limit).to(torch.int8)
     return QuantizedWeight(values.view(out_features, -1).contiguous(), scales, None, 8, group)
 
 

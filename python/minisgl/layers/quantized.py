@@ -67,9 +67,12 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
 
 
 def quantize_head(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
-    """An output head (or tied embedding) quantized for `method`: always int8 per row, as
-    llama.cpp keeps its output layer at higher precision (4 bits lose logit order)."""
-    del method
+    """An output head (or tied embedding) quantized for `method`, at higher precision than its
+    layers, as llama.cpp keeps its output layer (4 bits lose logit order: the default model's
+    int4 top-1 fell from 97% to 86%): int8 per row, or for the 4-bit methods 6 bits per 32
+    columns with float16 scales (Q6_K's size; tiled in 6 bits, 0.81 of int8's bytes)."""
+    if method.startswith("int4") and weight.shape[1] % 32 == 0:
+        return quantize_int8(weight, 32, limit=31, scale_dtype=torch.float16)
     return quantize(weight, "int8")
 
 
@@ -107,7 +110,7 @@ class QuantizedProjection:
             self.weight.values,
             self.weight.scales,
             self.weight.mins,
-            weight.bits,
+            self.weight.bits,
             weight.group,
             tiled,
             self.on_amx,

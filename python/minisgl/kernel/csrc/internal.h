@@ -77,12 +77,22 @@ MINISGL_INTERNAL int quantized_tiled_packed(const quantized_weight* w, bf16_t* p
 // it), which quantized_tiled.c and quantized_amx.c read: TILE_ROWS weight rows a tile.
 #define TILE_ROWS 16
 
-// Bytes one tile's values take.
-static inline int64_t tile_bytes(int64_t bits, int64_t K) { return bits == 8 ? 16 * K : 8 * K; }
+// Bytes one tile's values take (bits 8, 6 or 4).
+static inline int64_t tile_bytes(int64_t bits, int64_t K) { return 2 * bits * K; }
 
 // Where the 16 rows' scales (or mins) of tile t, group g (index t * groups + g) start.
 static inline const void* tile_group_at(const void* src, int64_t scales_f32, int64_t index) {
     return (const char*)src + index * TILE_ROWS * (scales_f32 ? 4 : 2);
+}
+
+// The 6-bit values (0..63 a byte) of a 6-bit tile's quad vector: its 4 low bits (nibbles, one a
+// byte) and, from the chunk's top-bits vector for its half, crumb j (bits 2j..2j+1) of each byte.
+static inline __m512i six_bits(__m512i nibbles, __m512i tops, int j) {
+    const __m512i top = j == 0   ? _mm512_slli_epi32(tops, 4)
+                        : j == 1 ? _mm512_slli_epi32(tops, 2)
+                        : j == 2 ? tops
+                                 : _mm512_srli_epi32(tops, 2);
+    return _mm512_ternarylogic_epi32(nibbles, top, _mm512_set1_epi8(0x30), 0xF8);  // a | (b & c)
 }
 
 // The 16 rows' scales (or mins) of tile t, group g, as float32 lanes.

@@ -20,7 +20,7 @@
 #define TOP_BYTES 0x8888888888888888ull  // the top byte of every dword
 
 // Bytes a k-step (32 columns) of one tile's values take.
-static inline int64_t step_bytes(int64_t bits) { return bits == 8 ? 512 : 256; }
+static inline int64_t step_bytes(int64_t bits) { return 64 * bits; }
 
 // A k-pair row of the packed tile is made from the weight's bytes in two halves: weight rows
 // 8h..8h+7, two columns each, as 16 float32 lanes (lane 2j + c: row 8h + j, column 2p + c of
@@ -95,13 +95,21 @@ static void dequant_step(const quantized_weight* w, int64_t t, int64_t K, int64_
         }
         return;
     }
-    // 4 bits: vector j holds columns 4j..4j+3 in its low nibbles, 16 + 4j.. in its high ones.
+    // 4 bits: vector j holds columns 4j..4j+3 in its low nibbles, 16 + 4j.. in its high ones;
+    // 6 bits: their top 2 bits come from vectors 4 and 5 (+32).
     const __m512i nibble = _mm512_set1_epi8(15);
     for (int j = 0; j < 4; j++) {
         const __m512i v = _mm512_loadu_si512(step + 64 * j);
-        quad_rows(_mm512_and_si512(v, nibble), moves, scale[0], offset[0], dst + 64 * j);
-        quad_rows(_mm512_and_si512(_mm512_srli_epi32(v, 4), nibble), moves, scale[1], offset[1],
-                  dst + 64 * (4 + j));
+        __m512i low = _mm512_and_si512(v, nibble);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
+        if (w->bits == 6) {
+            low = _mm512_sub_epi8(six_bits(low, _mm512_loadu_si512(step + 256), j),
+                                  _mm512_set1_epi8(32));
+            high = _mm512_sub_epi8(six_bits(high, _mm512_loadu_si512(step + 320), j),
+                                   _mm512_set1_epi8(32));
+        }
+        quad_rows(low, moves, scale[0], offset[0], dst + 64 * j);
+        quad_rows(high, moves, scale[1], offset[1], dst + 64 * (4 + j));
     }
 }
 

@@ -134,8 +134,9 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
             }
             __m512i sums[2][TILE_MR], rests[2][TILE_MR];
             for (int r = 0; r < MR; r++) {
-                const __m512i neg = xs->neg ? _mm512_set1_epi32(xs->neg[(m0 + r) * units + u])
-                                            : _mm512_setzero_si512();
+                // -128 * x's sum: 8 bits' offset; 6 bits' is +32, a quarter of it.
+                const int32_t offset = xs->neg ? xs->neg[(m0 + r) * units + u] : 0;
+                const __m512i neg = _mm512_set1_epi32(BITS == 6 ? offset / 4 : offset);
                 for (int p = 0; p < TP; p++) {
                     sums[p][r] = PRECISE ? _mm512_setzero_si512() : neg;
                     if (PRECISE) rests[p][r] = neg;
@@ -150,9 +151,13 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
                     if (BITS == 8) {
                         wq[p] = _mm512_loadu_si512(tile + (u * unit / 4 + q) * 64);
                     } else {  // vector q % 4 of the unit's chunk: low nibbles, then high
-                        const __m512i v = _mm512_loadu_si512(tile + u * 256 + (q % 4) * 64);
+                        const uint8_t* chunk = tile + u * BITS * 64;
+                        const __m512i v = _mm512_loadu_si512(chunk + (q % 4) * 64);
                         wq[p] = q < 4 ? _mm512_and_si512(v, nibble)
                                       : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                        if (BITS == 6)  // the top 2 bits: vector 4 + q / 4, crumb q % 4
+                            wq[p] = six_bits(wq[p], _mm512_loadu_si512(chunk + 256 + (q / 4) * 64),
+                                             q % 4);
                     }
                 }
                 for (int r = 0; r < MR; r++) {
@@ -211,17 +216,17 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
                       int64_t M, int64_t N, int64_t K, int64_t t, int64_t tiles, int out_f32) {
     const int precise = xs->xlo != NULL;
     const int64_t pass = precise ? PRECISE_MR : TILE_MR;
-    const int form = w->bits == 4 ? 0 : unit_cols(w->group) == 32 ? 1 : 2;
+    const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 : unit_cols(w->group) == 32 ? 1 : 2;
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int64_t rows = M - m0 < pass ? M - m0 : pass;
-        switch ((((rows * 2 + (tiles - 1)) * 2 + precise) * 3) + form) {
+        switch ((((rows * 2 + (tiles - 1)) * 2 + precise) * 4) + form) {
 #define TILE_FORM(r, tp, exact, f, bits, quads)                                              \
-    case (((r * 2 + tp - 1) * 2 + exact) * 3) + f:                                           \
+    case (((r * 2 + tp - 1) * 2 + exact) * 4) + f:                                           \
         tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, tp, exact, bits, quads);     \
         break;
-#define TILE_CASE(r, tp, exact)                                  \
+#define TILE_CASE(r, tp, exact)                                       \
     TILE_FORM(r, tp, exact, 0, 4, 8) TILE_FORM(r, tp, exact, 1, 8, 8) \
-    TILE_FORM(r, tp, exact, 2, 8, 4)
+    TILE_FORM(r, tp, exact, 2, 8, 4) TILE_FORM(r, tp, exact, 3, 6, 8)
 #define TILE_CASES(r, exact) TILE_CASE(r, 1, exact) TILE_CASE(r, 2, exact)
             TILE_CASES(1, 0) TILE_CASES(2, 0) TILE_CASES(3, 0) TILE_CASES(4, 0)
             TILE_CASES(1, 1) TILE_CASES(2, 1) TILE_CASES(3, 1)
@@ -242,9 +247,38 @@ static inline __m128i quarter(__m512i v, int p) {
     }
 }
 
+// A tile's scale (or min) of row lane l, group g (index (t * groups + g) * TILE + l).
+static inline float tile_float(const void* src, int64_t scales_f32, int64_t at) {
+    return scales_f32 ? ((const float*)src)[at] : half_to_f32(((const uint16_t*)src)[at]);
+}
+
+// tiled_row for a 6-bit tile, value by value (an embedding lookup's few rows; float32 x).
+static void tiled_row_6(const quantized_weight* w, int64_t n, int64_t K, void* out, int bf16_out) {
+    const int64_t t = n / TILE, lane = n % TILE, groups = K / w->group;
+    const uint8_t* tile = (const uint8_t*)w->values + t * tile_bytes(6, K);
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t c = k % 32, half = c / 16, j = c % 16 / 4;
+        const uint8_t* chunk = tile + k / 32 * 384 + 4 * lane + c % 4;
+        const int low = (chunk[64 * j] >> (4 * half)) & 15;
+        const int top = (chunk[256 + 64 * half] >> (2 * j)) & 3;
+        const int64_t at = (t * groups + k / w->group) * TILE + lane;
+        const float offset = w->mins ? tile_float(w->mins, w->scales_f32, at) : 0.0f;
+        const float v = fmaf((float)(low + 16 * top - 32), tile_float(w->scales, w->scales_f32, at),
+                             offset);
+        if (bf16_out)
+            ((bf16_t*)out)[k] = f32_to_bf16(v);
+        else
+            ((float*)out)[k] = v;
+    }
+}
+
 // Row n of a tiled weight dequantized (q * scale + min in float32, one rounding) into out [K]:
 // float32, or rounded to bf16 where bf16_out.
 static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out, int bf16_out) {
+    if (w->bits == 6) {
+        tiled_row_6(w, n, K, out, bf16_out);
+        return;
+    }
     const int64_t t = n / TILE, lane = n % TILE, groups = K / w->group;
     const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
     // Dword i of a gather: 4 columns of row n (8 bits: quad i; 4 bits: vector i % 4 of chunk
@@ -299,6 +333,12 @@ static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out
 static void tiled_block(const quantized_weight* w, int64_t t, int64_t N, int64_t K, void* out,
                         int bf16_out) {
     const int64_t groups = K / w->group, n0 = t * TILE, count = N - n0 < TILE ? N - n0 : TILE;
+    if (w->bits == 6) {  // row by row (a prefill's output head, with prompt logprobs)
+        const size_t elem = bf16_out ? 2 : 4;
+        for (int64_t l = 0; l < count; l++)
+            tiled_row(w, n0 + l, K, (char*)out + (size_t)((n0 + l) * K) * elem, bf16_out);
+        return;
+    }
     const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
     float scales[TILE], mins[TILE];
     for (int64_t k = 0; k < K; k += 64) {
@@ -383,7 +423,7 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
         .xq = (int8_t*)buffer,
         .xlo = precise ? (int8_t*)(buffer + xq_floats) : NULL,
         .xd = floats,
-        .neg = w->bits == 8 ? (int32_t*)(floats + unit_floats) : NULL,
+        .neg = w->bits != 4 ? (int32_t*)(floats + unit_floats) : NULL,
         .xsum = w->mins ? floats + 2 * unit_floats : NULL,
     };
 #pragma omp parallel num_threads(nthreads)
