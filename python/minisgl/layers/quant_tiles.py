@@ -76,9 +76,10 @@ def tile_weight(weight: QuantizedWeight) -> TiledWeight:
         packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # [tiles, 16, K/32, 4 j, 4 i]
         vectors = [packed]
         if bits == 6:  # vector 4 + h: the top 2 bits of columns 16h + 4j + i, crumb j of byte i
-            tops = (chunks >> 4).to(torch.int32)  # [tiles, 16, K/32, 2 h, 4 j, 4 i]
-            shifts = 2 * torch.arange(4, dtype=torch.int32).view(1, 1, 1, 1, 4, 1)
-            vectors.append((tops << shifts).sum(dim=4).to(torch.uint8))  # [.., 2 h, 4 i]
+            tops = chunks >> 4  # [tiles, 16, K/32, 2 h, 4 j, 4 i]
+            crumbs = tops[:, :, :, :, 0] | (tops[:, :, :, :, 1] << 2)
+            crumbs |= (tops[:, :, :, :, 2] << 4) | (tops[:, :, :, :, 3] << 6)
+            vectors.append(crumbs)  # [tiles, 16, K/32, 2 h, 4 i]
         values = torch.cat(vectors, dim=3).permute(0, 2, 3, 1, 4)
         values = values.reshape(tiles, cols // 32, values.shape[2], 64)
     mins = None if weight.mins is None else _tiled_groups(weight.mins, tiles)

@@ -39,7 +39,7 @@ typedef struct {
     const void* values;  // bits 8: int8 [N, K]; bits 4: nibbles, 64-column blocks of 32 bytes
     const void* scales;  // [N, K / group] float16, or float32 where scales_f32
     const void* mins;    // the same, or NULL (+ 0)
-    int64_t bits, group, scales_f32;
+    int64_t bits, group, scales_f32;  // bits 8 or 4; tiled also 6 (quantized_tiled.c)
     int64_t tiled;  // values, scales and mins in the tile layout instead (quantized_tiled.c)
     int64_t amx;    // tiled: bf16 x of QUANTIZED_AMX_MIN_ROWS rows on the tiles (quantized_amx.c)
 } quantized_weight;

@@ -10,14 +10,17 @@
 //   8 bits: [tiles][K/4][64] bytes, byte 4l+i of quad q = q[16t+l, 4q+i] + 128;
 //   4 bits: [tiles][K/32][4][64] bytes, byte 4l+i of vector j of chunk c holds column
 //           32c+4j+i of row 16t+l in its low nibble and column 32c+4j+16+i in its high one;
+//   6 bits (8-bit integers within -32..31, +32): [tiles][K/32][6][64], vectors 0-3 the low 4
+//           bits as 4 bits', vector 4 + h the top 2 bits of column 32c+16h+4j+i in bits 2j..2j+1
+//           of byte 4l+i;
 //   scales, mins: [tiles][groups][16], the 16 rows' values per group (float16 or float32).
 // The activations are rounded to int8 per 32 columns (llama.cpp's Q8_0: scale = max|x| / 127,
 // nearest even; up to PRECISE_MAX_ROWS rows their remainders too, a second pass), so within
 // one unit of columns (32, or 16 where groups are 16) a row's sum is exact in integers:
 // y = sum_units scale_w * scale_x * sum(q * xq) + sum_groups min * sum(x), the offsets' x sums
-// taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side):
-// each unit's integer sum starts at -128 * sum(xq). Float32 activations are multiplied exactly
-// instead, against each tile dequantized to float32.
+// taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side): each unit's integer
+// sum starts at -128 * sum(xq) (6 bits: -32 * sum(xq)). Float32 activations are multiplied
+// exactly instead, against each tile dequantized to float32.
 
 #define TILE TILE_ROWS     // weight rows a tile holds, one per int32 lane
 #define TILE_MR 4         // activation rows one pass over two tiles multiplies
