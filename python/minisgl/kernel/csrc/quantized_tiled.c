@@ -315,12 +315,8 @@ static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out
         for (int p = 0; p < 4; p++) {
             const int64_t col = k + 16 * p, g = col / w->group;
             const int64_t at = (t * groups + g) * TILE + lane;
-            const float scale = w->scales_f32 ? ((const float*)w->scales)[at]
-                                              : half_to_f32(((const uint16_t*)w->scales)[at]);
-            float offset = 0.0f;
-            if (w->mins)
-                offset = w->scales_f32 ? ((const float*)w->mins)[at]
-                                       : half_to_f32(((const uint16_t*)w->mins)[at]);
+            const float scale = tile_float(w->scales, w->scales_f32, at);
+            const float offset = w->mins ? tile_float(w->mins, w->scales_f32, at) : 0.0f;
             const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(ints + 16 * p), _mm512_set1_ps(scale),
                                              _mm512_set1_ps(offset));
             if (bf16_out)
