@@ -73,6 +73,13 @@ def _layouts(weight: torch.Tensor) -> dict[str, QuantizedWeight]:
         "int4 as 8-bit": as_8bit(g32),
         # 8-bit integers within -32..31 in groups of 32: tiled in 6 bits.
         "int6 g32 (the int4 head)": quantize_int8(weight, 32, limit=31, scale_dtype=torch.float16),
+        "int6 g16 (Q6_K-like)": QuantizedWeight(
+            torch.randint(-32, 32, weight.shape, generator=gen, dtype=torch.int8),
+            (torch.rand(weight.shape[0], 16, generator=gen) / 64).half().float(),
+            None,
+            8,
+            16,
+        ),
         "int6 g64 with mins (Q5_1-like)": QuantizedWeight(
             torch.randint(0, 32, weight.shape, generator=gen, dtype=torch.int8),
             (torch.rand(weight.shape[0], 4, generator=gen) / 32).half(),
@@ -85,8 +92,8 @@ def _layouts(weight: torch.Tensor) -> dict[str, QuantizedWeight]:
 
 @pytest.mark.skipif(not KERNELS or not KERNELS.has_vnni, reason="the tile layout needs VNNI")
 def test_six_bit_integers_tile_in_six_bits() -> None:
-    """8-bit weights whose integers fit -32..31 (groups of 32) take 6 bits a weight in the tile
-    layout (the int4 method's output head: 0.82 of int8's bytes), the same values."""
+    """8-bit weights whose integers fit -32..31 take 6 bits a weight in the tile layout (the
+    int4 method's output head: 0.82 of int8's bytes; Q6_K's groups of 16), the same values."""
     weight = torch.randn(40, 256, generator=torch.Generator().manual_seed(8))
     head = quantize_head(weight, "int4")
     assert head.bits == 8 and head.group == 32 and int(head.values.abs().max()) <= 31
@@ -96,6 +103,8 @@ def test_six_bit_integers_tile_in_six_bits() -> None:
     lookup = projection.rows(torch.arange(40), torch.float32)
     assert torch.equal(lookup, head.dequantize())
     assert QuantizedProjection(quantize_head(weight, "int8"), KERNELS).weight.bits == 8
+    q6_k_like = QuantizedWeight(head.values, head.scales.float().repeat(1, 2), None, 8, 16)
+    assert QuantizedProjection(q6_k_like, KERNELS, tiled=True).weight.bits == 6  # 16 columns
 
 
 def test_quantize_rounds_to_the_nearest_step() -> None:

@@ -15,9 +15,9 @@ TILE_ROWS = 16
 
 
 def fits_6_bits(weight: QuantizedWeight) -> bool:
-    """Whether an 8-bit weight tiles in 6 bits: integers within -32..31, groups of 32 columns
-    (Q5_0/Q5_1 and Q5_K's values, the int4 method's output head)."""
-    if weight.bits != 8 or weight.group % 32:
+    """Whether an 8-bit weight tiles in 6 bits: integers within -32..31 (Q6_K, Q5_0/Q5_1/Q5_K
+    values, a Q4_K_M file's mixed projections, the int4 method's output head)."""
+    if weight.bits != 8:
         return False
     return int(weight.values.min()) >= -32 and int(weight.values.max()) <= 31
 
@@ -33,7 +33,7 @@ class TiledWeight:
     columns 16 apart a byte), 6 bits [tiles, K/32, 6, 64] (+32: the low 4 bits as 4 bits', then
     the top 2 bits of columns 16h + 4j + i in bits 2j..2j+1 of byte i of lane l of vector 4 + h);
     scales/mins [tiles, groups, 16] in the source's float dtype. Rows past out_features are
-    zeros. bits 6 holds an 8-bit weight whose integers fit -32..31 (groups of 32 columns)."""
+    zeros. bits 6 holds an 8-bit weight whose integers fit -32..31."""
 
     values: torch.Tensor
     scales: torch.Tensor

@@ -427,7 +427,8 @@ static inline int layout_fits(const quantized_weight* w, int64_t K) {
 
 // The tile layout (quantized_tiled.c): whole 32-column x blocks, groups whole units of them.
 static inline int tiled_fits(const quantized_weight* w, int64_t K) {
-    if (w->bits == 6) return w->group > 0 && w->group % 32 == 0 && K % w->group == 0;
+    if (w->bits == 6)
+        return w->group > 0 && w->group % 16 == 0 && K % w->group == 0 && K % 32 == 0;
     return layout_fits(w, K) && K % 32 == 0;
 }
 

@@ -10,7 +10,8 @@
 //   8 bits: [tiles][K/4][64] bytes, byte 4l+i of quad q = q[16t+l, 4q+i] + 128;
 //   4 bits: [tiles][K/32][4][64] bytes, byte 4l+i of vector j of chunk c holds column
 //           32c+4j+i of row 16t+l in its low nibble and column 32c+4j+16+i in its high one;
-//   6 bits (8-bit integers within -32..31, +32): [tiles][K/32][6][64], vectors 0-3 the low 4
+//   6 bits (8-bit integers within -32..31, +32; groups of 16 or more): [tiles][K/32][6][64],
+//           vectors 0-3 the low 4
 //           bits as 4 bits', vector 4 + h the top 2 bits of column 32c+16h+4j+i in bits 2j..2j+1
 //           of byte 4l+i;
 //   scales, mins: [tiles][groups][16], the 16 rows' values per group (float16 or float32).
@@ -154,12 +155,14 @@ static inline __attribute__((always_inline)) void tile_rows_impl(
                     if (BITS == 8) {
                         wq[p] = _mm512_loadu_si512(tile + (u * unit / 4 + q) * 64);
                     } else {  // vector q % 4 of the unit's chunk: low nibbles, then high
-                        const uint8_t* chunk = tile + u * BITS * 64;
+                        // (16-column units, 6 bits only: unit u is half u % 2 of chunk u / 2)
+                        const int64_t half = QUADS == 8 ? q / 4 : u % 2;
+                        const uint8_t* chunk = tile + (QUADS == 8 ? u : u / 2) * 64 * BITS;
                         const __m512i v = _mm512_loadu_si512(chunk + (q % 4) * 64);
-                        wq[p] = q < 4 ? _mm512_and_si512(v, nibble)
-                                      : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                        if (BITS == 6)  // the top 2 bits: vector 4 + q / 4, crumb q % 4
-                            wq[p] = six_bits(wq[p], _mm512_loadu_si512(chunk + 256 + (q / 4) * 64),
+                        wq[p] = half == 0 ? _mm512_and_si512(v, nibble)
+                                          : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                        if (BITS == 6)  // the top 2 bits: vector 4 + half, crumb q % 4
+                            wq[p] = six_bits(wq[p], _mm512_loadu_si512(chunk + 256 + half * 64),
                                              q % 4);
                     }
                 }
@@ -219,17 +222,19 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
                       int64_t M, int64_t N, int64_t K, int64_t t, int64_t tiles, int out_f32) {
     const int precise = xs->xlo != NULL;
     const int64_t pass = precise ? PRECISE_MR : TILE_MR;
-    const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 : unit_cols(w->group) == 32 ? 1 : 2;
+    const int wide = unit_cols(w->group) == 32;
+    const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 + !wide : wide ? 1 : 2;
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int64_t rows = M - m0 < pass ? M - m0 : pass;
-        switch ((((rows * 2 + (tiles - 1)) * 2 + precise) * 4) + form) {
+        switch ((((rows * 2 + (tiles - 1)) * 2 + precise) * 5) + form) {
 #define TILE_FORM(r, tp, exact, f, bits, quads)                                              \
-    case (((r * 2 + tp - 1) * 2 + exact) * 4) + f:                                           \
+    case (((r * 2 + tp - 1) * 2 + exact) * 5) + f:                                           \
         tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, tp, exact, bits, quads);     \
         break;
 #define TILE_CASE(r, tp, exact)                                       \
     TILE_FORM(r, tp, exact, 0, 4, 8) TILE_FORM(r, tp, exact, 1, 8, 8) \
-    TILE_FORM(r, tp, exact, 2, 8, 4) TILE_FORM(r, tp, exact, 3, 6, 8)
+    TILE_FORM(r, tp, exact, 2, 8, 4) TILE_FORM(r, tp, exact, 3, 6, 8) \
+    TILE_FORM(r, tp, exact, 4, 6, 4)
 #define TILE_CASES(r, exact) TILE_CASE(r, 1, exact) TILE_CASE(r, 2, exact)
             TILE_CASES(1, 0) TILE_CASES(2, 0) TILE_CASES(3, 0) TILE_CASES(4, 0)
             TILE_CASES(1, 1) TILE_CASES(2, 1) TILE_CASES(3, 1)
