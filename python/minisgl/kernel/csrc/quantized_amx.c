@@ -98,15 +98,16 @@ static void dequant_step(const quantized_weight* w, int64_t t, int64_t K, int64_
     // 4 bits: vector j holds columns 4j..4j+3 in its low nibbles, 16 + 4j.. in its high ones;
     // 6 bits: their top 2 bits come from vectors 4 and 5 (+32).
     const __m512i nibble = _mm512_set1_epi8(15);
+    // Loaded once: dst's stores could alias step for all the compiler knows.
+    const __m512i tops_low = w->bits == 6 ? _mm512_loadu_si512(step + 256) : nibble;
+    const __m512i tops_high = w->bits == 6 ? _mm512_loadu_si512(step + 320) : nibble;
     for (int j = 0; j < 4; j++) {
         const __m512i v = _mm512_loadu_si512(step + 64 * j);
         __m512i low = _mm512_and_si512(v, nibble);
         __m512i high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
         if (w->bits == 6) {
-            low = _mm512_sub_epi8(six_bits(low, _mm512_loadu_si512(step + 256), j),
-                                  _mm512_set1_epi8(32));
-            high = _mm512_sub_epi8(six_bits(high, _mm512_loadu_si512(step + 320), j),
-                                   _mm512_set1_epi8(32));
+            low = _mm512_sub_epi8(six_bits(low, tops_low, j), _mm512_set1_epi8(32));
+            high = _mm512_sub_epi8(six_bits(high, tops_high, j), _mm512_set1_epi8(32));
         }
         quad_rows(low, moves, scale[0], offset[0], dst + 64 * j);
         quad_rows(high, moves, scale[1], offset[1], dst + 64 * (4 + j));
