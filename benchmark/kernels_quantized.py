@@ -1,6 +1,6 @@
 """Quantized projections against the bf16 ones they replace, on a model's decoder-layer shapes
-(the Qwen3-0.6B shape by default): per row count, the time of a layer's four projections from
-the bf16 packed copy (the engine's bf16 path) and from each quantized layout through the C
+(the Qwen3-0.6B shape by default): per row count, the time of a layer's four projections as the
+engine multiplies them in bf16 on this CPU and from each quantized layout through the C
 kernel (tiled with int8 activations where the CPU has VNNI, and then the row layout's kernels
 too) and through dequantize + oneDNN, and the ratio bf16 / quantized.
 
@@ -18,6 +18,7 @@ import torch
 from timing import median_seconds
 
 from minisgl.kernel.cpu import cpu_kernels
+from minisgl.layers.linear import CpuProjection, computes_in_float32
 from minisgl.layers.quantized import QuantizedProjection, quantize
 
 BF16 = torch.bfloat16
@@ -51,15 +52,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
-    if kernels is None or not kernels.has_avx512_bf16:
-        sys.exit("needs the C kernels with avx512_bf16 (the bf16 baseline's packed matmul)")
+    if kernels is None:
+        sys.exit("needs the C kernels (an x86-64 or aarch64 CPU and gcc)")
     torch.manual_seed(0)
     weights = [
         torch.randn(shape, dtype=BF16) * 0.02
         for _ in range(args.layers)
         for shape in layer_shapes(args)
     ]
-    packed = [kernels.pack_weight(w) for w in weights]
+    dense = [CpuProjection(w, kernels) for w in weights]
     formats = args.formats.split(",")
     quantized = {f: [quantize(w.float(), f) for w in weights] for f in formats}
     projections = {f: [QuantizedProjection(q, kernels) for q in qs] for f, qs in quantized.items()}  # type: ignore[arg-type]
@@ -69,10 +70,13 @@ def main() -> None:
         for f, qs in quantized.items()
         if kernels.has_vnni
     }
-    print(f"# {torch.get_num_threads()} threads, amx: {kernels.has_amx}, {args.layers} layers")
+    print(
+        f"# {torch.get_num_threads()} threads, avx512_bf16: {kernels.has_avx512_bf16}, "
+        f"vnni: {kernels.has_vnni}, amx: {kernels.has_amx}, {args.layers} layers"
+    )
     mb = sum(w.numel() for w in weights[:4]) * 2 / 1e6
     print(f"# one layer's projections: {mb:.1f} MB in bf16; times are per layer, in µs")
-    header = "| rows | bf16 packed |"
+    header = "| rows | bf16 |"
     rows_cell = " {f} rows C |" if row_layout else ""
     header += "".join(
         (" {f} C |" + rows_cell + " {f} dequant | bf16/{f} |").format(f=f) for f in formats
@@ -81,7 +85,7 @@ def main() -> None:
     print("|" + "---|" * (2 + (4 if row_layout else 3) * len(formats)))
     for rows in map(int, args.rows.split(",")):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
-        base = median_seconds(lambda xs=xs: bf16(weights, packed, xs), args.repeat)
+        base = median_seconds(lambda xs=xs: bf16(weights, dense, xs), args.repeat)
         base = base / args.layers * 1e6
         cells = [f"{rows}", f"{base:.0f}"]
         for f in formats:
@@ -101,12 +105,11 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def bf16(weights: list[torch.Tensor], packed: list[torch.Tensor], xs: dict) -> None:
-    """Every weight from its bf16 packed copy (the engine's bf16 path)."""
-    kernels = cpu_kernels()
-    assert kernels is not None
-    for w, copy in zip(weights, packed):
-        kernels.packed_linear(xs[w.shape[1]], copy, w.shape[0], None)
+def bf16(weights: list[torch.Tensor], dense: list[CpuProjection], xs: dict) -> None:
+    """Every bf16 weight as the engine multiplies it on this CPU (the C kernels' packed copy
+    with avx512_bf16, else oneDNN's, in float32 where oneDNN packs no bf16)."""
+    for w, proj in zip(weights, dense):
+        proj(xs[w.shape[1]], w, None)
 
 
 def on_kernel(projections: list[QuantizedProjection], xs: dict) -> None:
@@ -117,9 +120,11 @@ def on_kernel(projections: list[QuantizedProjection], xs: dict) -> None:
 
 
 def dequantized(projections: list[QuantizedProjection], xs: dict) -> None:
-    """Every quantized weight dequantized to bf16, then oneDNN."""
+    """Every quantized weight dequantized, then oneDNN (in float32 where it has no bf16)."""
     for proj in projections:
-        torch.nn.functional.linear(xs[proj.in_features], proj.dequantized(BF16))
+        x = xs[proj.in_features]
+        dtype = torch.float32 if computes_in_float32(BF16, proj.kernels) else BF16
+        torch.nn.functional.linear(x.to(dtype), proj.dequantized(dtype)).to(BF16)
 
 
 if __name__ == "__main__":

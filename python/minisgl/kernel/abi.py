@@ -27,6 +27,7 @@ _float = ctypes.c_float
 SIGNATURES: dict[str, list[type]] = {
     "minisgl_fail_allocations": [_i64],
     "minisgl_has_avx512_bf16": [],
+    "minisgl_has_avx2": [],
     "minisgl_has_amx": [],
     "minisgl_has_vnni": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
@@ -69,6 +70,7 @@ SIGNATURES: dict[str, list[type]] = {
 RESTYPES: dict[str, type | None] = {
     "minisgl_fail_allocations": None,
     "minisgl_has_avx512_bf16": _int,
+    "minisgl_has_avx2": _int,
     "minisgl_has_amx": _int,
     "minisgl_has_vnni": _int,
     "minisgl_gemv_bf16": None,

@@ -35,6 +35,7 @@ SOURCES = tuple(
         "packing.c",
         "quantized.c",
         "quantized_amx.c",
+        "quantized_avx2.c",
         "quantized_tiled.c",
         "sampling.c",
     )

@@ -20,6 +20,8 @@ class KernelLibrary:
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = RESTYPES[name]
         self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
+        # AVX2 + FMA: the quantized row layout's float32 kernels (csrc/quantized_avx2.c).
+        self.has_avx2 = bool(lib.minisgl_has_avx2())
         # vpdpbusd: quantized weights take the tile layout and int8 activations (quant_tiles.py).
         self.has_vnni = bool(lib.minisgl_has_vnni())
         # Built with the tile instructions and granted the tile state by the kernel.

@@ -116,6 +116,12 @@ class QuantizedProjection:
             self.on_amx,
         )
         self.gated = gated and self.on_amx and self.out_features % 32 == 0
+        # Without bf16 dot products (AVX2, AVX-512 without bf16) the C kernels' float32 tiles
+        # take bf16 x at every row count: they beat oneDNN's float32 on a bf16 model's copy, and
+        # F.linear on a dequantized bf16 weight would run oneDNN's emulation or PyTorch's loop.
+        self.c_takes_every_row = (
+            kernels is not None and kernels.has_avx2 and not kernels.has_avx512_bf16
+        )
 
     @functools.cached_property
     def _all_rows(self) -> torch.Tensor:
@@ -156,7 +162,8 @@ class QuantizedProjection:
         rows = x.reshape(-1, self.in_features)
         kernels = self.kernels
         on_kernels = kernels is not None and kernels.supports(x.dtype)
-        if on_kernels and rows.shape[0] <= QUANTIZED_GEMV_MAX_ROWS:
+        every_row = self.c_takes_every_row and x.dtype == torch.bfloat16
+        if on_kernels and (rows.shape[0] <= QUANTIZED_GEMV_MAX_ROWS or every_row):
             assert kernels is not None
             y = kernels.quantized_linear(
                 rows.contiguous(), self.params, self.shape, bias, self.float_out, out

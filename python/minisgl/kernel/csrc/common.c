@@ -31,6 +31,14 @@ int minisgl_has_avx512_bf16(void) {
 #endif
 }
 
+int minisgl_has_avx2(void) {
+#ifdef HAVE_AVX2_FMA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int minisgl_has_vnni(void) {
 #ifdef HAVE_AVX512_VNNI
     return 1;

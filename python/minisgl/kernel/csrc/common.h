@@ -14,6 +14,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// AVX2 and FMA: the quantized row layout's float32 kernels (quantized_avx2.c), all of them on
+// CPUs without AVX-512 (Zen 2 and 3, Intel before Skylake-SP), the many-rows one where there
+// are no bf16 dot products to take those rows.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2_FMA 1
+#include <immintrin.h>
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_AVX512_BF16 1
 #endif

@@ -33,6 +33,60 @@ MINISGL_INTERNAL void rotary_token(void* x, int64_t base, int64_t heads, int64_t
 MINISGL_INTERNAL int positions_fit(const int64_t* positions, int64_t tokens,
                                    int64_t max_positions);
 
+// The row layout of a quantized weight (quantized.c describes it): what its kernels share.
+#define QBLOCK 4  // weight rows a work item takes
+#define QROWS 4   // x rows one pass over a weight row multiplies
+
+// Floats a row's scales (or mins) take in scratch: whole vectors of 16.
+static inline int64_t padded(int64_t groups) { return (groups + 15) / 16 * 16; }
+
+// A weight row's scales (or mins) as float32 into dst (padded(groups) floats).
+static inline void group_floats(const quantized_weight* w, const void* src, int64_t n,
+                                int64_t groups, float* dst) {
+    if (w->scales_f32) {
+        memcpy(dst, (const float*)src + n * groups, (size_t)groups * sizeof(float));
+        return;
+    }
+    const uint16_t* half = (const uint16_t*)src + n * groups;
+    int64_t g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    // Whole-vector stores: the kernels read the values back at once, and a masked store would
+    // not forward to those loads (a stall per weight row that cost as much as the row).
+    for (; g < groups; g += 16) {
+        const __mmask16 mask =
+            groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
+        _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, half + g)));
+    }
+#elif defined(HAVE_AVX2_FMA)
+    for (; g + 8 <= groups; g += 8)
+        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(half + g))));
+#endif
+    for (; g < groups; g++) dst[g] = half_to_f32(half[g]);
+}
+
+// Stores row m's sum for output n in y's dtype (bias added in float32).
+static inline void store_out(void* y, int64_t index, float sum, const void* bias, int64_t n,
+                             int x_dtype, int out_f32) {
+    if (bias) sum += x_dtype == 0 ? ((const float*)bias)[n] : bf16_to_f32(((const bf16_t*)bias)[n]);
+    if (out_f32 || x_dtype == 0)
+        ((float*)y)[index] = sum;
+    else
+        ((bf16_t*)y)[index] = f32_to_bf16(sum);
+}
+
+#ifdef HAVE_AVX2_FMA
+#define AVX2_ROWS_MAX 8  // x rows up to which quantized_avx2.c streams each weight row once
+#define AVX2_BLOCK 16    // weight rows a work item of its many-rows kernel takes
+// quantized_avx2.c: weight row n dequantized to float32 (as dequant_row) into out [K]; rows
+// n0..n1 (one work item) against M float32 x rows (xsums: their group sums where w has mins).
+MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int64_t K,
+                                       const float* scales, const float* mins, float* out);
+MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xsums,
+                                          const quantized_weight* w, const void* bias, void* y,
+                                          int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                                          int x_dtype, int out_f32, float* scratch);
+#endif
+
 #ifdef HAVE_AVX512_BF16
 // gemv.c: rows n0..n0+3 of a row-major bf16 weight (w0: the first) against every row of x
 // (M rows), into y [M, N] as bf16, or float32 where out_f32; `ahead`: memory to prefetch.

@@ -73,6 +73,7 @@ typedef struct {
 // common.c
 void minisgl_fail_allocations(int64_t count);
 int minisgl_has_avx512_bf16(void);
+int minisgl_has_avx2(void);
 int minisgl_has_amx(void);
 int minisgl_has_vnni(void);
 

@@ -17,34 +17,8 @@
 // group sums (computed once a call). Each thread takes blocks of weight rows (guided, as the
 // bf16 GEMV), every x row against the block.
 
-#define QBLOCK 4  // weight rows a work item takes
-#define QROWS 4   // x rows one pass over a weight row multiplies
-#define QROWS_WIDE 8  // the same on bf16 weights dequantized in registers (rows_wide)
+#define QROWS_WIDE 8  // QROWS on bf16 weights dequantized in registers (rows_wide)
 #define WIDE_MAX_ROWS 16  // x rows up to which rows_wide beats the packed-block path
-
-// Floats a row's scales (or mins) take in scratch: whole vectors of 16.
-static inline int64_t padded(int64_t groups) { return (groups + 15) / 16 * 16; }
-
-// A weight row's scales (or mins) as float32 into dst (padded(groups) floats).
-static inline void group_floats(const quantized_weight* w, const void* src, int64_t n,
-                                int64_t groups, float* dst) {
-    if (w->scales_f32) {
-        memcpy(dst, (const float*)src + n * groups, (size_t)groups * sizeof(float));
-        return;
-    }
-    const uint16_t* half = (const uint16_t*)src + n * groups;
-    int64_t g = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    // Whole-vector stores: the kernels read the values back at once, and a masked store would
-    // not forward to those loads (a stall per weight row that cost as much as the row).
-    for (; g < groups; g += 16) {
-        const __mmask16 mask =
-            groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
-        _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, half + g)));
-    }
-#endif
-    for (; g < groups; g++) dst[g] = half_to_f32(half[g]);
-}
 
 #ifdef __AVX512F__
 // The 16 integers of row n at columns k..k+15 (k a multiple of 16) as float32 lanes: 8 bits
@@ -83,6 +57,11 @@ static void dequant_row(const quantized_weight* w, int64_t n, int64_t K, const f
     (void)tmp;
 #else
     float* row = bf16_out ? tmp : (float*)out;
+#ifdef HAVE_AVX2_FMA
+    dequant_row_avx2(w, n, K, scales, mins, row);
+    if (bf16_out) store_row(out, 0, 1, row, K);
+    return;
+#endif
     for (int64_t g = 0; g < groups; g++) {
         const float scale = scales[g], offset = mins ? mins[g] : 0.0f;
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
@@ -99,16 +78,6 @@ static void dequant_row(const quantized_weight* w, int64_t n, int64_t K, const f
     }
     if (bf16_out) store_row(out, 0, 1, row, K);
 #endif
-}
-
-// Stores row m's sum for output n in y's dtype (bias added in float32).
-static inline void store_out(void* y, int64_t index, float sum, const void* bias, int64_t n,
-                             int x_dtype, int out_f32) {
-    if (bias) sum += x_dtype == 0 ? ((const float*)bias)[n] : bf16_to_f32(((const bf16_t*)bias)[n]);
-    if (out_f32 || x_dtype == 0)
-        ((float*)y)[index] = sum;
-    else
-        ((bf16_t*)y)[index] = f32_to_bf16(sum);
 }
 
 // Any target: the weight row dequantized once, then every x row against it.
@@ -414,9 +383,9 @@ static void rows_wide(const bf16_t* x, const quantized_weight* w, const void* bi
 
 // Scratch floats a thread needs (a multiple of 16: each thread's part stays 64-byte aligned):
 // scales and mins of 32 rows, a packed block of 32 rows in bf16 (or a row in float32 and
-// QBLOCK rows in bf16), each 16 columns' group.
+// QBLOCK rows in bf16; AVX2: 16 rows in float32, then transposed), each 16 columns' group.
 static inline int64_t thread_scratch(int64_t K, int64_t group) {
-    return 64 * padded(K / group) + 16 * K + padded(K / 16);
+    return 64 * padded(K / group) + 32 * K + padded(K / 16);
 }
 
 static inline int layout_fits(const quantized_weight* w, int64_t K) {
@@ -462,7 +431,7 @@ static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, 
 // multiple of 32, QBLOCK rows at a time into the bf16 GEMV's block kernel. Float32 x: up to
 // QROWS rows in float32, more row by row (generic). Layers/quantized.py takes batches above
 // QUANTIZED_GEMV_MAX_ROWS to dequantize + oneDNN instead.
-enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PACKED };
+enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PACKED, PATH_AVX2 };
 
 static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
 #ifdef HAVE_AVX512_BF16
@@ -474,7 +443,10 @@ static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dt
 #ifdef __AVX512F__
     if (M <= QROWS) return PATH_F32;
 #endif
-    (void)w, (void)M, (void)x_dtype;
+#ifdef HAVE_AVX2_FMA
+    return PATH_AVX2;
+#endif
+    (void)w, (void)M, (void)K, (void)x_dtype;
     return PATH_GENERIC;
 }
 
@@ -485,27 +457,29 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
     const int64_t groups = K / w->group;
     const int path = choose_path(w, M, K, x_dtype);
-    // x as float32 (PATH_F32), or its per-group sums (PATH_NIBBLES, for the offsets).
-    const int64_t x_floats =
-        path == PATH_F32 ? M * K : path == PATH_NIBBLES && w->mins ? M * groups : 0;
+    // x as float32 (PATH_F32, PATH_AVX2), and its per-group sums (PATH_NIBBLES, PATH_AVX2 with
+    // 4 bits: for the offsets).
+    const int64_t x_rows = path == PATH_F32 || path == PATH_AVX2 ? M * K : 0;
+    const int64_t x_sums =
+        (path == PATH_NIBBLES || (path == PATH_AVX2 && w->bits == 4)) && w->mins ? M * groups : 0;
+    const int64_t x_floats = x_rows + x_sums;
     const int64_t per_thread = thread_scratch(K, w->group);
     float* buffer =
         kernel_alloc((size_t)(padded(x_floats) + nthreads * per_thread) * sizeof(float));
     if (!buffer) return MINISGL_ERR_NOMEM;
-    float* xf = buffer;
-    if (path == PATH_F32) {
-        for (int64_t m = 0; m < M; m++) load_row(x, m * K, x_dtype, xf + m * K, K);
-    } else if (x_floats) {
-        const bf16_t* xb = (const bf16_t*)x;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < groups; g++) {
-                float sum = 0.0f;
-                for (int64_t k = g * w->group; k < (g + 1) * w->group; k++)
-                    sum += bf16_to_f32(xb[m * K + k]);
-                xf[m * groups + g] = sum;
-            }
-    }
-    const int64_t row_block = path == PATH_PACKED ? 32 : QBLOCK;
+    float *xf = buffer, *xsums = buffer + x_rows;
+    for (int64_t m = 0; m < (x_rows ? M : 0); m++) load_row(x, m * K, x_dtype, xf + m * K, K);
+    for (int64_t m = 0; m < (x_sums ? M : 0); m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t k = m * K + g * w->group; k < m * K + (g + 1) * w->group; k++)
+                sum += x_dtype == 0 ? ((const float*)x)[k] : bf16_to_f32(((const bf16_t*)x)[k]);
+            xsums[m * groups + g] = sum;
+        }
+    int64_t row_block = path == PATH_PACKED ? 32 : QBLOCK;
+#ifdef HAVE_AVX2_FMA
+    if (path == PATH_AVX2 && M > AVX2_ROWS_MAX) row_block = AVX2_BLOCK;
+#endif
     const int64_t blocks = (N + row_block - 1) / row_block;
     // The scratch after x's floats starts 64-byte aligned too.
     const int64_t x_padded = padded(x_floats);
@@ -513,7 +487,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     {
         float* scratch = buffer + x_padded + omp_get_thread_num() * per_thread;
 #ifdef HAVE_AVX512_BF16
-        int32_t* chunk_group = (int32_t*)(scratch + 64 * padded(groups) + 16 * K);
+        int32_t* chunk_group = (int32_t*)(scratch + 64 * padded(groups) + 32 * K);
         if (path == PATH_PACKED || path == PATH_WIDE)
             for (int64_t c = 0; c < K / 16; c++) chunk_group[c] = (int32_t)(c * 16 / w->group);
 #endif
@@ -551,13 +525,19 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
                               chunk_group);
                     break;
                 case PATH_NIBBLES:
-                    rows_int4_bf16((const bf16_t*)x, xf, w, bias, y, M, N, K, n0, n1, out_f32,
-                                   scratch);
+                    rows_int4_bf16((const bf16_t*)x, xsums, w, bias, y, M, N, K, n0, n1,
+                                   out_f32, scratch);
                     break;
 #endif
 #ifdef __AVX512F__
                 case PATH_F32:
                     rows_f32(xf, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32, scratch);
+                    break;
+#endif
+#ifdef HAVE_AVX2_FMA
+                case PATH_AVX2:
+                    quantized_rows_avx2(xf, xsums, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32,
+                                        scratch);
                     break;
 #endif
                 default:

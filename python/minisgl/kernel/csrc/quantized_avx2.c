@@ -1,0 +1,288 @@
+#include "internal.h"
+
+// ------------------------------------------------------------- quantized-weight matmul, AVX2
+// The row layout (quantized.c describes it) with AVX2 and FMA: x as float32 rows, 8 lanes a
+// vector. quantized.c takes these where AVX-512 has no better form (choose_path).
+//
+// A few x rows (at most AVX2_ROWS_MAX): each weight row is streamed once, every x row against it
+// (QROWS at a time: a second group of rows finds the row in L1).
+// 8 bits: each 8 weights dequantized to float32 (q * scale + min, one rounding, as dequant_row)
+// and multiplied into the rows' accumulators. 4 bits: a 64-column block's 32 bytes give both of
+// its halves' integers (low nibbles: columns 0..31, high: 32..63), each half's products are
+// summed, then scaled by its group's scale; the offsets come from each x row's group sums.
+// More x rows: a block of 16 weight rows dequantized to float32 into the thread's scratch (L2),
+// transposed (16 rows' weights at each column side by side), then tiles of 6 x rows by the 16
+// weight rows: per column two weight loads and six broadcast x values feed twelve accumulators,
+// which hold finished outputs (no horizontal sums).
+
+#ifdef HAVE_AVX2_FMA
+#define TILE_X 6  // x rows a tile of the many-rows kernel takes
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// The 8 signed bytes at q as float32 lanes.
+static inline __m256 int8x8(const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
+
+// The 8 bytes at q as 32-bit lanes (a 4-bit block's bytes: both nibbles still in each).
+static inline __m256i bytes8(const uint8_t* q) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+}
+
+// sum_g a[g] * b[g] (the offsets' part of a 4-bit row's sums).
+static inline float dot_floats(const float* a, const float* b, int64_t count) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= count; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+    float sum = hsum8(acc);
+    for (; g < count; g++) sum += a[g] * b[g];
+    return sum;
+}
+
+MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int64_t K,
+                                       const float* scales, const float* mins, float* out) {
+    const int64_t group = w->group;
+    if (w->bits == 8) {
+        const int8_t* q = (const int8_t*)w->values + n * K;
+        for (int64_t g = 0, k = 0; g < K / group; g++) {
+            const __m256 scale = _mm256_set1_ps(scales[g]);
+            const __m256 offset = mins ? _mm256_set1_ps(mins[g]) : _mm256_setzero_ps();
+            for (const int64_t end = k + group; k < end; k += 8)
+                _mm256_storeu_ps(out + k, _mm256_fmadd_ps(int8x8(q + k), scale, offset));
+        }
+        return;
+    }
+    const uint8_t* q = (const uint8_t*)w->values + n * (K / 2);
+    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // as row_sums_int4 counts
+    for (int64_t b = 0; b < K / 64; b++) {
+        const int64_t g_hi = group == 32 ? g_lo + 1 : g_lo;
+        const __m256 s_lo = _mm256_set1_ps(scales[g_lo]), s_hi = _mm256_set1_ps(scales[g_hi]);
+        const __m256 m_lo = mins ? _mm256_set1_ps(mins[g_lo]) : _mm256_setzero_ps();
+        const __m256 m_hi = mins ? _mm256_set1_ps(mins[g_hi]) : _mm256_setzero_ps();
+        for (int j = 0; j < 32; j += 8) {
+            const __m256i both = bytes8(q + b * 32 + j);
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4));
+            _mm256_storeu_ps(out + b * 64 + j, _mm256_fmadd_ps(lo, s_lo, m_lo));
+            _mm256_storeu_ps(out + b * 64 + 32 + j, _mm256_fmadd_ps(hi, s_hi, m_hi));
+        }
+        if (group == 32) {
+            g_lo += 2;
+        } else if (--blocks_left == 0) {
+            g_lo++, blocks_left = group / 64;
+        }
+    }
+}
+
+// 8 bits, M x rows (a constant where inlined): sums[r] = x row r . weight row n. Four
+// accumulator chains a row for one or two rows (an FMA's latency would bound a single chain),
+// two for more (the registers).
+static inline __attribute__((always_inline)) void row_sums_int8(
+    const float* xf, const quantized_weight* w, int64_t n, int64_t K, const float* scales,
+    const float* mins, float* sums, const int M) {
+    enum { CHAINS = 4 };
+    const int chains = M <= 2 ? 4 : 2;
+    const int64_t group = w->group;
+    const int8_t* q = (const int8_t*)w->values + n * K;
+    __m256 acc[QROWS][CHAINS];
+    for (int r = 0; r < M; r++)
+        for (int c = 0; c < CHAINS; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0, k = 0; g < K / group; g++) {
+        const __m256 scale = _mm256_set1_ps(scales[g]);
+        const __m256 offset = mins ? _mm256_set1_ps(mins[g]) : _mm256_setzero_ps();
+        const int64_t end = k + group;
+        for (; k + 32 <= end; k += 32)
+            for (int v = 0; v < 4; v++) {
+                const __m256 wv = _mm256_fmadd_ps(int8x8(q + k + 8 * v), scale, offset);
+                for (int r = 0; r < M; r++)
+                    acc[r][v % chains] = _mm256_fmadd_ps(
+                        wv, _mm256_loadu_ps(xf + r * K + k + 8 * v), acc[r][v % chains]);
+            }
+        for (; k < end; k += 8) {  // a group of 16 (or a 16-column tail)
+            const __m256 wv = _mm256_fmadd_ps(int8x8(q + k), scale, offset);
+            for (int r = 0; r < M; r++)
+                acc[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + r * K + k), acc[r][0]);
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        __m256 total = acc[r][0];
+        for (int c = 1; c < chains; c++) total = _mm256_add_ps(total, acc[r][c]);
+        sums[r] = hsum8(total);
+    }
+}
+
+// 4 bits, M x rows (a constant where inlined): per 64-column block the two halves' products
+// summed (from zero: chains of four), then scaled into the row's accumulators by their groups'
+// scales; separate accumulators for the halves with one or two rows. xsums [M, groups]: the
+// x rows' group sums, for the offsets (where w has mins).
+static inline __attribute__((always_inline)) void row_sums_int4(
+    const float* xf, const float* xsums, const quantized_weight* w, int64_t n, int64_t K,
+    const float* scales, const float* mins, float* sums, const int M) {
+    const int64_t group = w->group, groups = K / group;
+    const int split = M <= 2 ? 1 : 0;  // the high halves' accumulator: 1, or the low one's
+    const uint8_t* q = (const uint8_t*)w->values + n * (K / 2);
+    __m256 acc[QROWS][2];
+    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    // each block's low half's group, counted (a division a block cost as much as its FMAs)
+    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;
+    for (int64_t b = 0; b < K / 64; b++) {
+        __m256 lo_sum[QROWS], hi_sum[QROWS];
+        for (int j = 0; j < 32; j += 8) {
+            const __m256i both = bytes8(q + b * 32 + j);
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4));
+            for (int r = 0; r < M; r++) {
+                const float* xm = xf + r * K + b * 64 + j;
+                const __m256 x_lo = _mm256_loadu_ps(xm), x_hi = _mm256_loadu_ps(xm + 32);
+                lo_sum[r] = j == 0 ? _mm256_mul_ps(lo, x_lo) : _mm256_fmadd_ps(lo, x_lo, lo_sum[r]);
+                hi_sum[r] = j == 0 ? _mm256_mul_ps(hi, x_hi) : _mm256_fmadd_ps(hi, x_hi, hi_sum[r]);
+            }
+        }
+        const __m256 s_lo = _mm256_set1_ps(scales[g_lo]);
+        const __m256 s_hi = _mm256_set1_ps(scales[group == 32 ? g_lo + 1 : g_lo]);
+        for (int r = 0; r < M; r++) {
+            acc[r][0] = _mm256_fmadd_ps(lo_sum[r], s_lo, acc[r][0]);
+            acc[r][split] = _mm256_fmadd_ps(hi_sum[r], s_hi, acc[r][split]);
+        }
+        if (group == 32) {
+            g_lo += 2;
+        } else if (--blocks_left == 0) {
+            g_lo++, blocks_left = group / 64;
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        sums[r] = hsum8(split ? _mm256_add_ps(acc[r][0], acc[r][1]) : acc[r][0]);
+        if (mins) sums[r] += dot_floats(mins, xsums + r * groups, groups);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_sums(const float* xf, const float* xsums,
+                                                           const quantized_weight* w, int64_t n,
+                                                           int64_t K, const float* scales,
+                                                           const float* mins, float* sums,
+                                                           const int M) {
+    if (w->bits == 8)
+        row_sums_int8(xf, w, n, K, scales, mins, sums, M);
+    else
+        row_sums_int4(xf, xsums, w, n, K, scales, mins, sums, M);
+}
+
+// 8 x 8 floats transposed in registers: row i of the result is column i of rows.
+static inline void transpose8(__m256 rows[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        rows[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        rows[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+
+// Weight rows n0..n0+15 (zeros past n1) dequantized into wt [K, AVX2_BLOCK]: column k's 16
+// weights side by side. rows: AVX2_BLOCK * K floats of scratch for the rows as they dequantize.
+static void dequant_block_transposed(const quantized_weight* w, int64_t n0, int64_t n1,
+                                     int64_t K, float* scales, float* mins, float* rows,
+                                     float* wt) {
+    const int64_t groups = K / w->group;
+    for (int64_t i = 0; i < AVX2_BLOCK; i++) {
+        if (n0 + i >= n1) {
+            memset(rows + i * K, 0, (size_t)K * sizeof(float));
+            continue;
+        }
+        group_floats(w, w->scales, n0 + i, groups, scales);
+        if (w->mins) group_floats(w, w->mins, n0 + i, groups, mins);
+        dequant_row_avx2(w, n0 + i, K, scales, w->mins ? mins : NULL, rows + i * K);
+    }
+    for (int64_t k = 0; k < K; k += 8)
+        for (int half = 0; half < AVX2_BLOCK; half += 8) {
+            __m256 block[8];
+            for (int i = 0; i < 8; i++) block[i] = _mm256_loadu_ps(rows + (half + i) * K + k);
+            transpose8(block);
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_ps(wt + (k + j) * AVX2_BLOCK + half, block[j]);
+        }
+}
+
+// A tile: sums[r][c] = x row r . weight row c of the transposed block wt [K, 16], for R x rows
+// (a constant where inlined).
+static inline __attribute__((always_inline)) void tile_sums(const float* xf, const float* wt,
+                                                            int64_t K, float sums[][AVX2_BLOCK],
+                                                            const int R) {
+    __m256 acc[TILE_X][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(wt + k * AVX2_BLOCK);
+        const __m256 w1 = _mm256_loadu_ps(wt + k * AVX2_BLOCK + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xf + r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(sums[r], acc[r][0]);
+        _mm256_storeu_ps(sums[r] + 8, acc[r][1]);
+    }
+}
+
+MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xsums,
+                                          const quantized_weight* w, const void* bias, void* y,
+                                          int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                                          int x_dtype, int out_f32, float* scratch) {
+    const int64_t groups = K / w->group;
+    float *scales = scratch, *mins = scales + padded(groups), *wrows = mins + padded(groups);
+    const float* row_mins = w->mins ? mins : NULL;
+    if (M <= AVX2_ROWS_MAX) {
+        for (int64_t n = n0; n < n1; n++) {
+            group_floats(w, w->scales, n, groups, scales);
+            if (w->mins) group_floats(w, w->mins, n, groups, mins);
+            for (int64_t m = 0; m < M; m += QROWS) {
+                const float* xm = xf + m * K;
+                const float* xsums_m = xsums + m * groups;
+                float sums[QROWS];
+                switch (M - m) {
+                    case 1: row_sums(xm, xsums_m, w, n, K, scales, row_mins, sums, 1); break;
+                    case 2: row_sums(xm, xsums_m, w, n, K, scales, row_mins, sums, 2); break;
+                    case 3: row_sums(xm, xsums_m, w, n, K, scales, row_mins, sums, 3); break;
+                    default: row_sums(xm, xsums_m, w, n, K, scales, row_mins, sums, 4);
+                }
+                for (int64_t r = m; r < M && r < m + QROWS; r++)
+                    store_out(y, r * N + n, sums[r - m], bias, n, x_dtype, out_f32);
+            }
+        }
+        return;
+    }
+    float* wt = wrows + AVX2_BLOCK * K;
+    dequant_block_transposed(w, n0, n1, K, scales, mins, wrows, wt);
+    for (int64_t m = 0; m < M; m += TILE_X) {
+        float sums[TILE_X][AVX2_BLOCK];
+        const int64_t rows = M - m < TILE_X ? M - m : TILE_X;
+        switch (rows) {
+            case 1: tile_sums(xf + m * K, wt, K, sums, 1); break;
+            case 2: tile_sums(xf + m * K, wt, K, sums, 2); break;
+            case 3: tile_sums(xf + m * K, wt, K, sums, 3); break;
+            case 4: tile_sums(xf + m * K, wt, K, sums, 4); break;
+            case 5: tile_sums(xf + m * K, wt, K, sums, 5); break;
+            default: tile_sums(xf + m * K, wt, K, sums, 6);
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < n1 - n0; c++)
+                store_out(y, (m + r) * N + n0 + c, sums[r][c], bias, n0 + c, x_dtype, out_f32);
+    }
+}
+#endif
