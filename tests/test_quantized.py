@@ -329,7 +329,8 @@ def test_default_model_served_from_its_gguf_agrees_with_hf() -> None:
 
 
 @pytest.mark.skipif(
-    KERNELS is None or not KERNELS.has_avx512_bf16, reason="the fused decode layer's bf16 dots"
+    KERNELS is None or not (KERNELS.has_avx512_bf16 or KERNELS.has_avx2),
+    reason="the fused decode layer's quantized matmuls",
 )
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_fused_decode_layers_take_quantized_weights(quantization, monkeypatch) -> None:

@@ -156,7 +156,10 @@ class FusedDecode:
         """The kernels when this model can run fused layers on activations like x."""
         config = model.config
         kernels = cpu_kernels() if x.device.type == "cpu" else None
-        if kernels is None or not kernels.has_avx512_bf16 or x.dtype != torch.bfloat16:
+        if kernels is None or x.dtype != torch.bfloat16:
+            return None
+        # Without bf16 dot products (AVX2) only quantized projections, in float32, have C forms.
+        if not kernels.has_avx512_bf16 and not kernels.has_avx2:
             return None
         # Every layer dense, every projection multiplied from its packed or quantized copy, its
         # only one.

@@ -60,6 +60,7 @@ static inline void group_floats(const quantized_weight* w, const void* src, int6
 #elif defined(HAVE_AVX2_FMA)
     for (; g + 8 <= groups; g += 8)
         _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(half + g))));
+    for (; g < groups; g++) dst[g] = _cvtsh_ss(half[g]);  // F16C too (half_to_f32 branches)
 #endif
     for (; g < groups; g++) dst[g] = half_to_f32(half[g]);
 }
@@ -76,15 +77,23 @@ static inline void store_out(void* y, int64_t index, float sum, const void* bias
 
 #ifdef HAVE_AVX2_FMA
 #define AVX2_ROWS_MAX 8  // x rows up to which quantized_avx2.c streams each weight row once
-#define AVX2_BLOCK 16    // weight rows a work item of its many-rows kernel takes
+#define AVX2_BLOCK 16    // weight rows a work item of its kernels takes
 // quantized_avx2.c: weight row n dequantized to float32 (as dequant_row) into out [K]; rows
 // n0..n1 (one work item) against M float32 x rows (xsums: their group sums where w has mins).
 MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int64_t K,
                                        const float* scales, const float* mins, float* out);
-MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xsums,
-                                          const quantized_weight* w, const void* bias, void* y,
-                                          int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1,
-                                          int x_dtype, int out_f32, float* scratch);
+// xscale: x given as int16 (xf holds avx2_x_int16's x16, xscale its scales), else NULL.
+MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xscale,
+                                          const float* xsums, const quantized_weight* w,
+                                          const void* bias, void* y, int64_t M, int64_t N,
+                                          int64_t K, int64_t n0, int64_t n1, int x_dtype,
+                                          int out_f32, float* scratch);
+// Whether M rows of x take the int16 form: bf16, up to AVX2_ROWS_MAX rows, K a multiple of 32.
+MINISGL_INTERNAL int avx2_int16_rows(int64_t M, int64_t K, int x_dtype);
+// bf16 x rows as int16 per 32 columns (scale max|x| / 32767, nearest) into x16 [M, K], the
+// scales into xscale [M, K / 32].
+MINISGL_INTERNAL void avx2_x_int16(const bf16_t* x, int64_t M, int64_t K, int16_t* x16,
+                                   float* xscale);
 #endif
 
 #ifdef HAVE_AVX512_BF16

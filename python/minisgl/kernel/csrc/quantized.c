@@ -459,16 +459,28 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     const int path = choose_path(w, M, K, x_dtype);
     // x as float32 (PATH_F32, PATH_AVX2), and its per-group sums (PATH_NIBBLES, PATH_AVX2 with
     // 4 bits: for the offsets).
+    // AVX2 with bf16 x and a few rows: x as int16 per 32 columns and their scales.
+    int int16_x = 0;
+#ifdef HAVE_AVX2_FMA
+    int16_x = path == PATH_AVX2 && avx2_int16_rows(M, K, x_dtype);
+#endif
     const int64_t x_rows = path == PATH_F32 || path == PATH_AVX2 ? M * K : 0;
+    const int64_t x_scales = int16_x ? M * (K / 32) : 0;
     const int64_t x_sums =
-        (path == PATH_NIBBLES || (path == PATH_AVX2 && w->bits == 4)) && w->mins ? M * groups : 0;
-    const int64_t x_floats = x_rows + x_sums;
+        (path == PATH_NIBBLES || (path == PATH_AVX2 && w->bits == 4) || int16_x) && w->mins
+            ? M * groups
+            : 0;
+    const int64_t x_floats = x_rows + x_scales + x_sums;
     const int64_t per_thread = thread_scratch(K, w->group);
     float* buffer =
         kernel_alloc((size_t)(padded(x_floats) + nthreads * per_thread) * sizeof(float));
     if (!buffer) return MINISGL_ERR_NOMEM;
-    float *xf = buffer, *xsums = buffer + x_rows;
-    for (int64_t m = 0; m < (x_rows ? M : 0); m++) load_row(x, m * K, x_dtype, xf + m * K, K);
+    float *xf = buffer, *xscale = buffer + x_rows, *xsums = xscale + x_scales;
+#ifdef HAVE_AVX2_FMA
+    if (int16_x) avx2_x_int16((const bf16_t*)x, M, K, (int16_t*)xf, xscale);
+#endif
+    for (int64_t m = 0; m < (x_rows && !int16_x ? M : 0); m++)
+        load_row(x, m * K, x_dtype, xf + m * K, K);
     for (int64_t m = 0; m < (x_sums ? M : 0); m++)
         for (int64_t g = 0; g < groups; g++) {
             float sum = 0.0f;
@@ -478,7 +490,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
         }
     int64_t row_block = path == PATH_PACKED ? 32 : QBLOCK;
 #ifdef HAVE_AVX2_FMA
-    if (path == PATH_AVX2 && M > AVX2_ROWS_MAX) row_block = AVX2_BLOCK;
+    if (path == PATH_AVX2) row_block = AVX2_BLOCK;
 #endif
     const int64_t blocks = (N + row_block - 1) / row_block;
     // The scratch after x's floats starts 64-byte aligned too.
@@ -536,8 +548,8 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
 #endif
 #ifdef HAVE_AVX2_FMA
                 case PATH_AVX2:
-                    quantized_rows_avx2(xf, xsums, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32,
-                                        scratch);
+                    quantized_rows_avx2(xf, int16_x ? xscale : NULL, xsums, w, bias, y, M, N, K,
+                                        n0, n1, x_dtype, out_f32, scratch);
                     break;
 #endif
                 default:
