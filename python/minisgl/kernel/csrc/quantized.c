@@ -428,9 +428,11 @@ static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, 
 // integers; 8 bits: dequantized to float32, x converted); up to WIDE_MAX_ROWS rows against each
 // 32 weights dequantized to bf16 in registers (rows_wide); more against blocks of 32 weight rows
 // dequantized into the packed tile layout (the packed matmul's kernel), or, where K is not a
-// multiple of 32, QBLOCK rows at a time into the bf16 GEMV's block kernel. Float32 x: up to
-// QROWS rows in float32, more row by row (generic). Layers/quantized.py takes batches above
-// QUANTIZED_GEMV_MAX_ROWS to dequantize + oneDNN instead.
+// multiple of 32, QBLOCK rows at a time into the bf16 GEMV's block kernel. Float32 x (or bf16
+// without bf16 dots): up to QROWS rows in float32 with AVX-512; otherwise, with AVX2, the
+// kernels of quantized_avx2.c (every row count: layers/quantized.py sends it prefills too where
+// the CPU has no bf16 dots); else row by row (generic). Layers/quantized.py takes batches above
+// QUANTIZED_GEMV_MAX_ROWS to dequantize + oneDNN instead where the CPU has bf16 dots.
 enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PACKED, PATH_AVX2 };
 
 static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
@@ -457,9 +459,9 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
     const int64_t groups = K / w->group;
     const int path = choose_path(w, M, K, x_dtype);
-    // x as float32 (PATH_F32, PATH_AVX2), and its per-group sums (PATH_NIBBLES, PATH_AVX2 with
-    // 4 bits: for the offsets).
-    // AVX2 with bf16 x and a few rows: x as int16 per 32 columns and their scales.
+    // x as float32 (PATH_F32, PATH_AVX2) or, on AVX2 with bf16 x and a few rows, as int16 per
+    // 32 columns with their scales; and its per-group sums where the kernel takes the offsets
+    // from them (PATH_NIBBLES, PATH_AVX2's 4 bits and int16 forms).
     int int16_x = 0;
 #ifdef HAVE_AVX2_FMA
     int16_x = path == PATH_AVX2 && avx2_int16_rows(M, K, x_dtype);
