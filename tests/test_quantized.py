@@ -266,6 +266,19 @@ def test_gated_projection_fuses_silu_on_amx() -> None:
 
 
 @pytest.mark.skipif(KERNELS is None, reason="the C kernels' lookups")
+@pytest.mark.parametrize("rows", [1, 6, 20])
+def test_groups_across_32_column_blocks(rows) -> None:
+    """8-bit groups of 48 straddle the 32-column blocks some kernels scale by (AVX2's int16
+    form): they take another path and still equal dequantize-then-matmul."""
+    gen = torch.Generator().manual_seed(7)
+    qweight = quantize_int8(torch.randn(40, 96, generator=gen), 48)
+    projection = QuantizedProjection(qweight, KERNELS)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    got = projection(x, torch.empty(0), None).float()
+    want = x.float() @ qweight.dequantize().T
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * want.abs().max().item())
+
+
 def test_quantized_rows_are_the_dequantized_rows() -> None:
     gen = torch.Generator().manual_seed(4)
     ids = torch.tensor([0, 17, 5, 51, 17])

@@ -88,8 +88,10 @@ MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xscale,
                                           const void* bias, void* y, int64_t M, int64_t N,
                                           int64_t K, int64_t n0, int64_t n1, int x_dtype,
                                           int out_f32, float* scratch);
-// Whether M rows of x take the int16 form: bf16, up to AVX2_ROWS_MAX rows, K a multiple of 32.
-MINISGL_INTERNAL int avx2_int16_rows(int64_t M, int64_t K, int x_dtype);
+// Whether M rows of x take the int16 form against w: bf16, up to AVX2_ROWS_MAX rows, K a
+// multiple of 32, each 32 columns within one group (or two groups of 16).
+MINISGL_INTERNAL int avx2_int16_rows(const quantized_weight* w, int64_t M, int64_t K,
+                                     int x_dtype);
 // bf16 x rows as int16 per 32 columns (scale max|x| / 32767, nearest) into x16 [M, K], the
 // scales into xscale [M, K / 32].
 MINISGL_INTERNAL void avx2_x_int16(const bf16_t* x, int64_t M, int64_t K, int16_t* x16,

@@ -464,7 +464,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     // from them (PATH_NIBBLES, PATH_AVX2's 4 bits and int16 forms).
     int int16_x = 0;
 #ifdef HAVE_AVX2_FMA
-    int16_x = path == PATH_AVX2 && avx2_int16_rows(M, K, x_dtype);
+    int16_x = path == PATH_AVX2 && avx2_int16_rows(w, M, K, x_dtype);
 #endif
     const int64_t x_rows = path == PATH_F32 || path == PATH_AVX2 ? M * K : 0;
     const int64_t x_scales = int16_x ? M * (K / 32) : 0;

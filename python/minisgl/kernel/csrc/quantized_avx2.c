@@ -180,8 +180,10 @@ static inline __attribute__((always_inline)) void row_sums(const float* xf, cons
         row_sums_int4(xf, xsums, w, n, K, scales, mins, sums, M);
 }
 
-MINISGL_INTERNAL int avx2_int16_rows(int64_t M, int64_t K, int x_dtype) {
-    return x_dtype == 1 && M <= AVX2_ROWS_MAX && K % 32 == 0;
+MINISGL_INTERNAL int avx2_int16_rows(const quantized_weight* w, int64_t M, int64_t K,
+                                     int x_dtype) {
+    const int blocks_fit = w->group % 32 == 0 || (w->bits == 8 && w->group == 16);
+    return x_dtype == 1 && M <= AVX2_ROWS_MAX && K % 32 == 0 && blocks_fit;
 }
 
 MINISGL_INTERNAL void avx2_x_int16(const bf16_t* x, int64_t M, int64_t K, int16_t* x16,
