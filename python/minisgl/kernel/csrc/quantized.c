@@ -468,10 +468,13 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
 #endif
     const int64_t x_rows = path == PATH_F32 || path == PATH_AVX2 ? M * K : 0;
     const int64_t x_scales = int16_x ? M * (K / 32) : 0;
+    // (the many-rows AVX2 tile dequantizes with the mins: a prefill's x needs no sums)
+    int few_rows_4bit = 0;
+#ifdef HAVE_AVX2_FMA
+    few_rows_4bit = path == PATH_AVX2 && w->bits == 4 && M <= AVX2_ROWS_MAX;
+#endif
     const int64_t x_sums =
-        (path == PATH_NIBBLES || (path == PATH_AVX2 && w->bits == 4) || int16_x) && w->mins
-            ? M * groups
-            : 0;
+        (path == PATH_NIBBLES || few_rows_4bit || int16_x) && w->mins ? M * groups : 0;
     const int64_t x_floats = x_rows + x_scales + x_sums;
     const int64_t per_thread = thread_scratch(K, w->group);
     float* buffer =

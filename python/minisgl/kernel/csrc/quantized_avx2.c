@@ -52,6 +52,17 @@ static inline float dot_floats(const float* a, const float* b, int64_t count) {
     return sum;
 }
 
+// A 4-bit row's 64-column blocks in order: the group of the next block's low half (its high
+// half's: g_lo + (group == 32)), counted from this one's (a division a block cost as much as the
+// block's FMAs): groups of 32 are a block's two, larger groups whole blocks, blocks_left of them.
+static inline void next_block_group(int64_t group, int64_t* g_lo, int64_t* blocks_left) {
+    if (group == 32) {
+        *g_lo += 2;
+    } else if (--*blocks_left == 0) {
+        *g_lo += 1, *blocks_left = group / 64;
+    }
+}
+
 MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int64_t K,
                                        const float* scales, const float* mins, float* out) {
     const int64_t group = w->group;
@@ -66,9 +77,9 @@ MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int
         return;
     }
     const uint8_t* q = (const uint8_t*)w->values + n * (K / 2);
-    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // as row_sums_int4 counts
+    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // next_block_group's
     for (int64_t b = 0; b < K / 64; b++) {
-        const int64_t g_hi = group == 32 ? g_lo + 1 : g_lo;
+        const int64_t g_hi = g_lo + (group == 32);
         const __m256 s_lo = _mm256_set1_ps(scales[g_lo]), s_hi = _mm256_set1_ps(scales[g_hi]);
         const __m256 m_lo = mins ? _mm256_set1_ps(mins[g_lo]) : _mm256_setzero_ps();
         const __m256 m_hi = mins ? _mm256_set1_ps(mins[g_hi]) : _mm256_setzero_ps();
@@ -79,11 +90,7 @@ MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int
             _mm256_storeu_ps(out + b * 64 + j, _mm256_fmadd_ps(lo, s_lo, m_lo));
             _mm256_storeu_ps(out + b * 64 + 32 + j, _mm256_fmadd_ps(hi, s_hi, m_hi));
         }
-        if (group == 32) {
-            g_lo += 2;
-        } else if (--blocks_left == 0) {
-            g_lo++, blocks_left = group / 64;
-        }
+        next_block_group(group, &g_lo, &blocks_left);
     }
 }
 
@@ -136,8 +143,7 @@ static inline __attribute__((always_inline)) void row_sums_int4(
     const uint8_t* q = (const uint8_t*)w->values + n * (K / 2);
     __m256 acc[QROWS][2];
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    // each block's low half's group, counted (a division a block cost as much as its FMAs)
-    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;
+    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // next_block_group's
     for (int64_t b = 0; b < K / 64; b++) {
         __m256 lo_sum[QROWS], hi_sum[QROWS];
         for (int j = 0; j < 32; j += 8) {
@@ -152,16 +158,12 @@ static inline __attribute__((always_inline)) void row_sums_int4(
             }
         }
         const __m256 s_lo = _mm256_set1_ps(scales[g_lo]);
-        const __m256 s_hi = _mm256_set1_ps(scales[group == 32 ? g_lo + 1 : g_lo]);
+        const __m256 s_hi = _mm256_set1_ps(scales[g_lo + (group == 32)]);
         for (int r = 0; r < M; r++) {
             acc[r][0] = _mm256_fmadd_ps(lo_sum[r], s_lo, acc[r][0]);
             acc[r][split] = _mm256_fmadd_ps(hi_sum[r], s_hi, acc[r][split]);
         }
-        if (group == 32) {
-            g_lo += 2;
-        } else if (--blocks_left == 0) {
-            g_lo++, blocks_left = group / 64;
-        }
+        next_block_group(group, &g_lo, &blocks_left);
     }
     for (int r = 0; r < M; r++) {
         sums[r] = hsum8(split ? _mm256_add_ps(acc[r][0], acc[r][1]) : acc[r][0]);
@@ -264,7 +266,7 @@ static inline __attribute__((always_inline)) void row_sums_int4_i16(
     const __m256i low4 = _mm256_set1_epi16(15);
     __m256 acc[QROWS][2];
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // as row_sums_int4 counts
+    int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // next_block_group's
     for (int64_t b = 0; b < K / 64; b++) {
         _mm_prefetch((const char*)(q + PREFETCH_ROWS * (K / 2) + b * 32), _MM_HINT_T0);
         const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + b * 32)));
@@ -272,7 +274,7 @@ static inline __attribute__((always_inline)) void row_sums_int4_i16(
             _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + b * 32 + 16)));
         const __m256i lo0 = _mm256_and_si256(v0, low4), lo1 = _mm256_and_si256(v1, low4);
         const __m256i hi0 = _mm256_srli_epi16(v0, 4), hi1 = _mm256_srli_epi16(v1, 4);
-        const float s_lo = scales[g_lo], s_hi = scales[group == 32 ? g_lo + 1 : g_lo];
+        const float s_lo = scales[g_lo], s_hi = scales[g_lo + (group == 32)];
         for (int r = 0; r < M; r++) {
             const __m256i* xr = (const __m256i*)(x16 + r * K + b * 64);
             const __m256i p_lo =
@@ -287,11 +289,7 @@ static inline __attribute__((always_inline)) void row_sums_int4_i16(
             acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_set1_ps(s_hi * xs[1]),
                                         acc[r][1]);
         }
-        if (group == 32) {
-            g_lo += 2;
-        } else if (--blocks_left == 0) {
-            g_lo++, blocks_left = group / 64;
-        }
+        next_block_group(group, &g_lo, &blocks_left);
     }
     for (int r = 0; r < M; r++) {
         sums[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
