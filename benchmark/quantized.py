@@ -28,6 +28,7 @@ from offline_runs import medians, timed_runs  # noqa: E402
 from runners.minisgl import MinisglRunner  # noqa: E402
 from workloads import OFFLINE_PRESETS, Shape, TokenSource, decode_shapes  # noqa: E402
 
+from minisgl.layers.moe import SparseMoE  # noqa: E402
 from minisgl.layers.quantized import QuantizedProjection  # noqa: E402
 from minisgl.utils.hf import default_gguf_path  # noqa: E402
 
@@ -38,6 +39,8 @@ def weight_bytes(runner: MinisglRunner) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     seen: set[int] = set()
     for module in model.modules():
+        if isinstance(module, SparseMoE):  # quantized experts (dense ones are parameters)
+            total += sum(stack.nbytes for stack in module.quantized.values())
         projection = getattr(module, "cpu_projection", None)
         if projection is None or id(projection) in seen:
             continue

@@ -21,7 +21,8 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from minisgl.layers.moe import SparseMoE, route
+from minisgl.kernel.cpu import cpu_kernels
+from minisgl.layers.moe import ExpertStack, SparseMoE, route
 from minisgl.models import create_model, load_model_config
 from minisgl.models.config import ModelConfig
 from minisgl.moe import grouped_experts
@@ -60,7 +61,7 @@ def test_grouped_experts_equal_a_per_token_reference(
     w_down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     weights, ids = route(torch.randn(tokens, experts, generator=gen), top_k, normalize=True)
     args = [t.to(dtype) for t in (x, w_gate_up, w_down)] + [ids, weights.to(dtype)]
-    got = grouped_experts(*args)
+    got = grouped_experts(args[0], ExpertStack(args[1]), ExpertStack(args[2]), *args[3:])
     want = naive_experts(*[a.double() if a.is_floating_point() else a for a in args])
     assert got.dtype == dtype and got.shape == (tokens, hidden)
     atol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
@@ -185,17 +186,74 @@ def test_bf16_runs_module_by_module(monkeypatch) -> None:
     llm.shutdown()
 
 
-def test_load_quantization_keeps_the_router_dense() -> None:
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
+    quantization: str,
+) -> None:
+    """Every expert's projections quantized in place of the stacked weights, each equal to its
+    dense weight quantized alone; the layer's output equals the experts' dequantized weights'
+    within the activations' rounding."""
     from minisgl.layers.linear import CpuProjection
-    from minisgl.layers.quantized import QuantizedProjection
+    from minisgl.layers.quantized import QuantizedProjection, quantize
 
     path = tiny_model("qwen3-moe")
     config = load_model_config(path)
-    model = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64, "int8")
-    layer = model.model.layers[0]
-    assert isinstance(layer.mlp, SparseMoE)
+    dense = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64)
+    model = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64, quantization)
+    layer, dense_layer = model.model.layers[0], dense.model.layers[0]
+    assert isinstance(layer.mlp, SparseMoE) and isinstance(dense_layer.mlp, SparseMoE)
     assert isinstance(layer.mlp.gate.cpu_projection, CpuProjection)
     assert isinstance(layer.self_attn.qkv_proj.cpu_projection, QuantizedProjection)
+    assert layer.mlp.w_gate_up.numel() == layer.mlp.w_down.numel() == 0
+    gate_up, down = layer.mlp.stacks()
+    dense_gate_up, dense_down = dense_layer.mlp.stacks()
+    assert gate_up.quantized is not None and down.quantized is not None
+    # int8: a byte a weight and a float32 scale a row; int4 where in_features is a multiple of
+    # 64 (gate_up's 64 here; down's 32 keeps its 4-bit values in bytes): half a byte and a
+    # float16 scale and offset per 32 columns. Rows this short make the scales weigh more.
+    assert gate_up.quantized[0].weight.bits == (4 if quantization == "int4" else 8)
+    for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
+        nibbles = stack.quantized[0].weight.bits == 4
+        assert stack.nbytes < (0.33 if nibbles else 0.6) * dense_stack.nbytes
+    method = "int4-g32" if quantization == "int4" else quantization
+    for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
+        for expert in (0, config.num_experts - 1):
+            want = quantize(dense_stack.dense[expert], method)
+            got = stack.quantized[expert].weight
+            assert want is not None and torch.equal(got.dequantize(), want.dequantize())
+    # The layer against the same experts dequantized, in float32.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, config.hidden_size, generator=gen).bfloat16()
+    weights, ids = route(layer.mlp.gate(x), config.num_experts_per_tok, config.norm_topk_prob)
+    w_gate_up = torch.stack([p.weight.dequantize() for p in gate_up.quantized])
+    w_down = torch.stack([p.weight.dequantize() for p in down.quantized])
+    want = naive_experts(x.float(), w_gate_up, w_down, ids, weights.float())
+    got = layer.mlp(x).float()
+    # bf16 activations and intermediate products: 0.4-0.7% of the largest output here.
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
+
+
+def test_a_checkpoints_quantized_experts_are_split_per_expert() -> None:
+    """A quantized checkpoint hands each stack over as every expert's rows stacked: expert e
+    gets its own rows, and a stack that arrives dense stays dense (no quantization asked)."""
+    from minisgl.layers.quant_weight import concat_rows, quantize_int4
+
+    gen = torch.Generator().manual_seed(11)
+    experts, hidden, inter = 4, 64, 32
+    moe = SparseMoE(hidden, inter, experts, 2, True, grouped_experts)
+    parts = [
+        quantize_int4(torch.randn(2 * inter, hidden, generator=gen), 32) for _ in range(experts)
+    ]
+    moe.prepare_for_cpu("w_gate_up", concat_rows(parts), cpu_kernels())
+    dense_down = torch.randn(experts, hidden, inter, generator=gen)
+    moe.prepare_for_cpu("w_down", dense_down, cpu_kernels())
+    gate_up, down = moe.stacks()
+    assert gate_up.quantized is not None and down.quantized is None
+    for expert, part in enumerate(parts):
+        assert torch.equal(gate_up.quantized[expert].weight.dequantize(), part.dequantize())
+    assert torch.equal(moe.w_down, dense_down) and moe.w_gate_up.numel() == 0
+    with pytest.raises(ValueError, match="w_up"):
+        moe.prepare_for_cpu("w_up", dense_down, cpu_kernels())
 
 
 def _saved_copy(tmp_path: Path, edit) -> Path:

@@ -306,21 +306,26 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     return sum(x == y for x, y in pairs) / len(pairs), len(pairs)
 
 
-def test_quantized_at_load_agrees_with_the_dense_model() -> None:
+@pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
+def test_quantized_at_load_agrees_with_the_dense_model(model: str) -> None:
+    """Top-1 prefill agreement with the same model dense (a MoE model's experts quantized
+    too); greedy decode runs and the page accounting holds."""
     torch.set_num_threads(2)
     top1 = {}
     for quantization in (None, "int8", "int4-g32"):
-        llm = build_llm("qwen3", quantization=quantization)  # float32: quantization alone differs
+        llm = build_llm(model, quantization=quantization)  # float32: quantization alone differs
         top1[quantization] = _prompt_top1(llm)
         assert llm.generate(PROMPTS[:2], greedy(8))[0]["token_ids"]
         assert_all_pages_free(llm)
         llm.shutdown()
     int8, positions = _agreement(top1[None], top1["int8"])
     int4, _ = _agreement(top1[None], top1["int4-g32"])
-    # A random-weight model's flat distributions make near ties common (here 0.952 and 0.735;
-    # a broken kernel scores near 0): the bounds leave room for another CPU's rounding. The
-    # default model's figures are benchmark/quantized_quality.py's.
-    assert positions > 100 and int8 >= 0.9 and int4 >= 0.65, (int8, int4)
+    # A random-weight model's flat distributions make near ties common (Zen 2: qwen3 0.952 and
+    # 0.735, qwen3-moe 0.946 and 0.602, where a changed input also changes the router's choice
+    # of experts; a broken kernel scores near 0): the bounds leave room for another CPU's
+    # rounding. The default model's figures are benchmark/quantized_quality.py's.
+    int4_bound = 0.5 if model == "qwen3-moe" else 0.65
+    assert positions > 100 and int8 >= 0.9 and int4 >= int4_bound, (int8, int4)
 
 
 def test_default_model_served_from_its_gguf_agrees_with_hf() -> None:

@@ -7,15 +7,61 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import TensorParallel
+from minisgl.kernel.cpu import CpuKernels
 
+from .activation import silu_and_mul
 from .linear import Linear
+from .quant_weight import QuantizedWeight
+from .quantized import QuantizedProjection, quantize
 
-# (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], expert ids [T, K], weights [T, K]) -> [T, H]
+# The two projections of every expert of a layer, by name: gate and up [E, 2I, H], down [E, H, I].
+EXPERT_STACKS = ("w_gate_up", "w_down")
+
+
+class ExpertStack:
+    """One projection of every expert of a layer: the stacked dense weight [E, N, K], or a
+    QuantizedProjection per expert (its only copy of the weights)."""
+
+    def __init__(
+        self, dense: torch.Tensor | None, quantized: list[QuantizedProjection] | None = None
+    ) -> None:
+        self.dense, self.quantized = dense, quantized
+
+    def __call__(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] @ expert's weight^T: [T, N]."""
+        if self.quantized is not None:
+            return self.quantized[expert](rows, _NOT_READ, None)
+        assert self.dense is not None
+        return F.linear(rows, self.dense[expert])
+
+    def silu_and_mul(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate_up stack's expert: [T, N / 2], SiLU in the matmul where the
+        quantized projection fuses it."""
+        if self.quantized is not None:
+            fused = self.quantized[expert].silu_and_mul(rows)
+            if fused is not None:
+                return fused
+        return silu_and_mul(self(expert, rows))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights it holds (quantized ones as stored)."""
+        if self.quantized is not None:
+            return sum(p.weight.nbytes for p in self.quantized)
+        assert self.dense is not None
+        return self.dense.numel() * self.dense.element_size()
+
+
+# A quantized projection's weight argument, which it does not read.
+_NOT_READ = torch.empty(0)
+
+# (x [T, H], gate_up, down, expert ids [T, K], weights [T, K]) -> [T, H]
 ExpertsBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+    [torch.Tensor, ExpertStack, ExpertStack, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
 
@@ -31,7 +77,9 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 class SparseMoE(nn.Module):
     """The router `gate` [E, H] and every expert's gate/up [E, 2I, H] and down [E, H, I] weights
-    stacked per layer (the loader fills them from the checkpoint's per-expert projections)."""
+    stacked per layer (the loader fills them from the checkpoint's per-expert projections), or,
+    quantized (at load by `quantization`, or as a quantized checkpoint holds them), a quantized
+    projection per expert in their place (`prepare_for_cpu`)."""
 
     def __init__(
         self,
@@ -45,6 +93,7 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob, self.backend = top_k, norm_topk_prob, backend
+        self.num_experts = num_experts
         # Tensor parallelism: each expert holds this rank's intermediate rows (its router all
         # of them, so every rank routes alike); the partial outputs are summed once.
         self.reduce = reduce if reduce is not None and reduce.sharded else None
@@ -53,8 +102,42 @@ class SparseMoE(nn.Module):
         shape_down = (num_experts, hidden_size, intermediate_size)
         self.w_gate_up = nn.Parameter(torch.empty(shape_gate_up), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(shape_down), requires_grad=False)
+        # Set before loading: quantize the experts by this method (quantized.LOAD_QUANTIZATIONS).
+        self.quantization: str | None = None
+        self.quantized: dict[str, ExpertStack] = {}  # EXPERT_STACKS name -> its quantized stack
+
+    def prepare_for_cpu(
+        self, stack: str, weight: torch.Tensor | QuantizedWeight, kernels: CpuKernels | None
+    ) -> None:
+        """Take the loader's hand-over of an expert stack (EXPERT_STACKS): a checkpoint's
+        quantized rows (every expert's, stacked), or the dense [E, N, K] (a temporary), which is
+        quantized per expert by `quantization`, or kept dense where no group fits it."""
+        if stack not in EXPERT_STACKS:
+            raise ValueError(f"SparseMoE: no expert stack {stack!r} (one of {EXPERT_STACKS})")
+        if isinstance(weight, QuantizedWeight):
+            rows = weight.out_features // self.num_experts
+            experts = [
+                weight.rows(torch.arange(e * rows, (e + 1) * rows)) for e in range(self.num_experts)
+            ]
+        else:
+            method = self.quantization
+            quantized = [quantize(w, method) for w in weight] if method is not None else []
+            if not quantized or any(q is None for q in quantized):
+                setattr(self, stack, nn.Parameter(weight.clone(), requires_grad=False))
+                return
+            experts = [q for q in quantized if q is not None]
+        gated = stack == "w_gate_up"
+        projections = [QuantizedProjection(q, kernels, gated=gated) for q in experts]
+        self.quantized[stack] = ExpertStack(None, projections)
+        setattr(self, stack, nn.Parameter(torch.empty(0), requires_grad=False))
+
+    def stacks(self) -> tuple[ExpertStack, ExpertStack]:
+        """(gate_up, down) as the backend multiplies them."""
+        gate_up = self.quantized.get("w_gate_up") or ExpertStack(self.w_gate_up)
+        down = self.quantized.get("w_down") or ExpertStack(self.w_down)
+        return gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = self.backend(x, self.w_gate_up, self.w_down, ids, weights)
+        out = self.backend(x, *self.stacks(), ids, weights)
         return out if self.reduce is None else self.reduce.all_reduce(out)

@@ -12,6 +12,7 @@ from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers import Linear, LMHead, SparseMoE, VocabEmbedding
 from minisgl.layers.linear import keeps_weight, tile_copy_elems
+from minisgl.layers.moe import EXPERT_STACKS
 from minisgl.layers.quant_weight import QuantizedWeight
 from minisgl.layers.quantized import LOAD_QUANTIZATIONS
 from minisgl.utils.memory import (
@@ -68,7 +69,7 @@ def create_model(
             # Routers stay dense: a few bytes, and their rounding would change which experts run.
             routers = {m.gate for m in model.modules() if isinstance(m, SparseMoE)}
             for module in model.modules():
-                if isinstance(module, (Linear, LMHead)) and module not in routers:
+                if isinstance(module, (Linear, LMHead, SparseMoE)) and module not in routers:
                     module.quantization = quantization
         with freed_memory_returned():
             placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized)
@@ -104,13 +105,18 @@ class _CpuPlacement:
         params = dict(model.named_parameters())
         # Parameter name -> the module whose packed or quantized copy replaces it, and that
         # copy's elements in the tile layout (None: oneDNN's copy, or quantized).
-        self.packed: dict[str, tuple[Linear | LMHead | VocabEmbedding, int | None]] = {}
+        self.packed: dict[str, tuple[Linear | LMHead | VocabEmbedding | SparseMoE, int | None]]
+        self.packed = {}
         head, embed = model.lm_head, model.model.embed_tokens
         for name, module in model.named_modules():
             if isinstance(module, Linear) and (
                 module.quantization is not None or f"{name}.weight" in prequantized
             ):
                 self.packed[f"{name}.weight"] = (module, None)  # quantized as handed over
+            if isinstance(module, SparseMoE):  # its experts, quantized per expert
+                for stack in EXPERT_STACKS:
+                    if module.quantization is not None or f"{name}.{stack}" in prequantized:
+                        self.packed[f"{name}.{stack}"] = (module, None)
         head_quantized = head.quantization is not None or "lm_head.weight" in prequantized
         embed_quantized = "model.embed_tokens.weight" in prequantized
         if head.tied is not None and (head_quantized or embed_quantized):
@@ -150,6 +156,9 @@ class _CpuPlacement:
     def take_packed(self, name: str, weight: torch.Tensor | QuantizedWeight) -> None:
         """The loader's hand-over of a weight that a packed copy replaces."""
         module, _ = self.packed[name]
+        if isinstance(module, SparseMoE):
+            module.prepare_for_cpu(name.rpartition(".")[2], weight, self.kernels)
+            return
         if isinstance(module, Linear):
             module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight)
         else:  # rows of a quantized embedding come out in the model's dtype
