@@ -109,19 +109,21 @@ __attribute__((noinline)) void add_rms_norm_row(const void* x, const void* resid
     }
 }
 
+// One row runs on the calling thread: a parallel region's start and join cost more than it.
 void minisgl_add_rms_norm(const void* x, const void* residual, const void* weight, void* out,
                           void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
                           int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_row(x, residual, weight, out, residual_out, r, hidden, eps, dtype);
 }
 
-// out[r, i] = round(silu(gate[r, i])) * up[r, i], gate_up = [gate | up] per row.
+// out[r, i] = round(silu(gate[r, i])) * up[r, i], gate_up = [gate | up] per row (one row on the
+// calling thread, as add_rms_norm).
 #define SILU_CHUNK 256
 void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t inter,
                           int dtype, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         int64_t i = 0;
 #ifdef __AVX512F__

@@ -5,9 +5,10 @@
 // indices[r] = the first column of row r of x [rows, cols] (dtype code: float32 or bf16)
 // holding its largest value, or its first NaN (as torch.max(dim=-1) picks): greedy sampling
 // straight from the logits, bf16 ones widened exactly to float32 as they are read.
+// One row runs on the calling thread: a parallel region's start and join cost more than it.
 void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols, int dtype,
                     int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * cols;
         int64_t c = 0, best = 0;
