@@ -1,5 +1,6 @@
 """Weight formats side by side, one invocation: minisgl decode at batch 1/8/64 and W1 per format
-(bf16, int8 and int4 quantized at load, and for a GGUF model its own quantized tensors), the
+(bf16, int8 and int4 quantized at load, for a GGUF model its own quantized tensors, and with
+gguf-q8_0 the model converted to a Q8_0 GGUF by llama.cpp's converter), the
 weight bytes each step streams with the bandwidth bound they give, the ratio against bf16 in
 the same run, and llama.cpp on the same GGUF file (--peer llamacpp; scripts/setup_llamacpp.sh
 builds it) at batch 1.
@@ -7,6 +8,7 @@ builds it) at batch 1.
     python benchmark/quantized.py                        # the default model: bf16/int8/int4/gguf
     python benchmark/quantized.py --model qwen3-0.6b-random --formats bf16,int8,int4
     python benchmark/quantized.py --peer llamacpp --batch-sizes 1 --workloads none
+    python benchmark/quantized.py --peer llamacpp --formats bf16,gguf,gguf-q8_0 --workloads none
 
 Figures only: nothing is asserted. Decode tok/s counts the decode steps alone (16-token
 prompts, 128 new tokens each).
@@ -30,7 +32,7 @@ from workloads import OFFLINE_PRESETS, Shape, TokenSource, decode_shapes  # noqa
 
 from minisgl.layers.moe import SparseMoE  # noqa: E402
 from minisgl.layers.quantized import QuantizedProjection  # noqa: E402
-from minisgl.utils.hf import default_gguf_path  # noqa: E402
+from minisgl.utils.hf import cache_dir, default_gguf_path  # noqa: E402
 
 
 def weight_bytes(runner: MinisglRunner) -> int:
@@ -52,12 +54,21 @@ def weight_bytes(runner: MinisglRunner) -> int:
     return total
 
 
+def q8_0_gguf(model: Path) -> Path:
+    """The model's HF folder as a Q8_0 GGUF, converted once by llama.cpp's converter."""
+    from runners.llamacpp import converted_gguf
+
+    return converted_gguf(model, "q8_0", cache_dir() / "bench-models" / f"{model.name}.Q8_0.gguf")
+
+
 def format_kwargs(fmt: str, model: Path, gguf: Path | None) -> tuple[Path, dict]:
     """The model path and LLM keywords of a weight format."""
     if fmt == "gguf":
         if gguf is None:
             raise SystemExit("--formats gguf needs a GGUF model (the default model, or --gguf)")
         return gguf, {"quantization": "gguf"}
+    if fmt == "gguf-q8_0":
+        return q8_0_gguf(model), {"quantization": "gguf"}
     if fmt == "bf16":
         return model, {}
     return model, {"quantization": fmt}
@@ -67,7 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default, qwen3-0.6b-random, a folder or GGUF")
     p.add_argument("--gguf", default=None, help="the GGUF of --model (default model: its own)")
-    p.add_argument("--formats", default=None, help="bf16,int8,int4[,int4-g32][,gguf]")
+    p.add_argument("--formats", default=None, help="bf16,int8,int4[,int4-g32][,gguf][,gguf-q8_0]")
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--workloads", default="W1", help="comma list of W1/W2, or none")
     p.add_argument("--repeat", type=int, default=1)
@@ -80,13 +91,15 @@ def main() -> None:
     gguf = Path(args.gguf) if args.gguf else None
     if gguf is None and args.model in (None, "default"):
         gguf = default_gguf_path()
+    formats = (args.formats or ("bf16,int8,int4,gguf" if gguf else "bf16,int8,int4")).split(",")
     if args.peer == "llamacpp":  # before the minutes of minisgl runs, not after them
-        if gguf is None:
-            raise SystemExit("--peer llamacpp runs on a GGUF: the default model, or --gguf")
+        if gguf is None and "gguf-q8_0" not in formats:
+            raise SystemExit(
+                "--peer llamacpp runs on a GGUF: the default model, --gguf or gguf-q8_0"
+            )
         from runners.llamacpp import require_llama_bench
 
         require_llama_bench()
-    formats = (args.formats or ("bf16,int8,int4,gguf" if gguf else "bf16,int8,int4")).split(",")
     shapes: list[Shape] = decode_shapes([int(b) for b in args.batch_sizes.split(",")], False)
     if args.workloads != "none":
         shapes += [OFFLINE_PRESETS[w] for w in args.workloads.split(",")]
@@ -112,11 +125,14 @@ def main() -> None:
             else:
                 figures[shape.name] = run.wall_s
         rows.append((fmt, nbytes, figures))
-    if args.peer == "llamacpp" and gguf is not None:
+    if args.peer == "llamacpp":  # on every GGUF the run served
         from runners.llamacpp import decode_tokens_per_s
 
-        rate = decode_tokens_per_s(gguf, torch.get_num_threads())
-        rows.append((f"llama.cpp {gguf.name}", gguf.stat().st_size, {"batch 1": rate}))
+        for fmt in formats:
+            path, kwargs = format_kwargs(fmt, model, gguf)
+            if kwargs.get("quantization") == "gguf":
+                rate = decode_tokens_per_s(path, torch.get_num_threads())
+                rows.append((f"llama.cpp {path.name}", path.stat().st_size, {"batch 1": rate}))
     report(rows, shapes, machine.bandwidth_gbs)
 
 

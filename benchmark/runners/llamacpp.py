@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,29 @@ def require_llama_bench() -> Path:
             "(a few minutes on 2 cores)"
         )
     return binary
+
+
+def converted_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
+    """`out`: the HF folder `model_dir` as a GGUF of `outtype` (e.g. q8_0) by llama.cpp's own
+    converter (its source tree, which setup_llamacpp.sh fetches), made once."""
+    if out.exists():
+        return out
+    source = PEERS_DIR / "llamacpp" / "llama.cpp"
+    converter = source / "convert_hf_to_gguf.py"
+    if not converter.is_file():
+        raise LlamaCppMissing(f"llama.cpp's converter not found at {converter}; run {SETUP_SCRIPT}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    paths = [str(source / "gguf-py"), str(PEERS_DIR / "llamacpp" / "convert-lib")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    command = [sys.executable, str(converter), str(model_dir), "--outtype", outtype]
+    proc = subprocess.run(
+        [*command, "--outfile", str(partial)], capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-2000:]}")
+    partial.rename(out)
+    return out
 
 
 @dataclass(frozen=True)
