@@ -27,6 +27,7 @@ from minisgl.layers.quant_weight import (
     QuantizedWeight,
     as_8bit,
     concat_rows,
+    narrow,
     pack_nibbles,
     quantize_int4,
     quantize_int8,
@@ -105,6 +106,28 @@ def test_six_bit_integers_tile_in_six_bits() -> None:
     assert QuantizedProjection(quantize_head(weight, "int8"), KERNELS).weight.bits == 8
     q6_k_like = QuantizedWeight(head.values, head.scales.float().repeat(1, 2), None, 8, 16)
     assert QuantizedProjection(q6_k_like, KERNELS, tiled=True).weight.bits == 6  # 16 columns
+
+
+def test_narrow_cuts_rows_and_whole_groups_of_columns_exactly() -> None:
+    """A tensor-parallel shard of each layout: rows, or columns at group bounds (4 bits that are
+    not whole 64-column blocks in the 8-bit layout), equal the dequantized weight's; columns
+    that cut a group give None."""
+    weight = torch.randn(12, 256, generator=torch.Generator().manual_seed(4))
+    for name, qweight in _layouts(weight).items():
+        dense, group = qweight.dequantize(), qweight.group
+        rows = narrow(qweight, 0, 4, 6)
+        assert rows is not None and torch.equal(rows.dequantize(), dense[4:10]), name
+        for start, length in ((0, 128), (128, 128), (group, group)):
+            if start + length > 256 or length % group or start % group:
+                continue
+            cols = narrow(qweight, 1, start, length)
+            assert cols is not None, name
+            want = dense[:, start : start + length]
+            assert torch.equal(cols.dequantize(), want), (name, start, length)
+            assert cols.bits == (4 if qweight.bits == 4 and length % 64 == 0 else 8), name
+        assert narrow(qweight, 1, group // 2, group // 2) is None, name
+    with pytest.raises(ValueError, match="columns \\[192, 320\\)"):
+        narrow(quantize_int4(weight, 32), 1, 192, 128)
 
 
 def test_quantize_rounds_to_the_nearest_step() -> None:

@@ -322,37 +322,56 @@ def test_engine_serves_a_compressed_tensors_folder_quantized(w4_dir, tmp_path: P
     """The engine loads the W4A16 folder's weights quantized (no dense copy) and its top-1 next
     tokens agree with the same folder loaded dense (`quantization="none"`: the weights
     dequantized), float32 activations: the only difference is the order of the sums."""
+    torch.set_num_threads(2)
+    top1 = {
+        quantization: _served_top1(w4_dir, tmp_path, quantization=quantization)
+        for quantization in (None, "none")
+    }
+    same = sum(a == b for a, b in zip(top1[None], top1["none"]))
+    assert same >= 0.95 * len(top1[None]), (same, len(top1[None]))
+
+
+def test_tensor_parallel_ranks_keep_their_shards_quantized(w4_dir, tmp_path, monkeypatch) -> None:
+    """TP=2 on the W4A16 folder: each rank's shard of every projection stays quantized (o and
+    down cut by columns at group bounds) and the top-1 next tokens agree with TP=1's."""
+    monkeypatch.setenv("MINISGL_NUM_THREADS", "1")  # two ranks on the 2-core machine
+    torch.set_num_threads(1)
+    tp2 = _served_top1(w4_dir, tmp_path, tp_size=2)
+    tp1 = _served_top1(w4_dir, tmp_path)
+    same = sum(a == b for a, b in zip(tp2, tp1))
+    assert same >= 0.95 * len(tp1), (same, len(tp1))
+
+
+def _served_top1(w4_dir: Path, tmp_path: Path, **kw) -> list[int]:
+    """The W4A16 folder served (float32 activations; `quantization` None: quantized, as the
+    folder holds it, "none": dequantized): the top-1 next token at each prompt position."""
     from helpers import assert_all_pages_free, smollm2
 
     from minisgl.core import SamplingParams
     from minisgl.layers.quantized import QuantizedProjection
     from minisgl.llm import LLM
 
-    torch.set_num_threads(2)
     folder = tmp_path / "w4"
-    shutil.copytree(w4_dir, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (smollm2() / name).exists():
-            shutil.copy(smollm2() / name, folder / name)
+    if not folder.exists():
+        shutil.copytree(w4_dir, folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (smollm2() / name).exists():
+                shutil.copy(smollm2() / name, folder / name)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (9, 17, 30)]
     params = SamplingParams(max_tokens=4, prompt_logprobs=1, temperature=0.0)
-    top1 = {}
-    for quantization in (None, "none"):
-        llm = LLM(
-            str(folder), dtype=torch.float32, num_page_override=256, quantization=quantization
-        )
+    llm = LLM(str(folder), dtype=torch.float32, num_page_override=256, **kw)
+    try:
         projections = [
             m.cpu_projection
             for m in llm.engine.model.modules()
             if getattr(m, "cpu_projection", None) is not None
         ]
         quantized = sum(isinstance(p, QuantizedProjection) for p in projections)
-        assert quantized == (2 * 4 if quantization is None else 0), quantized
+        assert quantized == (0 if kw.get("quantization") == "none" else 2 * 4), quantized
         outs = llm.generate(prompts, params)
-        top1[quantization] = [t[0][0] for o in outs for _, _, t in o["prompt_logprobs"][1:]]
         assert all(len(o["token_ids"]) == 4 for o in outs)
         assert_all_pages_free(llm)
+    finally:
         llm.shutdown()
-    same = sum(a == b for a, b in zip(top1[None], top1["none"]))
-    assert same >= 0.95 * len(top1[None]), (same, len(top1[None]))
+    return [t[0][0] for o in outs for _, _, t in o["prompt_logprobs"][1:]]

@@ -91,6 +91,27 @@ def test_tp2_prompt_logprobs_and_chunked_prefill() -> None:
             assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-4)
 
 
+def test_tp2_serves_weights_quantized_at_load_as_tp1() -> None:
+    """Each rank quantizes its shard (row-parallel ones cut at whole groups of 32, so the
+    groups are TP=1's): greedy output equals TP=1's. A quantized checkpoint's shards:
+    test_quantized_checkpoint.py."""
+    from minisgl.layers.quantized import QuantizedProjection
+
+    prompts, params = MIXED_PROMPTS[:4], [greedy(n) for n in MAX_NEW[:4]]
+    outputs = []
+    for tp_size in (2, 1):
+        llm = build_llm("qwen3", tp_size=tp_size, quantization="int4-g32")
+        try:
+            layer = llm.engine.model.model.layers[0]
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                assert isinstance(proj.cpu_projection, QuantizedProjection)
+            outputs.append([o["token_ids"] for o in llm.generate(prompts, params)])
+            assert_all_pages_free(llm)
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.parametrize("when", ["idle", "during a step"])
 def test_dead_rank_raises_instead_of_hanging(when: str) -> None:
     llm = build_llm("qwen3", tp_size=2)

@@ -54,8 +54,7 @@ class EngineConfig:
                 f"got {self.quantization!r}"
             )
         if self.quantization is None and self.gguf_path is not None and self.device.type == "cpu":
-            # Tensor parallelism shards dense weights only: a GGUF then loads dequantized.
-            self.quantization = "gguf" if self.tp_size == 1 else "none"
+            self.quantization = "gguf"
         if self.quantization == "gguf" and self.gguf_path is None:
             raise ValueError("quantization='gguf' needs a .gguf file as the model path")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -72,7 +71,5 @@ class EngineConfig:
         if self.nnodes > 1 and (self.dist_init_addr is None or self.num_page_override is None):
             # Every rank's KV pool must have rank 0's slots; another node cannot ask it.
             raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT) and num_page_override")
-        if self.tp_size > 1 and self.quantization not in (None, "none"):
-            raise ValueError(f"tp_size > 1 takes dense weights only, got {self.quantization!r}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

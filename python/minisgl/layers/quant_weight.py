@@ -172,6 +172,30 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
+def narrow(weight: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight | None:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a weight, exactly (a
+    tensor-parallel shard); None where the columns cut a group. 4-bit columns that are not
+    whole 64-column blocks keep their values in the 8-bit layout."""
+    size = weight.out_features if dim == 0 else weight.in_features
+    if dim not in (0, 1) or start < 0 or length < 1 or start + length > size:
+        what = "rows" if dim == 0 else "columns" if dim == 1 else f"dim {dim}"
+        shape = (weight.out_features, weight.in_features)
+        raise ValueError(f"narrow: {what} [{start}, {start + length}) of a {shape} weight")
+    if dim == 0:
+        return weight.rows(torch.arange(start, start + length))
+    group = weight.group
+    if start % group or length % group:
+        return None
+    groups = slice(start // group, (start + length) // group)
+    integers = weight.integers()[:, start : start + length]
+    if weight.bits == 4 and length % NIBBLE_BLOCK == 0:
+        values, bits = pack_nibbles(integers), 4
+    else:
+        values, bits = integers.to(torch.int8).contiguous(), 8
+    mins = None if weight.mins is None else weight.mins[:, groups].contiguous()
+    return QuantizedWeight(values, weight.scales[:, groups].contiguous(), mins, bits, group)
+
+
 def quantize_int8(
     weight: torch.Tensor,
     group: int | None = None,

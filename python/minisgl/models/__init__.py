@@ -48,16 +48,15 @@ def create_model(
     huge pages, a projection's packed or quantized copy in place of its weight (see
     `_CpuPlacement`). quantization: quantized.QUANTIZATIONS ("gguf": the quantized tensors of
     `gguf_path`; None: as the checkpoint holds them). tp: load only this tensor-parallel
-    rank's shard (see models.sharding), dense weights only."""
+    rank's shard (see models.sharding; a quantized tensor's shard stays quantized, or where its
+    columns cut a group, is loaded dense)."""
     # Rotary tables are computed, not loaded: on the CPU in float32, like transformers'.
     rotary = rotary_for(config, max_positions).to(device)
     with torch.device("meta"):
         model = CausalLM(config, max_positions, rotary, tp)
     cut = model.shard.cut if model.shard.size > 1 else None
     with open_checkpoint(Path(model_dir), quantization, gguf_path) as checkpoint:
-        if cut is not None and (quantization in LOAD_QUANTIZATIONS or checkpoint.quantized_names):
-            raise ValueError("tensor parallelism takes dense weights only for now")
-        prequantized = quantized_targets(checkpoint, model)
+        prequantized = quantized_targets(checkpoint, model, cut)
         if device.type != "cpu":
             if quantization in LOAD_QUANTIZATIONS or prequantized:
                 raise ValueError(f"quantized weights ({quantization}) run on the CPU only for now")

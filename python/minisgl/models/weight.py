@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from minisgl.layers.quant_weight import QuantizedWeight, concat_rows
+from minisgl.layers.quant_weight import QuantizedWeight, concat_rows, narrow
 from minisgl.utils.memory import drop_pages
 
 from .decoder import CausalLM
@@ -216,27 +216,36 @@ def _sources(checkpoint: Checkpoint, model: CausalLM, cut: Cut | None = None) ->
     return sources
 
 
-def quantized_targets(checkpoint: Checkpoint, model: CausalLM) -> set[str]:
+def quantized_targets(checkpoint: Checkpoint, model: CausalLM, cut: Cut | None = None) -> set[str]:
     """The model parameters the checkpoint fills with quantized weights (every part of a fused
-    one quantized)."""
+    one quantized; cut: this tensor-parallel rank's shards)."""
     quantized = checkpoint.quantized_names
     if not quantized:
         return set()
     return {
         target
-        for target, parts in _sources(checkpoint, model).items()
+        for target, parts in _sources(checkpoint, model, cut).items()
         if all(name in quantized for name, _ in parts)
     }
 
 
-def _quantized_whole(checkpoint: Checkpoint, parts: Sources) -> QuantizedWeight | None:
-    """A parameter's quantized weight (parts stacked), or None where any part is dense."""
+def _quantized_whole(
+    checkpoint: Checkpoint, target: str, parts: Sources, cut: Cut | None
+) -> QuantizedWeight | None:
+    """A parameter's quantized weight (parts stacked, each cut to this rank's shard), or None
+    where any part is dense or its cut splits a group."""
     if not all(name in checkpoint.quantized_names for name, _ in parts):
         return None
-    weights = [checkpoint.quantized(name) for name, _ in parts]
-    if any(w is None for w in weights):
-        return None
-    return weights[0] if len(weights) == 1 else concat_rows(weights)  # type: ignore[arg-type]
+    weights = []
+    for name, _ in parts:
+        weight = checkpoint.quantized(name)
+        where = None if cut is None or weight is None else cut(target, name)
+        if where is not None:
+            weight = narrow(weight, *where)
+        if weight is None:
+            return None
+        weights.append(weight)
+    return weights[0] if len(weights) == 1 else concat_rows(weights)
 
 
 def _copy_rows(
@@ -282,7 +291,7 @@ def load_weights(
             _copy_rows(checkpoint, target, parts, param.data, cut)
             continue
         assert on_loaded is not None, f"{target} is on the meta device and nothing takes it"
-        quantized = _quantized_whole(checkpoint, parts)
+        quantized = _quantized_whole(checkpoint, target, parts, cut)
         if quantized is not None:
             on_loaded(target, quantized)
             for name, _ in parts:
