@@ -246,3 +246,40 @@ def test_repacked_weights_are_cached_and_a_bad_cache_is_replaced(monkeypatch, tm
     with gguf_cache.open_gguf(gguf) as rebuilt:
         assert isinstance(rebuilt, gguf_cache.CachingGguf)
     assert not target.exists()  # removed, rewritten by the next complete load
+
+
+def test_a_gguf_path_converts_only_its_config_and_serves_the_file(tmp_path: Path) -> None:
+    """A .gguf model path: its cached folder holds the config and tokenizer only (a large file
+    is never dequantized whole), and every weight comes from the file: its blocks served
+    quantized, or dense with `quantization="none"`, whose greedy output equals the default
+    model's folder (transformers' dequantization of the same file)."""
+    import shutil
+
+    from helpers import greedy
+
+    from minisgl.llm import LLM
+    from minisgl.utils.hf import convert_gguf
+
+    link = tmp_path / "smollm2-copy.gguf"
+    link.symlink_to(default_gguf_path())
+    folder = convert_gguf(link)
+    try:
+        assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
+        assert not list(folder.glob("*.safetensors"))
+        prompt, tokens = ["The capital of France is"], {}
+        for source, quantization in ((link, "gguf"), (link, "none"), (default_model_path(), None)):
+            llm = LLM(
+                str(source),
+                dtype=torch.float32,
+                num_page_override=256,
+                max_seq_len_override=64,
+                quantization=quantization,
+            )
+            out = llm.generate(prompt, greedy(6))[0]
+            tokens[quantization] = out["token_ids"]
+            if quantization == "gguf":
+                assert out["text"].startswith(" Paris")
+            llm.shutdown()
+        assert tokens["none"] == tokens[None]
+    finally:
+        shutil.rmtree(folder)

@@ -53,14 +53,16 @@ def open_checkpoint(
     model_dir: Path, quantization: str | None, gguf_path: str | Path | None
 ) -> AbstractContextManager[Checkpoint]:
     """The checkpoint to load (a context manager). "gguf": `gguf_path`'s tensors, quantized
-    ones kept so; "none": the folder's tensors, dense (dequantized where stored quantized);
-    otherwise the folder's, a quantized folder's weights kept quantized."""
-    if quantization == "gguf":
-        if gguf_path is None:
-            raise ValueError("quantization='gguf' needs a .gguf file as the model path")
+    ones kept so; any other with a `gguf_path`: its tensors dense (its folder holds only the
+    config and tokenizer); "none": the folder's tensors, dense (dequantized where stored
+    quantized); otherwise the folder's, a quantized folder's weights kept quantized."""
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError("quantization='gguf' needs a .gguf file as the model path")
+    if gguf_path is not None:
         from .gguf_cache import open_gguf
 
-        return open_gguf(Path(gguf_path))
+        gguf = open_gguf(Path(gguf_path))
+        return gguf if quantization == "gguf" else DenseView(gguf)
     from .quantized_checkpoint import QuantizedCheckpoint, quantization_method
 
     if quantization_method(model_dir) is None:

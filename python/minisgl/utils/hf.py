@@ -119,30 +119,47 @@ def default_gguf_path() -> Path:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file into an HF folder in the cache (keyed by the file's content)."""
+    """A GGUF file's config and tokenizer as an HF folder in the cache (keyed by the file's
+    content): its weights are read from the GGUF itself (models/checkpoint.py), so a large
+    file is never dequantized whole."""
     digest = _sha256(gguf)[:16]
     target = cache_dir() / "models" / f"{gguf.stem}-{digest}"
     if not (target / "config.json").exists():
-        _gguf_to_hf_folder(gguf, target)
+        _gguf_to_hf_folder(gguf, target, weights=False)
     return target
 
 
-def _gguf_to_hf_folder(gguf: Path, target: Path) -> None:
+def _gguf_to_hf_folder(gguf: Path, target: Path, weights: bool = True) -> None:
+    """transformers' reading of the GGUF saved as an HF folder: config, generation config and
+    tokenizer, and with `weights` the whole model dequantized to float32 (the default model's
+    folder, the tests' and benchmarks' dense model)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     logger.info("converting %s to a Hugging Face folder", gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    # The dequantized weights are plain tensors now; the GGUF quantizer must not be saved.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(str(staging))
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The dequantized weights are plain tensors now; the GGUF quantizer must not be saved.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(staging))
+    else:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        # What a saved model writes, and what models/config.py picks the model by.
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config.dtype = torch.float32  # as the dequantized model's folder says
+        config.save_pretrained(str(staging))
+        GenerationConfig.from_model_config(config).save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)  # atomic: a half-written folder is never seen as done
