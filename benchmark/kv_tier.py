@@ -136,7 +136,8 @@ def p3_cost(model: Path, args: argparse.Namespace) -> None:
             runners[name] = MinisglRunner(
                 model, args.dtype, name=name, max_seq_len=1100, kv_tokens=kv_tokens, **kwargs
             )
-            runners[name].run([workload.phases(tokens, "warmup")[0][:2]], "warmup")
+            warmup = workload.phases(tokens, "warmup")[0][: min(2, args.p3_prompts)]
+            runners[name].run([warmup], "warmup")
         for r in range(args.repeat):
             order = list(runners.items()) if r % 2 == 0 else list(runners.items())[::-1]
             for name, runner in order:

@@ -116,8 +116,9 @@ ATTENTION_BATCHES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 # Groups of 1, 4, 40 (the 40-on-1 head model the portable path once overflowed on), 12 with more
 # heads than a vector task holds, and 80 (more than any task holds: slices of the group); the
-# vector path's head_dims (64, 128, 256) and the portable path's others.
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (40, 1), (96, 8), (80, 1)])
+# vector path's head_dims (64, 128, 256) and the portable path's others; 3 kv heads (SmolLM2's),
+# which do not split over two threads: the portable path splits few requests by positions.
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (40, 1), (96, 8), (80, 1), (9, 3)])
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
 def test_decode_attention_within_float32_rounding(kernels, dtype, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim)
@@ -136,7 +137,7 @@ def test_decode_attention_within_float32_rounding(kernels, dtype, heads, kv_head
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (40, 1, 80)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (40, 1, 80), (9, 3, 80)])
 def test_decode_attention_continues_from_a_prefix_state(kernels, dtype, heads, kv_heads, head_dim):
     """Cascade: the state over positions [0, start) (float64, rounded to float32) merged with
     the kernel's own over the rest equals attention over everything."""
@@ -166,6 +167,20 @@ def test_decode_attention_continues_from_a_prefix_state(kernels, dtype, heads, k
     unit = U32 if dtype == torch.float32 else UBF16
     ref = _attention_reference(q, k_cache, v_cache, table, rows, lens, None, unit, prefix[2])
     assert_within(out, ref.out, ref.bound + U32 * ref.weighted, "cascade")  # + prefix_out's
+    # One request: its positions split over the threads, the prefix seeding the first part.
+    one = kernels.decode_attention(
+        q[2:3],
+        k_cache,
+        v_cache,
+        table,
+        rows[2:3],
+        lens[2:3],
+        scale,
+        None,
+        tuple(part[2:3] for part in prefix),
+    )
+    bound = (ref.bound + U32 * ref.weighted)[2:3]
+    assert_within(one, ref.out[2:3], bound, "cascade, one request")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

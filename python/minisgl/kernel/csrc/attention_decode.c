@@ -45,6 +45,27 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void* cach
 
 #define GENERIC_PREFETCH 8  // positions ahead the portable attention asks for its rows
 
+// The online softmax of a task's heads over the positions seen so far: float32 value sums (the
+// AVX-512 kernels': in the (even, odd) pair layout; the portable ones': in order), running max
+// and sum. A request's positions split over threads each give one; merged, they are the whole.
+typedef struct {
+    float acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
+    float max[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
+} attn_state;
+
+// `from` folded into `into` (the same heads over other positions).
+static void attn_state_merge(attn_state* into, const attn_state* from, int64_t heads,
+                             int64_t dim) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float top = into->max[h] > from->max[h] ? into->max[h] : from->max[h];
+        const float keep = expf(into->max[h] - top), add = expf(from->max[h] - top);
+        for (int64_t d = 0; d < dim; d++)
+            into->acc[h][d] = into->acc[h][d] * keep + from->acc[h][d] * add;
+        into->sum[h] = into->sum[h] * keep + from->sum[h] * add;
+        into->max[h] = top;
+    }
+}
+
 #ifdef __AVX512F__
 // A task reads its rows position by position, every kv head of a position before the next
 // one (scores: the keys; then P V: the values). A task holding every kv head sweeps whole rows
@@ -175,12 +196,6 @@ static inline __attribute__((always_inline)) void attn_position_scores(
     }
 }
 
-// The online softmax of a task's heads over the positions seen so far: float32 value sums in
-// the (even, odd) pair layout, running max and sum.
-typedef struct {
-    float acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
-    float max[ATTN_MAX_HEADS], sum[ATTN_MAX_HEADS];
-} attn_state;
 
 // Empty, or (seeded) the cascade prefix's state for heads [head0, head0 + heads) of request b.
 static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
@@ -197,18 +212,6 @@ static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64
     }
 }
 
-// `from` folded into `into` (the same heads over other positions).
-static void attn_state_merge(attn_state* into, const attn_state* from, int64_t heads,
-                             int64_t dim) {
-    for (int64_t h = 0; h < heads; h++) {
-        const float top = into->max[h] > from->max[h] ? into->max[h] : from->max[h];
-        const float keep = expf(into->max[h] - top), add = expf(from->max[h] - top);
-        for (int64_t d = 0; d < dim; d++)
-            into->acc[h][d] = into->acc[h][d] * keep + from->acc[h][d] * add;
-        into->sum[h] = into->sum[h] * keep + from->sum[h] * add;
-        into->max[h] = top;
-    }
-}
 
 static void attn_state_store(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
                              const attn_state* st) {
@@ -348,10 +351,9 @@ static inline int attn_chunks(int64_t head_dim) { return 0; }
 // taken a slice per task, each reading the group's keys and values again). Every kv head of a
 // position before the next, so a task holding them all reads whole rows in slot order.
 // DIM: head_dim as a constant (0: read it from a), so that the row loops unroll.
-static inline __attribute__((always_inline)) void attn_generic_body(const attn_args* a, int64_t b,
-                                                                    int64_t kvh0, int64_t kv_count,
-                                                                    int64_t first, int64_t count,
-                                                                    const int64_t DIM) {
+static inline __attribute__((always_inline)) void attn_generic_body(
+    const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count, int64_t first, int64_t count,
+    int64_t begin, int64_t end, int seeded, attn_state* st, const int64_t DIM) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = DIM ? DIM : a->head_dim;
     const int64_t heads = kv_count * count;  // task head h: kv head kvh0 + h / count
     float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
@@ -365,22 +367,21 @@ static inline __attribute__((always_inline)) void attn_generic_body(const attn_a
         load_row(a->q, offset, a->dtype, qf[h], dim);
         for (int64_t d = 0; d < dim; d++) {
             qf[h][d] *= a->scale;
-            acc[h][d] = a->prefix_out ? a->prefix_out[offset + d] : 0.0f;
+            acc[h][d] = seeded && a->prefix_out ? a->prefix_out[offset + d] : 0.0f;
         }
-        run_max[h] = a->prefix_lse ? a->prefix_lse[b * a->num_heads + head] : 0.0f;
-        run_sum[h] = a->prefix_lse ? 1.0f : 0.0f;
+        run_max[h] = seeded && a->prefix_lse ? a->prefix_lse[b * a->num_heads + head] : 0.0f;
+        run_sum[h] = seeded && a->prefix_lse ? 1.0f : 0.0f;
     }
-    int has_state = a->prefix_lse != NULL;
+    int has_state = seeded && a->prefix_lse != NULL;
     const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
-    const int64_t kv_len = a->kv_lens[b], start = attn_start(a, b);
     // The task's part of each row, asked for GENERIC_PREFETCH positions ahead: no prefetcher
     // follows a part, and waiting on each load took ~55% of this loop (AVX2 build).
     const int64_t elem = a->dtype == 0 ? 4 : 2, part_bytes = kv_count * dim * elem;
     const int64_t part_offset = kvh0 * dim * elem, row_bytes = a->num_kv_heads * dim * elem;
-    for (int64_t t0 = start; t0 < kv_len; t0 += ATTN_BLOCK) {
-        int64_t block = kv_len - t0 < ATTN_BLOCK ? kv_len - t0 : ATTN_BLOCK;
+    for (int64_t t0 = begin; t0 < end; t0 += ATTN_BLOCK) {
+        int64_t block = end - t0 < ATTN_BLOCK ? end - t0 : ATTN_BLOCK;
         for (int64_t j = 0; j < block; j++) {
-            if (t0 + j + GENERIC_PREFETCH < kv_len)
+            if (t0 + j + GENERIC_PREFETCH < end)
                 prefetch_rows(a->k_cache, row_bytes, part_offset, part_bytes,
                               slots[t0 + j + GENERIC_PREFETCH]);
             for (int64_t kv = 0; kv < kv_count; kv++) {
@@ -426,6 +427,12 @@ static inline __attribute__((always_inline)) void attn_generic_body(const attn_a
         }
     }
     for (int64_t h = 0; h < heads; h++) {
+        if (st) {  // a part of the positions: its state, merged by the caller
+            memcpy(st->acc[h], acc[h], (size_t)dim * sizeof(float));
+            st->max[h] = has_state ? run_max[h] : -3.0e38f;
+            st->sum[h] = has_state ? run_sum[h] : 0.0f;
+            continue;
+        }
         float inv = 1.0f / run_sum[h];
         for (int64_t d = 0; d < dim; d++) acc[h][d] *= inv;
         store_row(a->out, out_offset[h], a->dtype, acc[h], dim);
@@ -435,11 +442,53 @@ static inline __attribute__((always_inline)) void attn_generic_body(const attn_a
 // head_dim 64 and 128 with constant loop bounds, so the score and value loops unroll: batch 64 x
 // 160 positions x 30 layers (SmolLM2's W1 decode) 50 -> 36 ms in an AVX2 build, with the
 // prefetch 68 ms before.
+// Positions [begin, end) (seeded: the first part, which starts from the cascade prefix); st:
+// where the part's state goes (NULL: the whole range, its output stored).
+static void attn_part_generic(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
+                              int64_t first, int64_t count, int64_t begin, int64_t end,
+                              int seeded, attn_state* st) {
+    if (a->head_dim == 64)
+        attn_generic_body(a, b, kvh0, kv_count, first, count, begin, end, seeded, st, 64);
+    else if (a->head_dim == 128)
+        attn_generic_body(a, b, kvh0, kv_count, first, count, begin, end, seeded, st, 128);
+    else
+        attn_generic_body(a, b, kvh0, kv_count, first, count, begin, end, seeded, st, 0);
+}
+
 static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
                               int64_t first, int64_t count) {
-    if (a->head_dim == 64) attn_generic_body(a, b, kvh0, kv_count, first, count, 64);
-    else if (a->head_dim == 128) attn_generic_body(a, b, kvh0, kv_count, first, count, 128);
-    else attn_generic_body(a, b, kvh0, kv_count, first, count, 0);
+    attn_part_generic(a, b, kvh0, kv_count, first, count, attn_start(a, b), a->kv_lens[b], 1,
+                      NULL);
+}
+
+// Few requests on several threads: each request's positions split into one range per thread
+// (every head of a position read at once), the parts' states merged after, as the AVX-512
+// path does: a task per kv head left a thread idle where the heads do not split evenly
+// (SmolLM2's 3 on 2 threads: batch 1 over 2,000 positions 161 -> 136 µs a layer).
+static int attn_split_generic(const attn_args* a, int64_t num_reqs, int nthreads) {
+    const int64_t parts = nthreads, tasks = num_reqs * parts, heads = a->num_heads;
+    const int64_t group = heads / a->num_kv_heads;
+    attn_state* states = (attn_state*)kernel_alloc((size_t)tasks * sizeof(attn_state));
+    if (!states) return MINISGL_ERR_NOMEM;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t b = task / parts, part = task % parts;
+        const int64_t first = attn_start(a, b), len = a->kv_lens[b] - first;
+        attn_part_generic(a, b, 0, a->num_kv_heads, 0, group, first + len * part / parts,
+                          first + len * (part + 1) / parts, part == 0, states + task);
+    }
+    for (int64_t b = 0; b < num_reqs; b++) {
+        attn_state* whole = states + b * parts;
+        for (int64_t part = 1; part < parts; part++)
+            attn_state_merge(whole, whole + part, heads, a->head_dim);
+        for (int64_t h = 0; h < heads; h++) {
+            const float inv = 1.0f / whole->sum[h];
+            for (int64_t d = 0; d < a->head_dim; d++) whole->acc[h][d] *= inv;
+            store_row(a->out, (b * heads + h) * a->head_dim, a->dtype, whole->acc[h], a->head_dim);
+        }
+    }
+    free(states);
+    return MINISGL_OK;
 }
 
 // Returns MINISGL_OK, MINISGL_ERR_SHAPE (heads not a whole group per kv head, head_dim above
@@ -459,6 +508,11 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
                    num_kv_heads, head_dim, window,    scale,        dtype};
     const int64_t group = num_heads / num_kv_heads;
     if (!attn_chunks(head_dim) || group > ATTN_MAX_HEADS) {  // the portable path
+        // Few requests whose kv heads do not split evenly over the threads: by positions.
+        const int64_t head_tasks = num_reqs * num_kv_heads;
+        if (nthreads > 1 && num_reqs < 2 * nthreads && head_tasks % nthreads != 0 &&
+            group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS)
+            return attn_split_generic(&a, num_reqs, nthreads);
         // With two requests per thread or more, a task is a whole request (whole rows read once,
         // in slot order): batch 64 x 160 x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build,
         // alternated in one process) against a task per kv head, which fewer requests and
