@@ -135,7 +135,8 @@ def _write_gguf(path: Path, arch: str, tensors: list) -> None:
             dense = rng.standard_normal((rows, shape[-1])).reshape(shape)
             writer.add_tensor(gguf_name, dense.astype(np.float32 if qtype == Q.F32 else np.float16))
         else:
-            writer.add_tensor(gguf_name, _random_blocks(qtype, rows, shape[-1], 1), raw_dtype=qtype)
+            blocks = _random_blocks(qtype, rows, shape[-1], 1)
+            writer.add_tensor(gguf_name, blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -178,6 +179,53 @@ def test_checkpoint_matches_transformers_loader(tmp_path: Path, arch: str) -> No
     if arch == "llama":  # the permutation moved rows: the test above saw it
         q = dequantize(raw["blk.0.attn_q.weight"].data, Q.Q4_K)
         assert not np.array_equal(q, processor.process(q, "blk.0.attn_q.weight").weights)
+
+
+# A Qwen3-MoE layer's router and experts (4 experts of 32 rows): one 3-D tensor per projection.
+_MOE_TENSORS = [
+    ("blk.0.ffn_gate_inp.weight", "model.layers.0.mlp.gate.weight", Q.F32, (4, 256)),
+    ("blk.0.ffn_gate_exps.weight", "gate_proj", Q.Q4_K, (4, 32, 256)),
+    ("blk.0.ffn_up_exps.weight", "up_proj", Q.Q8_0, (4, 32, 256)),
+    ("blk.0.ffn_down_exps.weight", "down_proj", Q.Q6_K, (4, 256, 32 * 8)),
+]
+
+
+def test_moe_experts_are_served_per_expert_as_transformers_reads_them(tmp_path: Path) -> None:
+    """qwen3moe: each expert's matrix of a 3-D expert tensor is an HF tensor of its own (the
+    loader stacks them), kept quantized and equal to what transformers' GGUF loader puts in
+    its fused gate_up_proj / down_proj; the router is the dense mlp.gate."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    path = tmp_path / "moe.gguf"
+    _write_gguf(path, "qwen3moe", _MOE_TENSORS)
+    raw = {t.name: t for t in GGUFReader(str(path)).tensors}
+    hf = "model.layers.0.mlp.experts."
+    mapping = {
+        f"blk.0.ffn_{w}_exps": hf + ("down_proj" if w == "down" else "gate_up_proj")
+        for w in ("gate", "up", "down")
+    }
+    parsed: dict[str, dict] = {"tensors": {}}
+    processor = TENSOR_PROCESSORS["qwen3moe"]()
+    for gguf_name, *_ in _MOE_TENSORS[1:]:
+        weights = dequantize(raw[gguf_name].data, raw[gguf_name].tensor_type)
+        processor.process(weights, gguf_name, tensor_key_mapping=mapping, parsed_parameters=parsed)
+    fused = {
+        "gate_proj": parsed["tensors"][hf + "gate_up_proj"].chunk(2, dim=1)[0],
+        "up_proj": parsed["tensors"][hf + "gate_up_proj"].chunk(2, dim=1)[1],
+        "down_proj": parsed["tensors"][hf + "down_proj"],
+    }
+    with GgufCheckpoint(path) as checkpoint:
+        assert checkpoint.entries["model.layers.0.mlp.gate.weight"].shape == (4, 256)
+        assert checkpoint.quantized("model.layers.0.mlp.gate.weight") is None
+        for _, proj, qtype, shape in _MOE_TENSORS[1:]:
+            for expert in range(4):
+                name = f"{hf}{expert}.{proj}.weight"
+                assert checkpoint.entries[name].shape == shape[1:], name
+                want = fused[proj][expert].float()
+                assert torch.equal(checkpoint.tensor(name), want), name
+                quantized = checkpoint.quantized(name)
+                assert quantized is not None, name
+                _assert_exact(quantized.dequantize(), want, qtype)
 
 
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from minisgl.utils.memory import drop_pages
 from .weight import TensorEntry
 
 # Architectures whose tensors follow the names below (mistral files say "llama").
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -39,6 +39,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+}
+# A MoE layer's experts, one 3-D tensor [experts, rows, columns] per projection: each expert's
+# matrix is an HF tensor of its own (what models/weight.py stacks).
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -47,7 +55,8 @@ Q = GGMLQuantizationType
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama/qwen2/qwen3 GGUF tensor (None: one HF does not load)."""
+    """The Hugging Face name of a llama/qwen2/qwen3(moe) GGUF tensor (None: one HF does not
+    load; a MoE layer's expert tensors: `_expert_names`)."""
     match = _LAYER.match(gguf_name)
     if match is not None:
         layer, part, kind = match.groups()
@@ -58,6 +67,15 @@ def hf_name(gguf_name: str) -> str | None:
     if match is None or match.group(1) not in _GLOBAL_NAMES:
         return None
     return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
+
+
+def _expert_names(gguf_name: str, experts: int) -> list[str] | None:
+    """The HF names of each expert's matrix in a MoE layer's 3-D expert tensor (None: not one)."""
+    match = _LAYER.match(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_NAMES or match.group(3) != "weight":
+        return None
+    layer, proj = match.group(1), _EXPERT_NAMES[match.group(2)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
 
 
 def _f16(fields: np.ndarray) -> np.ndarray:
@@ -240,11 +258,17 @@ class GgufCheckpoint:
         # name -> (the tensor's bytes as mapped, its type); the views keep the file mapped.
         self._data: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
         for tensor in reader.tensors:
+            shape = tuple(int(dim) for dim in reversed(tensor.shape))  # GGUF lists ne0 first
+            experts = _expert_names(tensor.name, shape[0])
+            if experts is not None and len(shape) == 3:  # data [experts, rows, row bytes]
+                for expert, name in enumerate(experts):
+                    self.entries[name] = TensorEntry(0, shape[1:])
+                    self._data[name] = (tensor.data[expert], tensor.tensor_type)
+                continue
             name = hf_name(tensor.name)
             if name is None:
                 self.unmapped.append(tensor.name)
                 continue
-            shape = tuple(int(dim) for dim in reversed(tensor.shape))  # GGUF lists ne0 first
             self.entries[name] = TensorEntry(0, shape)
             self._data[name] = (tensor.data, tensor.tensor_type)
         self._permuted = self._permuted_heads(reader)
