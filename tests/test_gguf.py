@@ -328,3 +328,89 @@ def test_a_gguf_path_converts_only_its_config_and_serves_the_file(tmp_path: Path
             llm.shutdown()
     finally:
         shutil.rmtree(folder)
+
+
+def test_a_moe_gguf_loads_every_expert_quantized(tmp_path: Path) -> None:
+    """The tiny Qwen3-MoE's weights written as a qwen3moe GGUF (Q8_0 matrices, experts in 3-D
+    tensors): the model loads every projection and every expert quantized, each equal to
+    gguf-py's dequantization of its blocks, the routers and norms dense."""
+    from gguf.quants import quantize
+    from helpers import tiny_model
+
+    from minisgl.layers.moe import SparseMoE
+    from minisgl.layers.quantized import QuantizedProjection
+    from minisgl.models import create_model, load_model_config
+    from minisgl.models.gguf import _EXPERT_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
+
+    folder = tiny_model("qwen3-moe")
+    config = load_model_config(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            tensors.update({name: f.get_tensor(name).float() for name in f.keys()})  # noqa: SIM118
+    to_gguf = {hf: gguf for gguf, hf in {**_GLOBAL_NAMES, **_LAYER_NAMES}.items()}
+    writer = GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
+    expected: dict[str, np.ndarray] = {}  # HF name -> the GGUF's dequantized values
+
+    def add(gguf_name: str, values: np.ndarray) -> np.ndarray:
+        if values.ndim == 1 or gguf_name.endswith("ffn_gate_inp.weight"):
+            writer.add_tensor(gguf_name, values)
+            return values
+        writer.add_tensor(gguf_name, quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        return dequantize(quantize(values, Q.Q8_0), Q.Q8_0)
+
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for gguf_part, proj in _EXPERT_NAMES.items():
+            stack = np.stack(
+                [
+                    tensors.pop(f"{prefix}.{e}.{proj}.weight").numpy()
+                    for e in range(config.num_experts)
+                ]
+            )
+            values = add(f"blk.{layer}.{gguf_part}.weight", stack)
+            for e in range(config.num_experts):
+                expected[f"{prefix}.{e}.{proj}.weight"] = values[e]
+    for name, tensor in tensors.items():
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            part, _, kind = rest.rpartition(".")
+            gguf_name = f"blk.{layer}.{to_gguf[part]}.{kind}"
+        else:
+            part, _, kind = name.rpartition(".")
+            gguf_name = f"{to_gguf[part]}.{kind}"
+        expected[name] = add(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    model = create_model(
+        config, folder, torch.float32, torch.device("cpu"), 64, "gguf", tmp_path / "moe.gguf"
+    )
+    for layer_id, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        assert isinstance(attn.o_proj.cpu_projection, QuantizedProjection)
+        got = attn.o_proj.cpu_projection.weight.dequantize()
+        want = expected[f"model.layers.{layer_id}.self_attn.o_proj.weight"]
+        assert torch.equal(got, torch.from_numpy(want))
+        if not isinstance(layer.mlp, SparseMoE):
+            continue
+        gate_up, down = layer.mlp.stacks()
+        assert gate_up.quantized is not None and down.quantized is not None
+        prefix = f"model.layers.{layer_id}.mlp.experts"
+        for e in range(config.num_experts):
+            want_gate_up = np.concatenate(
+                [
+                    expected[f"{prefix}.{e}.gate_proj.weight"],
+                    expected[f"{prefix}.{e}.up_proj.weight"],
+                ]
+            )
+            assert torch.equal(
+                gate_up.quantized[e].weight.dequantize(), torch.from_numpy(want_gate_up)
+            )
+            got_down = down.quantized[e].weight.dequantize()
+            assert torch.equal(
+                got_down, torch.from_numpy(expected[f"{prefix}.{e}.down_proj.weight"])
+            )
+        assert not isinstance(layer.mlp.gate.cpu_projection, QuantizedProjection)
