@@ -298,12 +298,12 @@ static inline __attribute__((always_inline)) void row_sums_int4_i16(
     }
 }
 
-// Batch 1 (one int16 x row): R weight rows n.. at a time (a constant where inlined), each x
-// block loaded once for all of them, their chains overlapping; a row of K 576 had spent 40% of
-// its time outside its blocks, which R rows now share: their scales converted in one pass
-// (row j's at scales + j * groups), the offsets' dot products folded into the accumulators and
-// one horizontal sum for four rows.
-#define BATCH1_ROWS_MAX 4
+// Batch 1 (one int16 x row), 4 bits: BATCH1_ROWS weight rows n.. at a time, each x block loaded
+// once for all of them, their chains overlapping; a row of K 576 had spent 40% of its time
+// outside its blocks, which the rows now share: their scales converted in one pass (row j's at
+// scales + j * groups), the offsets' dot products folded into the accumulators and one
+// horizontal sum for the four.
+#define BATCH1_ROWS 4
 
 // Lane j: the sum of v[j]'s lanes.
 static inline __m128 hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
@@ -326,65 +326,25 @@ static inline __m256 fold_dot(__m256 acc, const float* a, const float* b, int64_
     return acc;
 }
 
-// The R rows' sums from their accumulators (two a row) plus their offsets' dot products.
-static inline __attribute__((always_inline)) void batch1_sums(__m256 acc[][2], const float* mins,
-                                                              const float* xsums, int64_t groups,
-                                                              float* sums, const int R) {
-    __m256 total[BATCH1_ROWS_MAX];
-    for (int j = 0; j < R; j++) {
+// The rows' sums from their accumulators (two a row) plus their offsets' dot products.
+static inline void batch1_sums(__m256 acc[BATCH1_ROWS][2], const float* mins, const float* xsums,
+                               int64_t groups, float sums[BATCH1_ROWS]) {
+    __m256 total[BATCH1_ROWS];
+    for (int j = 0; j < BATCH1_ROWS; j++) {
         total[j] = _mm256_add_ps(acc[j][0], acc[j][1]);
         if (mins) total[j] = fold_dot(total[j], mins + j * groups, xsums, groups);
     }
-    if (R == 4) {
-        _mm_storeu_ps(sums, hsum4x8(total[0], total[1], total[2], total[3]));
-    } else {
-        for (int j = 0; j < R; j++) sums[j] = hsum8(total[j]);
-    }
+    _mm_storeu_ps(sums, hsum4x8(total[0], total[1], total[2], total[3]));
 }
 
-static inline __attribute__((always_inline)) void batch1_int8_i16(
-    const int16_t* x16, const float* xscale, const float* xsums, const quantized_weight* w,
-    int64_t n, int64_t K, const float* scales, const float* mins, float* sums, const int R) {
-    const int64_t group = w->group, groups = K / group;
-    const int8_t* q = (const int8_t*)w->values + n * K;
-    __m256 acc[BATCH1_ROWS_MAX][2];
-    for (int j = 0; j < R; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    int64_t g = 0, blocks_left = group / 32;  // group 16: two groups a block
-    for (int64_t b = 0; b < K / 32; b++) {
-        for (int j = 0; j < R; j++)
-            _mm_prefetch((const char*)(q + (PREFETCH_ROWS + j) * K + b * 32), _MM_HINT_T0);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(x16 + b * 32));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(x16 + b * 32 + 16));
-        const float xs = xscale[b];
-        for (int j = 0; j < R; j++) {
-            const int8_t* qj = q + j * K + b * 32;
-            const float* sj = scales + j * groups;
-            const __m256i p0 =
-                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)qj)), x0);
-            const __m256i p1 = _mm256_madd_epi16(
-                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(qj + 16))), x1);
-            if (group == 16) {
-                acc[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
-                                            _mm256_set1_ps(sj[2 * b] * xs), acc[j][0]);
-                acc[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                                            _mm256_set1_ps(sj[2 * b + 1] * xs), acc[j][1]);
-            } else {
-                acc[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                            _mm256_set1_ps(sj[g] * xs), acc[j][0]);
-            }
-        }
-        if (group != 16 && --blocks_left == 0) g++, blocks_left = group / 32;
-    }
-    batch1_sums(acc, mins, xsums, groups, sums, R);
-}
-
-static inline __attribute__((always_inline)) void batch1_int4_i16(
-    const int16_t* x16, const float* xscale, const float* xsums, const quantized_weight* w,
-    int64_t n, int64_t K, const float* scales, const float* mins, float* sums, const int R) {
+static void batch1_int4_i16(const int16_t* x16, const float* xscale, const float* xsums,
+                            const quantized_weight* w, int64_t n, int64_t K, const float* scales,
+                            const float* mins, float sums[BATCH1_ROWS]) {
+    enum { R = BATCH1_ROWS };
     const int64_t group = w->group, groups = K / group, row_bytes = K / 2;
     const uint8_t* q = (const uint8_t*)w->values + n * row_bytes;
     const __m256i low4 = _mm256_set1_epi16(15);
-    __m256 acc[BATCH1_ROWS_MAX][2];
+    __m256 acc[R][2];
     for (int j = 0; j < R; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     int64_t g_lo = 0, blocks_left = group == 32 ? 1 : group / 64;  // next_block_group's
     for (int64_t b = 0; b < K / 64; b++) {
@@ -414,30 +374,26 @@ static inline __attribute__((always_inline)) void batch1_int4_i16(
         }
         next_block_group(group, &g_lo, &blocks_left);
     }
-    batch1_sums(acc, mins, xsums, groups, sums, R);
+    batch1_sums(acc, mins, xsums, groups, sums);
 }
 
-// Weight rows n0..n1 against one int16 x row, R rows at a time (4 bits: 4; 8 bits: 1, whose
-// rows stream at the memory's rate alone: 2 at a time were 15-25% slower on Qwen3's shapes);
+// 4-bit weight rows n0..n1 against one int16 x row, BATCH1_ROWS at a time (8-bit rows stream
+// at the memory's rate one at a time: two at a time were 15-25% slower on Qwen3's shapes);
 // returns the first row it left.
 static int64_t batch1_rows(const int16_t* x16, const float* xscale, const float* xsums,
                            const quantized_weight* w, const void* bias, void* y, int64_t K,
                            int64_t n0, int64_t n1, int x_dtype, int out_f32, float* scales,
                            float* mins) {
     const int64_t groups = K / w->group, elem = w->scales_f32 ? 4 : 2;
-    const int R = w->bits == 8 ? 1 : 4;
-    for (; n0 + R <= n1; n0 += R) {
-        // R consecutive rows' scales (and mins) are R * groups consecutive values
-        const int64_t first = n0 * groups * elem;
-        group_floats(w, (const char*)w->scales + first, 0, R * groups, scales);
-        if (w->mins) group_floats(w, (const char*)w->mins + first, 0, R * groups, mins);
-        float sums[BATCH1_ROWS_MAX];
-        const float* row_mins = w->mins ? mins : NULL;
-        if (R == 1)
-            batch1_int8_i16(x16, xscale, xsums, w, n0, K, scales, row_mins, sums, 1);
-        else
-            batch1_int4_i16(x16, xscale, xsums, w, n0, K, scales, row_mins, sums, 4);
-        for (int j = 0; j < R; j++) store_out(y, n0 + j, sums[j], bias, n0 + j, x_dtype, out_f32);
+    for (; n0 + BATCH1_ROWS <= n1; n0 += BATCH1_ROWS) {
+        // consecutive rows' scales (and mins) are consecutive values
+        const int64_t first = n0 * groups * elem, count = BATCH1_ROWS * groups;
+        group_floats(w, (const char*)w->scales + first, 0, count, scales);
+        if (w->mins) group_floats(w, (const char*)w->mins + first, 0, count, mins);
+        float sums[BATCH1_ROWS];
+        batch1_int4_i16(x16, xscale, xsums, w, n0, K, scales, w->mins ? mins : NULL, sums);
+        for (int j = 0; j < BATCH1_ROWS; j++)
+            store_out(y, n0 + j, sums[j], bias, n0 + j, x_dtype, out_f32);
     }
     return n0;
 }
@@ -525,9 +481,9 @@ MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xscale,
     const int64_t groups = K / w->group;
     float *scales = scratch, *mins = scales + padded(groups), *wrows = mins + padded(groups);
     const float* row_mins = w->mins ? mins : NULL;
-    if (M == 1 && xscale)  // the rows left (fewer than batch1_rows takes) below
+    if (M == 1 && xscale && w->bits == 4)  // the rows left (fewer than 4) below
         n0 = batch1_rows((const int16_t*)xf, xscale, xsums, w, bias, y, K, n0, n1, x_dtype,
-                         out_f32, wrows, wrows + BATCH1_ROWS_MAX * padded(groups));
+                         out_f32, wrows, wrows + BATCH1_ROWS * padded(groups));
     if (M <= AVX2_ROWS_MAX) {
         for (int64_t n = n0; n < n1; n++) {
             group_floats(w, w->scales, n, groups, scales);
