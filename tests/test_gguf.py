@@ -299,13 +299,14 @@ def test_repacked_weights_are_cached_and_a_bad_cache_is_replaced(monkeypatch, tm
 def test_a_gguf_path_converts_only_its_config_and_serves_the_file(tmp_path: Path) -> None:
     """A .gguf model path: its cached folder holds the config and tokenizer only (a large file
     is never dequantized whole), and every weight comes from the file: its blocks served
-    quantized, or dense with `quantization="none"` (the tensors test_default_model_quantized_
-    equals_converted_folder compares with transformers' dequantization)."""
+    quantized, or, with any other quantization, its tensors dense (the values
+    test_default_model_quantized_equals_converted_folder compares with transformers')."""
     import shutil
 
     from helpers import greedy
 
     from minisgl.llm import LLM
+    from minisgl.models.checkpoint import DenseView, open_checkpoint
     from minisgl.utils.hf import convert_gguf
 
     link = tmp_path / "smollm2-copy.gguf"
@@ -314,18 +315,18 @@ def test_a_gguf_path_converts_only_its_config_and_serves_the_file(tmp_path: Path
     try:
         assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
         assert not list(folder.glob("*.safetensors"))
-        for quantization in ("gguf", "none"):
-            llm = LLM(
-                str(link),
-                dtype=torch.float32,
-                num_page_override=256,
-                max_seq_len_override=64,
-                quantization=quantization,
-            )
-            assert llm.config.quantization == quantization
-            out = llm.generate(["The capital of France is"], greedy(3))[0]
-            assert out["text"].startswith(" Paris"), (quantization, out["text"])
-            llm.shutdown()
+        llm = LLM(str(link), num_page_override=256, max_seq_len_override=64)
+        assert llm.config.quantization == "gguf"
+        out = llm.generate(["The capital of France is"], greedy(3))[0]
+        assert out["text"].startswith(" Paris"), out["text"]
+        llm.shutdown()
+        name = "model.layers.0.self_attn.o_proj.weight"
+        with GgufCheckpoint(link) as gguf:
+            want = gguf.tensor(name)
+        for quantization in ("none", "int8", None):
+            with open_checkpoint(folder, quantization, link) as checkpoint:
+                assert isinstance(checkpoint, DenseView) and not checkpoint.quantized_names
+                assert torch.equal(checkpoint.tensor(name), want), quantization
     finally:
         shutil.rmtree(folder)
 

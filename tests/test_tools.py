@@ -186,6 +186,37 @@ def test_parsers() -> None:
     assert detect_parser("{{ '<|python_tag|>' }} ipython") == "llama3_json"
 
 
+def test_the_chat_template_is_read_from_the_files_as_the_tokenizer_reads_it(tmp_path) -> None:
+    """--tool-call-parser auto reads the template from the folder's files (no tokenizer load):
+    chat_template.jinja, or tokenizer_config.json's string or named list, as transformers."""
+    from minisgl.server.tools import tool_parser_for
+    from minisgl.tokenizer.tokenize import read_chat_template
+
+    model = tiny_model("qwen3")
+    assert read_chat_template(model) == load_tokenizer(model).chat_template
+    llama = "{{ '<|python_tag|>' }} ipython"
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "tool_use", "template": "x"},
+                    {"name": "default", "template": llama},
+                ]
+            }
+        )
+    )
+    assert read_chat_template(tmp_path) == llama
+    assert tool_parser_for("auto", tmp_path) == "llama3_json"
+    config.write_text(json.dumps({"chat_template": TEMPLATE}))
+    assert read_chat_template(tmp_path) == TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text(llama)  # the separate file wins, as in HF
+    assert read_chat_template(tmp_path) == llama
+    config.write_text("{}")
+    (tmp_path / "chat_template.jinja").unlink()
+    assert read_chat_template(tmp_path) is None and tool_parser_for("auto", tmp_path) == "hermes"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -194,9 +194,9 @@ def tool_parser_for(choice: str, model_path: str | os.PathLike) -> str:
     """--tool-call-parser: the given parser, or (auto) the one the model's template teaches."""
     if choice != "auto":
         return choice
-    from minisgl.tokenizer import load_tokenizer
+    from minisgl.tokenizer.tokenize import read_chat_template
 
-    return detect_parser(getattr(load_tokenizer(model_path), "chat_template", None))
+    return detect_parser(read_chat_template(model_path))
 
 
 def detect_parser(chat_template: str | None) -> str:

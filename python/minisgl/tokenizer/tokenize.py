@@ -14,6 +14,27 @@ def load_tokenizer(model_path: str | os.PathLike) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
+def read_chat_template(model_path: str | os.PathLike) -> str | None:
+    """The model folder's default chat template as its files hold it (chat_template.jinja, or
+    tokenizer_config.json's `chat_template`, a string or a named list), without loading the
+    tokenizer (seconds a server start waited for); None where the files name none."""
+    import json
+
+    folder = Path(model_path)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if not (folder / name).is_file():
+            continue
+        template = json.loads((folder / name).read_text()).get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default", next(iter(named.values()), None))
+        if isinstance(template, str):
+            return template
+    return None
+
+
 def extra_eos_ids(model_path: str | os.PathLike, tokenizer: Any) -> tuple[int, ...]:
     """End-of-sequence ids beyond the model config's: the tokenizer's and the generation
     config's (chat models often end a turn with a token the config does not list)."""
