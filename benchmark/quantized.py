@@ -107,9 +107,11 @@ def main() -> None:
     machine = measure_machine(torch.bfloat16)
     run_args = argparse.Namespace(repeat=args.repeat, contention=0, full_warmup=False)
     print(f"# {model_label(model)}, {torch.get_num_threads()} threads, {machine.describe()}")
-    rows = []
+    rows, served_ggufs = [], []
     for fmt in formats:
         path, kwargs = format_kwargs(fmt, model, gguf)
+        if kwargs.get("quantization") == "gguf":
+            served_ggufs.append(path)
         runner = MinisglRunner(path, "bfloat16", name=f"minisgl {fmt}", max_seq_len=1024, **kwargs)
         try:
             nbytes = weight_bytes(runner)
@@ -128,11 +130,9 @@ def main() -> None:
     if args.peer == "llamacpp":  # on every GGUF the run served
         from runners.llamacpp import decode_tokens_per_s
 
-        for fmt in formats:
-            path, kwargs = format_kwargs(fmt, model, gguf)
-            if kwargs.get("quantization") == "gguf":
-                rate = decode_tokens_per_s(path, torch.get_num_threads())
-                rows.append((f"llama.cpp {path.name}", path.stat().st_size, {"batch 1": rate}))
+        for path in served_ggufs:
+            rate = decode_tokens_per_s(path, torch.get_num_threads())
+            rows.append((f"llama.cpp {path.name}", path.stat().st_size, {"batch 1": rate}))
     report(rows, shapes, machine.bandwidth_gbs)
 
 

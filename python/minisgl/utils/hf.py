@@ -140,24 +140,25 @@ def _gguf_to_hf_folder(gguf: Path, target: Path, weights: bool = True) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    model = None
     if weights:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
-        # The dequantized weights are plain tensors now; the GGUF quantizer must not be saved.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(staging))
+        model.hf_quantizer = None  # the weights are plain dequantized tensors now
+        config = model.config
     else:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
         # What a saved model writes, and what models/config.py picks the model by.
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
         config.dtype = torch.float32  # as the dequantized model's folder says
+    if hasattr(config, "quantization_config"):  # the GGUF quantizer's, which must not be saved
+        del config.quantization_config
+    if model is not None:
+        model.save_pretrained(str(staging))
+    else:
         config.save_pretrained(str(staging))
         GenerationConfig.from_model_config(config).save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))

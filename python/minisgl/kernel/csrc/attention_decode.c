@@ -196,7 +196,6 @@ static inline __attribute__((always_inline)) void attn_position_scores(
     }
 }
 
-
 // Empty, or (seeded) the cascade prefix's state for heads [head0, head0 + heads) of request b.
 static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
                              int seeded, attn_state* st) {
@@ -211,7 +210,6 @@ static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64
         st->sum[h] = prefix ? 1.0f : 0.0f;
     }
 }
-
 
 static void attn_state_store(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
                              const attn_state* st) {
@@ -345,6 +343,14 @@ static void attn_task_avx512(const attn_args* a, int64_t b, int64_t kvh0, int64_
 static inline int attn_chunks(int64_t head_dim) { return 0; }
 #endif
 
+// A head's value sums over their softmax sum, stored at `offset` of the output.
+static inline void store_normalized(const attn_args* a, int64_t offset, float* acc, float sum,
+                                    int64_t dim) {
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < dim; d++) acc[d] *= inv;
+    store_row(a->out, offset, a->dtype, acc, dim);
+}
+
 // Portable version of the same computation (any head_dim up to ATTN_MAX_DIM) for kv heads
 // [kvh0, kvh0 + kv_count) of request b, and of each one's group the query heads [first, first +
 // count) (count at most ATTN_MAX_GROUP, kv_count * count at most ATTN_MAX_HEADS: a wider group is
@@ -433,17 +439,14 @@ static inline __attribute__((always_inline)) void attn_generic_body(
             st->sum[h] = has_state ? run_sum[h] : 0.0f;
             continue;
         }
-        float inv = 1.0f / run_sum[h];
-        for (int64_t d = 0; d < dim; d++) acc[h][d] *= inv;
-        store_row(a->out, out_offset[h], a->dtype, acc[h], dim);
+        store_normalized(a, out_offset[h], acc[h], run_sum[h], dim);
     }
 }
 
-// head_dim 64 and 128 with constant loop bounds, so the score and value loops unroll: batch 64 x
-// 160 positions x 30 layers (SmolLM2's W1 decode) 50 -> 36 ms in an AVX2 build, with the
-// prefetch 68 ms before.
 // Positions [begin, end) (seeded: the first part, which starts from the cascade prefix); st:
-// where the part's state goes (NULL: the whole range, its output stored).
+// where the part's state goes (NULL: the whole range, its output stored). head_dim 64 and 128
+// with constant loop bounds, so the score and value loops unroll: batch 64 x 160 positions x 30
+// layers (SmolLM2's W1 decode) 50 -> 36 ms in an AVX2 build, with the prefetch 68 ms before.
 static void attn_part_generic(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
                               int64_t first, int64_t count, int64_t begin, int64_t end,
                               int seeded, attn_state* st) {
@@ -481,11 +484,9 @@ static int attn_split_generic(const attn_args* a, int64_t num_reqs, int nthreads
         attn_state* whole = states + b * parts;
         for (int64_t part = 1; part < parts; part++)
             attn_state_merge(whole, whole + part, heads, a->head_dim);
-        for (int64_t h = 0; h < heads; h++) {
-            const float inv = 1.0f / whole->sum[h];
-            for (int64_t d = 0; d < a->head_dim; d++) whole->acc[h][d] *= inv;
-            store_row(a->out, (b * heads + h) * a->head_dim, a->dtype, whole->acc[h], a->head_dim);
-        }
+        for (int64_t h = 0; h < heads; h++)
+            store_normalized(a, (b * heads + h) * a->head_dim, whole->acc[h], whole->sum[h],
+                             a->head_dim);
     }
     free(states);
     return MINISGL_OK;
