@@ -5,5 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Every form of the C kernels and their sanitized builds, built once (cached by sources): the
+# kernel tests load them all.
+.venv/bin/python -m minisgl.kernel.build
 bash scripts/setup_sglang_router.sh  # tests/test_dp.py puts it in front of two replicas
 exec .venv/bin/python -m pytest -q tests "$@"

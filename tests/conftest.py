@@ -21,3 +21,17 @@ def client(server):
 def model(client):
     """The name the server serves its model under."""
     return client.models.list().data[0].id
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The quantized kernels' paths each kernel form ran (tests/test_kernel_fuzz.py fails when
+    one its build can take did not run)."""
+    import sys
+
+    fuzz = sys.modules.get("test_kernel_fuzz")
+    ran = getattr(fuzz, "PATHS_RAN", None)
+    if not ran:
+        return
+    terminalreporter.section("quantized kernel paths run, per kernel form")
+    for form, paths in ran.items():
+        terminalreporter.write_line(f"{form}: {', '.join(paths)}")

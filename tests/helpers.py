@@ -107,6 +107,22 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
+# Every width 32 mod 64 (hidden 96, 3 heads of 32 and one KV head, FFN 160, experts' 96): no
+# projection's in_features is whole 64-column blocks (4-bit values stay in bytes; on VNNI the
+# int8 tiles' odd last 32 columns); a small vocabulary of 1000 (a partial last tile of 16 rows).
+_WIDTHS_32_MOD_64 = dict(
+    vocab_size=1000,
+    hidden_size=96,
+    intermediate_size=160,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=32,
+)
+TINY_CONFIGS["qwen3-w96"] = ("Qwen3Config", dict(_WIDTHS_32_MOD_64, tie_word_embeddings=True))
+TINY_CONFIGS["qwen3-moe-w96"] = (
+    "Qwen3MoeConfig",
+    dict(_TINY_MOE, **_WIDTHS_32_MOD_64, num_experts_per_tok=2, moe_intermediate_size=96),
+)
 
 
 def smollm2() -> Path:
@@ -199,7 +215,18 @@ def _hf_model_float64(path: Path):
 
 
 def assert_logits_match_hf(rows: torch.Tensor, name: str, prompts: list[str | list[int]]) -> None:
-    """Our float32 last-token logits (one row per prompt) against HF's.
+    """Our float32 last-token logits (one row per prompt) against HF's on the named test model
+    (see `assert_logits_match_models`)."""
+    path = model_path(name)
+    ids = [hf_encode(path, prompt) for prompt in prompts]
+    assert_logits_match_models(rows, _hf_model(path)[0], _hf_model_float64(path), ids, name)
+
+
+def assert_logits_match_models(
+    rows: torch.Tensor, model, exact_model, prompts: list[list[int]], label: str
+) -> None:
+    """Our float32 last-token logits (one row per prompt, token ids) against an HF model's
+    (`model` in float32, `exact_model` the same weights in float64).
 
     The tolerance is float32's accumulation-order noise for this model on this machine: how far
     HF's own float32 logits are from its float64 ones, at most over the prompts. Two float32
@@ -208,21 +235,22 @@ def assert_logits_match_hf(rows: torch.Tensor, name: str, prompts: list[str | li
     leaves room for the tail. The argmax must be HF's wherever float64's top two are further
     apart than that.
     """
-    path = model_path(name)
     exact = []
     noise = 0.0
     for prompt in prompts:
-        ids = torch.tensor([hf_encode(path, prompt)])
+        ids = torch.tensor([prompt])
         with torch.inference_mode():
-            exact.append(_hf_model_float64(path)(ids).logits[0, -1])
-        noise = max(noise, (hf_last_logits(name, prompt).double() - exact[-1]).abs().max().item())
+            exact.append(exact_model(ids).logits[0, -1])
+            single = model(ids).logits[0, -1].double()
+        noise = max(noise, (single - exact[-1]).abs().max().item())
     atol = 4 * noise
+    assert len(rows) == len(exact), (len(rows), len(exact))
     for i, (row, want) in enumerate(zip(rows, exact)):
         diff = (row.double() - want).abs().max().item()
-        assert diff <= atol, f"{name} prompt {i}: logits off by {diff:.3g} > {atol:.3g}"
+        assert diff <= atol, f"{label} prompt {i}: logits off by {diff:.3g} > {atol:.3g}"
         top2 = want.topk(2).values
         if (top2[0] - top2[1]).item() > atol:
-            assert row.argmax().item() == want.argmax().item(), f"{name} prompt {i}: argmax"
+            assert row.argmax().item() == want.argmax().item(), f"{label} prompt {i}: argmax"
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -139,7 +139,9 @@ def test_every_status_a_kernel_returns_is_checked_by_its_wrapper():
     status_kernels = {
         name
         for name, restype in abi.RESTYPES.items()
-        if restype is ctypes.c_int and not name.startswith("minisgl_has_")
+        if restype is ctypes.c_int
+        and not name.startswith("minisgl_has_")
+        and name not in abi.ANSWERS
     }
     wrappers = sorted(Path(cpu.__file__).parent.glob("*.py"))  # every part of CpuKernels
     trees = [ast.parse(path.read_text()) for path in wrappers]

@@ -58,3 +58,4 @@ def test_the_build_compiles_every_source_and_rebuilds_on_any_change(tmp_path, mo
         assert build._library_tag(build.NATIVE_FLAGS) != tag, copy.name
         copy.write_bytes(text)
     assert build._library_tag(build.NATIVE_FLAGS) == tag
+    assert build._library_tag(build.NATIVE_FLAGS, sanitize=True) != tag

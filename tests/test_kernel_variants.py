@@ -45,16 +45,20 @@ U32, UBF16 = 2.0**-24, 2.0**-8  # unit roundoffs of float32 and bfloat16
 EXP_ULPS = 8  # relative error of a float32 exp, in units of U32 (4 ulps)
 DTYPES = [torch.float32, torch.bfloat16]
 RUNNABLE = [t.name for t in TARGETS if can_run(t)] + ["native"]
-BF16_FORMS = {"avx512-bf16-amx", "native"}  # the variants built with avx512_bf16
-VNNI_FORMS = {"avx512-bf16-amx"}  # and with vpdpbusd (native: where this CPU has it)
+# The variants built with avx512_bf16 (native: where this CPU has it), with vpdpbusd.
+BF16_FORMS = {"avx512-bf16-amx", "avx512-bf16-amx-emulated", "native"}
+VNNI_FORMS = {"avx512-bf16-amx", "avx512-vnni-emulated", "avx512-bf16-amx-emulated"}
 
 
 @functools.cache
 def libraries() -> dict[str, Path]:
-    """Every target's library, built side by side (gcc runs outside the GIL)."""
-    with ThreadPoolExecutor(len(TARGETS)) as pool:
-        paths = list(pool.map(lambda target: build_library(target.flags), TARGETS))
-    return {target.name: path for target, path in zip(TARGETS, paths)}
+    """Every target's library, built side by side (gcc runs outside the GIL); sanitized under
+    MINISGL_CPU_SANITIZE (tests/test_kernel_sanitized.py)."""
+    sanitize = ENV.CPU_SANITIZE.value
+    targets = [t for t in TARGETS if can_run(t) or not sanitize]
+    with ThreadPoolExecutor(len(targets)) as pool:
+        paths = list(pool.map(lambda target: build_library(target.flags, sanitize), targets))
+    return {target.name: path for target, path in zip(targets, paths)}
 
 
 @functools.cache

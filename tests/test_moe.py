@@ -209,8 +209,10 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     dense_gate_up, dense_down = dense_layer.mlp.stacks()
     assert gate_up.quantized is not None and down.quantized is not None
     # int8: a byte a weight and a float32 scale a row; int4 where in_features is a multiple of
-    # 64 (gate_up's 64 here; down's 32 keeps its 4-bit values in bytes): half a byte and a
-    # float16 scale and offset per 32 columns. Rows this short make the scales weigh more.
+    # 64 (gate_up's 64 here; down's 32 keeps its 4-bit values in bytes, which VNNI's tiles hold
+    # in 6 bits): half a byte and a float16 scale and offset per 32 columns. Rows this short
+    # make the scales weigh more. `.weight` is a QuantizedWeight, or on VNNI a TiledWeight:
+    # both dequantize to the same float32 weight.
     assert gate_up.quantized[0].weight.bits == (4 if quantization == "int4" else 8)
     for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
         nibbles = stack.quantized[0].weight.bits == 4

@@ -1,8 +1,9 @@
 """Quantized weights: every layout the kernels take equals dequantize-then-matmul within its
 arithmetic's rounding (exact dequantization, bf16 rounding where the activations are bf16),
-stacked and re-laid-out weights keep their values exactly, and quantized engines agree with the
-dense model: int8/int4 at load, and the default model served from its own Q4_1 GGUF against
-HF's float32 dequantization of the same file."""
+stacked and re-laid-out weights keep their values exactly, and quantized engines in float32 give
+their dequantized weights' logits (HF's float64 on them) within float32's accumulation noise:
+int8/int4 at load, and the default model served from its own Q4_1 GGUF. As quality figures,
+their top-1 agreement with the dense model (bf16 activations, for the GGUF)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ import copy
 import pytest
 import torch
 from helpers import (
+    LONG_TEXT,
     MIXED_PROMPTS,
     assert_all_pages_free,
+    assert_logits_match_hf,
+    assert_logits_match_models,
     bf16_decode_logits,
     build_llm,
     fused_decode_switch,
     greedy,
+    hf_encode,
     hf_logits,
+    spy_logits,
+    tiny_model,
 )
 
 from minisgl.core import SamplingParams
@@ -42,7 +49,23 @@ from minisgl.layers.quantized import (
 )
 
 KERNELS = cpu_kernels()
+
+
+def _tile_kernels() -> CpuKernels | None:
+    """Kernels with the tile layout and AMX: this CPU's, or the emulated Xeon build where it
+    has neither (tests/test_kernel_fuzz.py), so that the tile layout's tests run everywhere."""
+    if KERNELS is None or (KERNELS.has_vnni and KERNELS.has_amx):
+        return KERNELS
+    from test_kernel_fuzz import form
+
+    return form("avx512-bf16-amx-emulated+amx")
+
+
+TILE_KERNELS = _tile_kernels()
 PROMPTS = [p for p in MIXED_PROMPTS if isinstance(p, str)]
+# 80 tokens: a prefill of them all multiplies the quantized weights in the C kernels (up to
+# QUANTIZED_GEMV_MAX_ROWS rows); PROMPTS' 173 take the weights dequantized once per call.
+SHORT_PROMPTS = [p for p in PROMPTS if p != LONG_TEXT]
 
 
 def _layouts(weight: torch.Tensor) -> dict[str, QuantizedWeight]:
@@ -91,21 +114,21 @@ def _layouts(weight: torch.Tensor) -> dict[str, QuantizedWeight]:
     }
 
 
-@pytest.mark.skipif(not KERNELS or not KERNELS.has_vnni, reason="the tile layout needs VNNI")
+@pytest.mark.skipif(not TILE_KERNELS, reason="the C kernels are not built here")
 def test_six_bit_integers_tile_in_six_bits() -> None:
     """8-bit weights whose integers fit -32..31 take 6 bits a weight in the tile layout (the
     int4 method's output head: 0.82 of int8's bytes; Q6_K's groups of 16), the same values."""
     weight = torch.randn(40, 256, generator=torch.Generator().manual_seed(8))
     head = quantize_head(weight, "int4")
     assert head.bits == 8 and head.group == 32 and int(head.values.abs().max()) <= 31
-    projection = QuantizedProjection(head, KERNELS, tiled=True)
+    projection = QuantizedProjection(head, TILE_KERNELS, tiled=True)
     assert projection.weight.bits == 6
     assert projection.weight.values.numel() == 48 * 256 * 6 // 8  # 40 rows in 3 tiles
     lookup = projection.rows(torch.arange(40), torch.float32)
     assert torch.equal(lookup, head.dequantize())
-    assert QuantizedProjection(quantize_head(weight, "int8"), KERNELS).weight.bits == 8
+    assert QuantizedProjection(quantize_head(weight, "int8"), TILE_KERNELS).weight.bits == 8
     q6_k_like = QuantizedWeight(head.values, head.scales.float().repeat(1, 2), None, 8, 16)
-    assert QuantizedProjection(q6_k_like, KERNELS, tiled=True).weight.bits == 6  # 16 columns
+    assert QuantizedProjection(q6_k_like, TILE_KERNELS, tiled=True).weight.bits == 6  # 16 columns
 
 
 def test_narrow_cuts_rows_and_whole_groups_of_columns_exactly() -> None:
@@ -248,14 +271,14 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * scale, msg=name)
 
 
-@pytest.mark.skipif(not KERNELS or not KERNELS.has_vnni, reason="the tile layout needs VNNI")
+@pytest.mark.skipif(not TILE_KERNELS, reason="the C kernels are not built here")
 def test_int8_activations_stay_close_to_the_exact_product() -> None:
     """On rows whose magnitudes span 100x: up to TILED_PRECISE_MAX_ROWS rows the tiled product
     is within bf16's rounding of the exact one; above, rounding the activations to int8 per 32
     columns (llama.cpp's Q8_0) costs under 1%."""
     gen = torch.Generator().manual_seed(5)
     weight = quantize_int4(torch.randn(64, 512, generator=gen), 32)
-    projection = QuantizedProjection(weight, _without_amx(KERNELS), tiled=True)
+    projection = QuantizedProjection(weight, _without_amx(TILE_KERNELS), tiled=True)
     for rows, bound in ((TILED_PRECISE_MAX_ROWS, 2**-8), (TILED_PRECISE_MAX_ROWS + 1, 0.01)):
         x = (torch.randn(rows, 512, generator=gen) * torch.logspace(-1, 1, 512)).bfloat16()
         got = projection(x, torch.empty(0), None).float()
@@ -264,7 +287,7 @@ def test_int8_activations_stay_close_to_the_exact_product() -> None:
         assert relative < bound, (rows, relative)
 
 
-@pytest.mark.skipif(not KERNELS or not KERNELS.has_amx, reason="SiLU fused on the AMX tiles")
+@pytest.mark.skipif(not TILE_KERNELS, reason="the C kernels are not built here")
 def test_gated_projection_fuses_silu_on_amx() -> None:
     """A gate_up weight ([gate; up]) on AMX gives silu(gate) * up straight from its matmul, from
     QUANTIZED_AMX_MIN_ROWS rows up to a prefill's (the whole weight dequantized, gate and up
@@ -272,7 +295,7 @@ def test_gated_projection_fuses_silu_on_amx() -> None:
     gen = torch.Generator().manual_seed(6)
     inter = 48
     for name, qweight in _layouts(torch.randn(2 * inter, 256, generator=gen)).items():
-        projection = QuantizedProjection(qweight, KERNELS, gated=True)
+        projection = QuantizedProjection(qweight, TILE_KERNELS, gated=True)
         assert projection.gated, name
         dense = qweight.dequantize().bfloat16().float()
         assert projection.silu_and_mul(torch.randn(QUANTIZED_AMX_MIN_ROWS - 1, 256)) is None
@@ -329,14 +352,57 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     return sum(x == y for x, y in pairs) / len(pairs), len(pairs)
 
 
+def _hf_dequantized(model: str, method: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """HF's model of the named test model with every weight that `method` quantizes at load
+    replaced by its dequantization (projections and experts by `quantize`, the output head, and
+    with it a tied embedding, by `quantize_head`; routers, norms and an untied embedding
+    dense): (float32, float64)."""
+    from transformers import AutoModelForCausalLM
+
+    # Eager experts: transformers' grouped matmul takes no float64.
+    kw = {"experts_implementation": "eager"} if "moe" in model else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model(model)), dtype=torch.float32, **kw)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear):  # a MoE router is not one
+                method_of = quantize_head if name == "lm_head" else quantize
+                qweight = method_of(module.weight, method)
+                if qweight is not None:
+                    module.weight.copy_(qweight.dequantize())
+            for stack in ("gate_up_proj", "down_proj"):  # the experts [E, N, K], per expert
+                experts = getattr(module, stack, None)
+                if isinstance(experts, torch.nn.Parameter) and experts.dim() == 3:
+                    for expert in experts:
+                        qweight = quantize(expert, method)
+                        assert qweight is not None
+                        expert.copy_(qweight.dequantize())
+    hf.eval()
+    return hf, copy.deepcopy(hf).double()
+
+
 @pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
 def test_quantized_at_load_agrees_with_the_dense_model(model: str) -> None:
-    """Top-1 prefill agreement with the same model dense (a MoE model's experts quantized
-    too); greedy decode runs and the page accounting holds."""
+    """The quantized model's float32 logits are the dequantized weights' (HF's float64 on
+    them) within float32's accumulation noise, on every CPU class (float32 activations meet
+    the weight dequantized exactly, whatever the layout); and as a quality figure, top-1
+    prefill agreement with the same model dense (a MoE model's experts quantized too). Greedy
+    decode runs and the page accounting holds."""
     torch.set_num_threads(2)
     top1 = {}
+    batches = [PROMPTS, SHORT_PROMPTS]
     for quantization in (None, "int8", "int4-g32"):
         llm = build_llm(model, quantization=quantization)  # float32: quantization alone differs
+        if quantization is not None:
+            # PROMPTS' prefill takes the weights dequantized once per call; then their prefixes
+            # are cached and SHORT_PROMPTS' last tokens meet the weights in the C kernels.
+            prefill = spy_logits(llm, "prefill")
+            for prompts in batches:
+                llm.generate(prompts, greedy(1))
+            assert len(prefill) == len(batches), "each batch fits one prefill"
+            reference = _hf_dequantized(model, quantization)
+            for rows, prompts in zip(prefill, batches):
+                ids = [hf_encode(model, prompt) for prompt in prompts]
+                assert_logits_match_models(rows, *reference, ids, f"{model} {quantization}")
         top1[quantization] = _prompt_top1(llm)
         assert llm.generate(PROMPTS[:2], greedy(8))[0]["token_ids"]
         assert_all_pages_free(llm)
@@ -352,12 +418,22 @@ def test_quantized_at_load_agrees_with_the_dense_model(model: str) -> None:
 
 
 def test_default_model_served_from_its_gguf_agrees_with_hf() -> None:
-    """The default model from its Q4_1 GGUF, quantized as the file holds it (bf16
-    activations), against HF float32 on the same file's dequantized weights: top-1 prefill
-    agreement >= 95%; greedy decode runs through the fused layers and the page accounting
-    holds."""
+    """The default model from its Q4_1 GGUF, quantized as the file holds it, against HF on the
+    same file's dequantized weights (the default model's folder): in float32, the logits within
+    float32's accumulation noise of HF's float64 (every CPU class: float32 activations meet the
+    weights dequantized exactly); with bf16 activations, as a quality figure, top-1 prefill
+    agreement with HF's float32 >= 95%, greedy decode through the fused layers, and the page
+    accounting holds."""
     torch.set_num_threads(2)
     from minisgl.llm import LLM
+
+    exact = LLM(None, dtype=torch.float32, num_page_override=512, overlap_schedule=False)
+    assert exact.config.quantization == "gguf"
+    prefill = spy_logits(exact, "prefill")
+    exact.generate(SHORT_PROMPTS, greedy(1))
+    exact.shutdown()
+    assert len(prefill) == 1, "all prompts fit one prefill batch"
+    assert_logits_match_hf(prefill[0], "smollm2", SHORT_PROMPTS)
 
     llm = LLM(None, num_page_override=512)
     assert llm.config.quantization == "gguf"

@@ -63,3 +63,15 @@ def test_radix_eviction_policy_reaches_the_engine(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--radix-eviction-policy", "random"])
     assert "--radix-eviction-policy" in capsys.readouterr().err
+
+
+def test_request_limit_flags_parse(capsys) -> None:
+    """--max-batch-prompts (sequences per request, >= 1) and --grammar-compile-timeout
+    (seconds; 0 or less: no limit) with their defaults."""
+    defaults = parse_args([])
+    assert (defaults.max_batch_prompts, defaults.grammar_compile_timeout) == (1024, 10.0)
+    args = parse_args(["--max-batch-prompts", "8", "--grammar-compile-timeout", "0"])
+    assert (args.max_batch_prompts, args.grammar_compile_timeout) == (8, 0.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--max-batch-prompts", "0"])
+    assert "--max-batch-prompts" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import threading
+import time
 
 import httpx
 import psutil
@@ -16,9 +17,16 @@ import pytest
 from helpers import tiny_model
 from test_server import metrics, start_server, wait_for
 
+from minisgl.utils.faults import STALL_S
+
 ARGS = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len", "1024"]
-# Each site fails the request whose text carries its marker (see minisgl.utils.faults).
-FAULTS = "tokenize:@@tok@@;detokenize:@@detok@@;schedule:@@sched@@;crash:@@crash@@"
+# Each site fails the request whose text carries its marker (see minisgl.utils.faults);
+# compile_stall holds a constraint's compile for STALL_S, past the faulty server's time limit.
+FAULTS = (
+    "tokenize:@@tok@@;detokenize:@@detok@@;schedule:@@sched@@;crash:@@crash@@;"
+    "compile_stall:@@stall@@"
+)
+COMPILE_TIMEOUT_S = 1
 GOOD_TOKENS = 48
 
 
@@ -56,7 +64,8 @@ class Stream(threading.Thread):
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    server = start_server(tiny_model("qwen3"), ARGS, log, env={"MINISGL_FAULT_INJECT": FAULTS})
+    args = [*ARGS, "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)]
+    server = start_server(tiny_model("qwen3"), args, log, env={"MINISGL_FAULT_INJECT": FAULTS})
     yield server
     server.stop(signal.SIGKILL if server.proc.poll() is None else signal.SIGTERM)
 
@@ -119,6 +128,58 @@ def test_injected_faults_fail_only_their_request(faulty):
         what="the failed requests' pages to be freed",
     )
     assert settled["minisgl_num_requests_waiting"] == 0
+
+
+def test_slow_grammar_compile_fails_alone_and_later_compiles_go_on(faulty):
+    """A constraint whose compile stalls (STALL_S, past --grammar-compile-timeout) fails alone
+    with a 400 naming the limit, at the limit; constrained requests beside it and after it are
+    compiled meanwhile, on other threads, while the stalled compile is still running."""
+    plain = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    choice = {**plain, "guided_choice": ["cat", "dog"]}
+    digits = {**plain, "guided_regex": "[0-9]{3}"}
+    stalled = {**plain, "guided_regex": "@@stall@@[0-9]"}
+    native_stalled = {"text": "Hi", "sampling_params": {"regex": "[a-z]@@stall@@"}}
+
+    async def timed(http: httpx.AsyncClient, path: str, body: dict) -> tuple[int, dict, float]:
+        r = await http.post(path, json=body)
+        return r.status_code, r.json(), time.monotonic() - start
+
+    async def run() -> list[list[tuple[int, dict, float]]]:
+        async with httpx.AsyncClient(base_url=faulty.url, timeout=60) as http:
+            # The first constraint builds the compiler's vocabulary (~0.6 s) before any compile.
+            assert (await http.post("/v1/completions", json=choice)).status_code == 200
+            nonlocal start
+            start = time.monotonic()
+            beside = await asyncio.gather(
+                timed(http, "/v1/completions", stalled),
+                *(timed(http, "/v1/completions", b) for b in (choice, digits, plain)),
+            )
+            after = await asyncio.gather(  # past the limit, the stalled compile still running
+                timed(http, "/generate", native_stalled),
+                timed(http, "/v1/completions", digits),
+            )
+        return [beside, after]
+
+    start = 0.0
+    beside, after = asyncio.run(run())
+    for status, body, _ in (beside[0], after[0]):
+        assert status == 400, body
+        error = body["error"]
+        assert (error["code"], error["type"]) == (
+            "grammar_compile_timeout",
+            "invalid_request_error",
+        )
+        assert f"--grammar-compile-timeout={COMPILE_TIMEOUT_S}s" in error["message"], error
+    # Failed at the limit, not once the stall was over.
+    assert COMPILE_TIMEOUT_S <= beside[0][2] < STALL_S, beside[0]
+    for status, body, elapsed in (*beside[1:], after[1]):
+        assert status == 200, body
+        # Done while the first stalled compile still runs: nothing queued behind it.
+        assert elapsed < STALL_S, (body, elapsed)
+    texts = [body["choices"][0]["text"] for _, body, _ in (beside[1], beside[2], after[1])]
+    assert texts[0] in ("cat", "dog") and re.fullmatch("[0-9]{3}", texts[1]), texts
+    assert re.fullmatch("[0-9]{3}", texts[2]), texts
+    assert httpx.get(f"{faulty.url}/health").json() == {"status": "ok"}
 
 
 def test_zz_engine_failure_ends_open_requests_and_exits(faulty):

@@ -30,7 +30,8 @@ VOCAB = 49152  # SmolLM2's
 
 class FakePipeline(threading.Thread):
     """Answers TokenizeMsgs by their prompt: "reject" -> an ErrorMsg before acceptance (an
-    over-context prompt), "fail" -> accepted, one piece of text, then a request_failed error,
+    over-context prompt), "busy" -> a server_busy one (grammar compiles stuck past their time
+    limit), "fail" -> accepted, one piece of text, then a request_failed error,
     "hang" -> accepted and nothing more, anything else -> accepted, "ok", finished."""
 
     def __init__(self, addrs: ZmqAddresses) -> None:
@@ -61,6 +62,8 @@ class FakePipeline(threading.Thread):
             return [
                 ErrorMsg(msg.rid, "the prompt has 600 tokens", "prompt", "context_length_exceeded")
             ]
+        if "busy" in prompt:
+            return [ErrorMsg(msg.rid, "compiles are stuck", "structured", "server_busy")]
         accepted = AcceptedMsg(msg.rid, 3)
         if "fail" in prompt:
             return [
@@ -140,6 +143,10 @@ def test_pipeline_errors_map_to_http_answers(app):
     chat = {"messages": [{"role": "user", "content": "reject"}], "max_completion_tokens": 4}
     r = app.http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # Refused for now (too many grammar compiles past their limit): 503, try again later.
+    body = completion(app, "busy")
+    assert body["status"] == 503, body
+    assert (body["error"]["code"], body["error"]["type"]) == ("server_busy", "server_error")
     # Failed after acceptance: 500 server_error, or in a stream an error event then [DONE].
     body = completion(app, "fail")
     assert body["status"] == 500, body
@@ -335,3 +342,42 @@ def test_health_generate_runs_a_token_through_the_pipeline(app):
     app.frontend.fail_all_threadsafe("the scheduler process died")
     r = app.http.get("/health_generate")
     assert r.status_code == 503 and r.json()["status"] == "unhealthy"
+
+
+# Requests past --max-batch-prompts (1,024 sequences, prompts x n, by default): a 400 naming
+# the limit, before anything is tokenized.
+TOO_MANY = [
+    ("/v1/completions", {"prompt": ["x"] * 10_000}, "prompt", 10_000),
+    ("/v1/completions", {"prompt": [[1, 2]] * 10_000}, "prompt", 10_000),
+    ("/v1/completions", {"prompt": ["x"] * 100, "n": 11}, "n", 1_100),
+    ("/generate", {"text": ["x"] * 10_000}, "text", 10_000),
+    (
+        "/generate",
+        {"input_ids": [[1]] * 10_000, "sampling_params": [{}] * 10_000},
+        "input_ids",
+        10_000,
+    ),
+    ("/generate", {"text": ["x"] * 600, "sampling_params": {"n": 2}}, "sampling_params.n", 1_200),
+    ("/generate", {"text": ["x"] * 2, "sampling_params": [{"n": 64}] * 17}, "sampling_params", 0),
+]
+
+
+def test_batches_past_max_batch_prompts_are_refused_before_tokenization(app):
+    for path, body, param, sequences in TOO_MANY:
+        r = app.http.post(path, json=body)
+        assert r.status_code == 400, (path, param, r.text[:300])
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_value"), (path, error)
+        if sequences:
+            assert error["type"] == "invalid_request_error"
+            assert f"asks for {sequences} sequences" in error["message"], error
+            assert "--max-batch-prompts 1024" in error["message"], error
+        assert app.frontend._tracked == {}
+    assert app.pipeline.take_received() == []  # nothing reached the tokenizer
+    # At the limit: served (16 prompts x n = 64, and 16 x 64 on /generate: 1,024 each).
+    r = app.http.post("/v1/completions", json={"prompt": ["x"] * 16, "n": 64, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1024
+    body = {"text": ["x"] * 16, "sampling_params": [{"n": 64}] * 16}
+    r = app.http.post("/generate", json=body)
+    assert r.status_code == 200 and len(r.json()) == 1024
+    assert len(app.pipeline.take_received()) == 2048

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -15,7 +17,9 @@ from helpers import assert_all_pages_free, build_llm
 from structured_schemas import SCHEMAS
 from test_logprobs import tiny_server
 
-from minisgl.core import SamplingParams, StructuredOutput
+from minisgl.core import Req, RequestError, SamplingParams, StructuredOutput
+from minisgl.scheduler import grammar
+from minisgl.scheduler.grammar import CompileBusy, CompilePool, CompileTimeout
 
 server = pytest.fixture(scope="module", name="server")(tiny_server)
 
@@ -120,3 +124,126 @@ def test_sglang_generate_constraints(server) -> None:
         body = {"text": "x", "sampling_params": {"max_new_tokens": 16, **params}}
         text = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["text"]
         assert check(text), (params, text)
+
+
+def test_compile_pool_replaces_stuck_compiles_up_to_a_bound() -> None:
+    """A compile past the limit fails its job alone and a fresh thread takes its place, so later
+    compiles never queue behind it; at most workers + max_stuck threads exist, and with every
+    one held by a stuck compile, queued jobs and new submissions fail (CompileBusy) rather than
+    wait. (Deterministic: "hang" compiles block on an event; the server-side test is
+    test_server_lifecycle.py's.)"""
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def compile(spec: str) -> str:
+        if spec == "hang":
+            started.release()
+            release.wait(30)
+        if spec == "bad":
+            raise ValueError("bad spec")
+        return spec.upper()
+
+    def expire_after(limit_s: float) -> None:
+        time.sleep(limit_s + 0.05)
+        pool.expire()
+
+    pool = CompilePool(compile, timeout_s=0.2, workers=2, max_stuck=2)
+    try:
+        assert pool.threads == 2
+        hang = pool.submit("hang")
+        assert started.acquire(timeout=10)
+        assert pool.submit("a").result(10) == "A"  # the other thread, while one hangs
+        with pytest.raises(ValueError, match="bad spec"):
+            pool.submit("bad").result(10)
+        expire_after(0.2)
+        with pytest.raises(CompileTimeout):
+            hang.result(0)
+        assert (pool.stuck, pool.threads) == (1, 3)  # replaced: two healthy threads again
+        assert pool.submit("b").result(10) == "B"
+        hang = pool.submit("hang")
+        assert started.acquire(timeout=10)
+        expire_after(0.2)
+        assert (pool.stuck, pool.threads) == (2, 4)
+        # At the bound (max_stuck = 2): refused at once, nothing queued behind the stuck ones.
+        with pytest.raises(CompileBusy):
+            pool.submit("c")
+        release.set()  # the stuck compiles return: their threads end, submissions work again
+        wait_until(lambda: pool.stuck == 0)
+        assert pool.threads == 2
+        assert pool.submit("d").result(10) == "D"
+
+        # Every thread held by a stuck compile: the job queued behind them fails, not waits.
+        release.clear()
+        hangs = [pool.submit("hang") for _ in range(4)]
+        queued = pool.submit("e")
+        for _ in range(2):
+            assert started.acquire(timeout=10)
+        expire_after(0.2)  # two stuck; two fresh threads take the other two hangs
+        for _ in range(2):
+            assert started.acquire(timeout=10)
+        expire_after(0.2)  # four stuck = workers + max_stuck threads: none left for "e"
+        assert (pool.stuck, pool.threads) == (4, 4)
+        with pytest.raises(CompileBusy):
+            queued.result(0)
+        for future in hangs:
+            with pytest.raises(CompileTimeout):
+                future.result(0)
+        release.set()
+        wait_until(lambda: pool.stuck == 0)
+        assert pool.submit("f").result(10) == "F"
+    finally:
+        release.set()
+        pool.close()
+    wait_until(lambda: pool.threads == 0)  # closed: every thread ends
+
+
+def test_grammar_queue_reports_a_timeout_then_refuses_when_busy() -> None:
+    """What the scheduler gets: a timed-out compile fails its request (code
+    grammar_compile_timeout, the flag and its value in the message: a 400), and at the bound a
+    new constrained request is refused (RequestError, code server_busy: a 503)."""
+    from helpers import tiny_model
+
+    from minisgl.tokenizer import load_tokenizer
+
+    release = threading.Event()
+    queue = grammar.GrammarQueue(load_tokenizer(str(tiny_model("qwen3"))), 49152, 0.1)
+    queue.close()
+    queue._pool = CompilePool(lambda spec: release.wait(30), 0.1, workers=1, max_stuck=1)
+
+    def req(uid: int) -> Req:
+        sp = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "[0-9]"))
+        return Req(uid, torch.tensor([1, 2]), sp, prompt_len=2, max_device_len=6)
+
+    try:
+        queue.add(req(0))
+        time.sleep(0.2)
+        compiled, failed = queue.ready()
+        assert compiled == [] and [(r.uid, code) for r, _, code in failed] == [
+            (0, grammar.TIMEOUT_CODE)
+        ]
+        assert "--grammar-compile-timeout=0.1s" in failed[0][1], failed
+        assert queue.pending == {}
+        with pytest.raises(RequestError) as refused:
+            queue.add(req(1))
+        assert refused.value.code == grammar.BUSY_CODE and refused.value.param == "structured"
+        assert "--grammar-compile-timeout=0.1s" in str(refused.value)
+    finally:
+        release.set()
+        queue.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_compile_pool_without_a_limit_never_gives_up() -> None:
+    pool = CompilePool(lambda spec: time.sleep(0.3) or spec, timeout_s=0)
+    try:
+        future = pool.submit("x")
+        time.sleep(0.35)
+        pool.expire()
+        assert future.result(10) == "x" and pool.stuck == 0
+    finally:
+        pool.close()

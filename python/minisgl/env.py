@@ -57,8 +57,12 @@ class _Env:
         # activations (weight-only arithmetic, slower).
         self.CPU_INT8_ACTIVATIONS = EnvVar("CPU_INT8_ACTIVATIONS", True, _parse_bool)
         # The C kernels' instruction set: "native" (-march=native) or a kernel.build.TARGETS name,
-        # e.g. x86-64-v3 to run this machine as an AVX2-only one.
+        # e.g. x86-64-v3 to run this machine as an AVX2-only one, or avx512-bf16-amx-emulated
+        # to run it as a Xeon with AMX (slowly: for tests).
         self.CPU_TARGET = EnvVar("CPU_TARGET", "native", str)
+        # The C kernels built under ASan and UBSan (the process must start with
+        # LD_PRELOAD=$(gcc -print-file-name=libasan.so); tests/test_kernel_sanitized.py).
+        self.CPU_SANITIZE = EnvVar("CPU_SANITIZE", False, _parse_bool)
         self.LOG_LEVEL = EnvVar("LOG_LEVEL", "INFO", str)
         # Tensor parallelism: seconds a rank waits in one step's collective (or for the ranks
         # to start) before it gives up, so that a dead or stuck rank never hangs the others.

@@ -17,6 +17,22 @@ MAX_NORM_HIDDEN, MAX_INTERMEDIATE, MAX_GROUP = 8192, 16384, 32
 OK, ERR_NOMEM, ERR_SHAPE, ERR_UNSUPPORTED, ERR_POSITION = 0, 1, 2, 3, 4
 # The dtypes the kernels take, by their C code (kernels.h: 0 float32, 1 bfloat16).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The quantized matmul's paths, in kernels.h's QPATH_* order (minisgl_quantized_path).
+QUANTIZED_PATHS = (
+    "generic",
+    "avx512-f32",
+    "avx512-nibbles",
+    "avx512-wide",
+    "avx512-bf16-block",
+    "avx512-packed",
+    "avx2-rows",
+    "avx2-int16",
+    "avx2-tile",
+    "tiled-f32",
+    "tiled-precise",
+    "tiled-int8",
+    "tiled-amx",
+)
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -28,6 +44,7 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_fail_allocations": [_i64],
     "minisgl_has_avx512_bf16": [],
     "minisgl_has_avx2": [],
+    "minisgl_has_avx512": [],
     "minisgl_has_amx": [],
     "minisgl_has_vnni": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
@@ -61,16 +78,22 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_decode_layer_end": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_int],
     "minisgl_packed_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "minisgl_quantized_fits": [_i64, _i64, _i64, _i64],
+    "minisgl_quantized_path": [_ptr, _i64, _i64, _int],
+    "minisgl_quantized_path_runs": [_ptr],
     "minisgl_quantized_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int, _int],
     "minisgl_quantized_rows": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
     "minisgl_quantized_gated_silu": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "minisgl_quantized_packed": [_ptr, _ptr, _i64, _i64, _int, _int],
 }
+# The exports whose int result is an answer (a feature, a fit, a path), not a status.
+ANSWERS = frozenset({"minisgl_quantized_fits", "minisgl_quantized_path"})
 # None: void. The int results of the kernels that can fail are status codes (`check_status`).
 RESTYPES: dict[str, type | None] = {
     "minisgl_fail_allocations": None,
     "minisgl_has_avx512_bf16": _int,
     "minisgl_has_avx2": _int,
+    "minisgl_has_avx512": _int,
     "minisgl_has_amx": _int,
     "minisgl_has_vnni": _int,
     "minisgl_gemv_bf16": None,
@@ -99,6 +122,9 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_quantized_rows": _int,
     "minisgl_quantized_gated_silu": _int,
     "minisgl_quantized_packed": _int,
+    "minisgl_quantized_fits": _int,
+    "minisgl_quantized_path": _int,
+    "minisgl_quantized_path_runs": None,
 }
 
 

@@ -70,7 +70,8 @@ def cpu_kernels() -> CpuKernels | None:
         logger.warning("CPU kernels: gcc not found; using the PyTorch fallbacks")
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(target_flags(ENV.CPU_TARGET.value)))))
+        flags = target_flags(ENV.CPU_TARGET.value)
+        return CpuKernels(ctypes.CDLL(str(_build(flags, sanitize=ENV.CPU_SANITIZE.value))))
     except (OSError, RuntimeError) as exc:
         logger.warning("CPU kernels unavailable, using the PyTorch fallbacks: %s", exc)
         return None

@@ -22,6 +22,8 @@ class KernelLibrary:
         self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
         # AVX2 + FMA: the quantized row layout's float32 kernels (csrc/quantized_avx2.c).
         self.has_avx2 = bool(lib.minisgl_has_avx2())
+        # AVX-512 F/BW/VL/DQ (natively or emulated): the 512-bit forms of every kernel.
+        self.has_avx512 = bool(lib.minisgl_has_avx512())
         # vpdpbusd: quantized weights take the tile layout and int8 activations (quant_tiles.py).
         self.has_vnni = bool(lib.minisgl_has_vnni())
         # Built with the tile instructions and granted the tile state by the kernel.

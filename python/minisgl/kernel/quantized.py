@@ -10,6 +10,7 @@ import torch
 
 from minisgl.kernel.abi import (
     DTYPE_CODES,
+    QUANTIZED_PATHS,
     QuantizedWeightParams,
     check_status,
     output_rows,
@@ -23,6 +24,21 @@ from minisgl.kernel.threads import kernel_threads
 # int8 products: from 10 rows the dequantization, shared by every row, costs less than a
 # product per row (csrc/internal.h's QUANTIZED_AMX_MIN_ROWS; benchmark/kernels_quantized.py).
 QUANTIZED_AMX_MIN_ROWS = 10
+
+
+def quantized_fits(bits: int, group: int, in_features: int, tiled: bool) -> bool:
+    """Whether the kernels take a quantized weight of this layout: csrc/quantized.c's
+    minisgl_quantized_fits, which every quantized kernel checks (tests/test_kernel_fuzz.py holds
+    the two equal). Row layout: 8 bits in groups of 16s, 4 bits in 64-column blocks with groups
+    of 32 or of 64s; the tile layout also whole 32-column blocks, and 6 bits in groups of 16s."""
+    if in_features <= 0 or group <= 0 or in_features % group:
+        return False
+    if tiled and bits == 6:
+        return group % 16 == 0 and in_features % 32 == 0
+    rows_fit = (bits == 8 and group % 16 == 0) or (
+        bits == 4 and in_features % 64 == 0 and (group == 32 or group % 64 == 0)
+    )
+    return rows_fit and (not tiled or in_features % 32 == 0)
 
 
 def quantized_weight_params(
@@ -54,6 +70,26 @@ def quantized_weight_params(
 
 class QuantizedKernels(KernelLibrary):
     """x @ W^T and row lookups for quantized weights (float32 or bfloat16 activations)."""
+
+    def quantized_fits(self, bits: int, group: int, in_features: int, tiled: bool) -> bool:
+        """The C kernels' own fit rule (module-level quantized_fits is its mirror)."""
+        return bool(self.lib.minisgl_quantized_fits(bits, group, in_features, int(tiled)))
+
+    def quantized_path(
+        self, weight: QuantizedWeightParams, rows: int, in_features: int, dtype: torch.dtype
+    ) -> str | None:
+        """The path (abi.QUANTIZED_PATHS) quantized_linear takes for `rows` rows of x in `dtype`
+        against `weight`; None where it takes none (a shape it refuses)."""
+        path = self.lib.minisgl_quantized_path(
+            ctypes.byref(weight), rows, in_features, DTYPE_CODES[dtype]
+        )
+        return None if path < 0 else QUANTIZED_PATHS[path]
+
+    def quantized_path_runs(self) -> dict[str, int]:
+        """How many quantized_linear calls took each path since this library loaded."""
+        runs = (ctypes.c_int64 * len(QUANTIZED_PATHS))()
+        self.lib.minisgl_quantized_path_runs(runs)
+        return dict(zip(QUANTIZED_PATHS, runs))
 
     def quantized_linear(
         self,

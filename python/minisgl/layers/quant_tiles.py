@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant_weight import QuantizedWeight
+from .quant_weight import QuantizedWeight, dequantize_groups
 
 TILE_ROWS = 16
 
@@ -48,6 +48,51 @@ class TiledWeight:
         """Bytes held: values, scales and mins (padding rows included)."""
         tensors = [self.values, self.scales] + ([] if self.mins is None else [self.mins])
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def integers(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integers as int16 [N, K] in column order, as the source QuantizedWeight's
+        `integers()` gives them (4 bits: 0..15; 6 and 8 bits: signed), padding rows dropped
+        (only `rows`, a tensor of row indices, where given)."""
+        cols = self.in_features
+        if self.bits == 8:  # [tiles, K/4, 16 l, 4 i]: byte 4l+i of quad q
+            quads = self._per_row(self.values.view(-1, cols // 4, TILE_ROWS, 4), 2, rows)
+            return quads.reshape(quads.shape[0], cols).to(torch.int16) - 128
+        vectors = self.values.shape[2]  # 4, or 6 (two more: the top 2 bits)
+        # [tiles, K/32 c, vectors, 16 l, 4 i] -> [R, c, vectors, 4 i]
+        lanes = self._per_row(self.values.view(-1, cols // 32, vectors, TILE_ROWS, 4), 3, rows)
+        packed = lanes[:, :, :4]  # [R, c, 4 j, 4 i]: columns 4j+i low, 16+4j+i high
+        ints = torch.stack((packed & 15, packed >> 4), dim=2)  # [R, c, 2 h, 4 j, 4 i]
+        if self.bits == 6:  # byte i of vector 4 + h: column 16h+4j+i's top 2 bits at 2j
+            crumbs = lanes[:, :, 4:6]  # [R, c, 2 h, 4 i]
+            tops = torch.stack([(crumbs >> 2 * j) & 3 for j in range(4)], dim=3)
+            ints = ints | (tops << 4)
+        ints = ints.reshape(lanes.shape[0], cols).to(torch.int16)
+        return ints - 32 if self.bits == 6 else ints
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [N, K], padding rows dropped (only `rows`, a tensor of row
+        indices, where given): QuantizedWeight.dequantize's values, bit for bit."""
+        scales = self._per_row(self.scales, 2, rows)
+        mins = None if self.mins is None else self._per_row(self.mins, 2, rows)
+        return dequantize_groups(self.integers(rows), scales, mins, self.group)
+
+    def _per_row(
+        self, table: torch.Tensor, lane_dim: int, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`table` [tiles, ..., 16 (dim lane_dim), ...] as [N (or len(rows)), ...]: row
+        16t + l's entries first (negative indices count from out_features, as a tensor's do;
+        padding rows are out of range)."""
+        count = self.out_features
+        if rows is None:
+            per_row = table.movedim(lane_dim, 1)
+            return per_row.reshape(-1, *per_row.shape[2:])[:count]
+        index = rows.reshape(-1).long()
+        if index.numel() and (int(index.min()) < -count or int(index.max()) >= count):
+            bad = index[(index < -count) | (index >= count)][0]
+            raise IndexError(f"TiledWeight: row {int(bad)} is out of range for {count} rows")
+        index = torch.where(index < 0, index + count, index)
+        between = (slice(None),) * (lane_dim - 1)
+        return table[(index // TILE_ROWS, *between, index % TILE_ROWS)]
 
 
 def _tiled_groups(table: torch.Tensor, tiles: int) -> torch.Tensor:

@@ -80,19 +80,14 @@ class QuantizedWeight:
         """The values as int16 [N, K] in column order (4-bit: unpacked, 0..15)."""
         if self.bits == 8:
             return self.values.to(torch.int16)
-        blocks = self.values.view(self.out_features, -1, NIBBLE_BLOCK // 2).to(torch.int16)
-        return torch.cat((blocks & 15, blocks >> 4), dim=2).view(self.out_features, -1)
+        rows, blocks = self.out_features, self.in_features // NIBBLE_BLOCK
+        packed = self.values.view(rows, blocks, NIBBLE_BLOCK // 2).to(torch.int16)
+        return torch.cat((packed & 15, packed >> 4), dim=2).view(rows, self.in_features)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (only `rows`, a tensor of row indices, where given)."""
-        values = self.integers() if rows is None else self._select(rows).integers()
-        scales = self.scales if rows is None else self.scales[rows]
-        weight = values.float().view(values.shape[0], -1, self.group)
-        weight = weight * scales.float()[:, :, None]
-        if self.mins is not None:
-            mins = self.mins if rows is None else self.mins[rows]
-            weight = weight + mins.float()[:, :, None]
-        return weight.view(values.shape[0], -1)
+        weight = self if rows is None else self._select(rows)
+        return dequantize_groups(weight.integers(), weight.scales, weight.mins, self.group)
 
     def _select(self, rows: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight(
@@ -106,6 +101,18 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """These rows (e.g. a permutation), as a new weight."""
         return self._select(index)
+
+
+def dequantize_groups(
+    integers: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """float32 [N, K] from integers [N, K] and scales (and mins) [N, K // group]: each integer
+    times its group's scale, plus its min, in float32 (every weight layout's one definition)."""
+    rows, cols = integers.shape
+    weight = integers.float().view(rows, cols // group, group) * scales.float()[:, :, None]
+    if mins is not None:
+        weight = weight + mins.float()[:, :, None]
+    return weight.view(rows, cols)
 
 
 def pack_nibbles(integers: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,13 @@ import torch.nn.functional as F
 from minisgl.env import ENV
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
-from minisgl.kernel.quantized import QUANTIZED_AMX_MIN_ROWS, quantized_weight_params
+from minisgl.kernel.quantized import (
+    QUANTIZED_AMX_MIN_ROWS,
+    quantized_fits,
+    quantized_weight_params,
+)
 
-from .quant_tiles import TiledWeight, tile_weight, tiles_fit
+from .quant_tiles import TiledWeight, tile_weight
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
 # Quantized at load: "int8" (a scale per output row), "int4" (a float16 scale and offset per 32
@@ -35,6 +39,10 @@ QUANTIZED_GEMV_MAX_ROWS = 128
 # (csrc/quantized_tiled.c's PRECISE_MAX_ROWS).
 TILED_PRECISE_MAX_ROWS = 16
 
+
+# QuantizedProjection.route's answers: the C kernel, the AMX packed matmul, torch on the
+# weight dequantized.
+ROUTES = ("kernel", "amx-packed", "dequantized")
 
 # A prefill's dequantized weight (row-major, or the packed layout on AMX), per dtype: one buffer
 # for every projection, the largest weight's size.
@@ -97,9 +105,12 @@ class QuantizedProjection:
         """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
         is 0), False keeps the row layout."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
+        layout = (weight.bits, weight.group, weight.in_features)
+        if kernels is not None and not quantized_fits(*layout, tiled=False):
+            kernels = None  # a layout the C kernels refuse: torch multiplies it, dequantized
         self.kernels = kernels
         self.float_out = float_out
-        can_tile = kernels is not None and kernels.has_vnni and tiles_fit(weight)
+        can_tile = kernels is not None and kernels.has_vnni and quantized_fits(*layout, tiled=True)
         if tiled and not can_tile:
             raise ValueError(f"tiled=True: the kernels or in_features {self.in_features} refuse it")
         tiled = can_tile and (ENV.CPU_INT8_ACTIVATIONS.value if tiled is None else tiled)
@@ -119,9 +130,12 @@ class QuantizedProjection:
         # Without bf16 dot products (AVX2, AVX-512 without bf16) the C kernels' float32 tiles
         # take bf16 x at every row count: they beat oneDNN's float32 on a bf16 model's copy, and
         # F.linear on a dequantized bf16 weight would run oneDNN's emulation or PyTorch's loop.
-        self.c_takes_every_row = (
-            kernels is not None and kernels.has_avx2 and not kernels.has_avx512_bf16
-        )
+        # Not the tile layout's int8 products (VNNI without bf16: Ice Lake, Cascade Lake): above
+        # QUANTIZED_GEMV_MAX_ROWS they would round a prefill's x to int8 (Q8_0's precision, 3-4
+        # points of top-1 the other classes keep), so that prefill multiplies the weight
+        # dequantized in float32 instead, as exact as the bf16 classes'.
+        self.no_bf16_dots = kernels is not None and not kernels.has_avx512_bf16
+        self.c_takes_every_row = self.no_bf16_dots and kernels.has_avx2 and not tiled
 
     @functools.cached_property
     def _all_rows(self) -> torch.Tensor:
@@ -160,23 +174,39 @@ class QuantizedProjection:
         """`weight` (the module's emptied parameter) is not read; `out` [rows, out_features]
         takes the result where the C kernel computes it."""
         rows = x.reshape(-1, self.in_features)
+        route = self.route(rows.shape[0], x.dtype)
         kernels = self.kernels
-        on_kernels = kernels is not None and kernels.supports(x.dtype)
-        every_row = self.c_takes_every_row and x.dtype == torch.bfloat16
-        if on_kernels and (rows.shape[0] <= QUANTIZED_GEMV_MAX_ROWS or every_row):
+        if route == "kernel":
             assert kernels is not None
             y = kernels.quantized_linear(
                 rows.contiguous(), self.params, self.shape, bias, self.float_out, out
             )
-        elif self.on_amx and x.dtype == torch.bfloat16 and not self.float_out:
+        elif route == "amx-packed":
             assert kernels is not None
             packed = self._packed(gated=False)
             y = kernels.packed_linear(rows.contiguous(), packed, self.out_features, bias, out=out)
+        elif self.no_bf16_dots and x.dtype == torch.bfloat16:  # float32 products, rounded once
+            wide_bias = None if bias is None else bias.float()
+            y = F.linear(rows.float(), self.dequantized(torch.float32), wide_bias)
+            y = y if self.float_out else y.to(x.dtype)
         else:
             y = F.linear(rows, self.dequantized(rows.dtype), bias)
             if self.float_out:
                 y = y.float()
         return y.view(*x.shape[:-1], self.out_features)
+
+    def route(self, rows: int, dtype: torch.dtype) -> str:
+        """How `rows` rows of x in `dtype` meet the weight (ROUTES): the C quantized matmul
+        (whose own path is kernels.quantized_path), the whole weight dequantized into the AMX
+        packed layout, or dequantized and multiplied by torch (oneDNN)."""
+        kernels = self.kernels
+        on_kernels = kernels is not None and kernels.supports(dtype)
+        every_row = self.c_takes_every_row and dtype == torch.bfloat16
+        if on_kernels and (rows <= QUANTIZED_GEMV_MAX_ROWS or every_row):
+            return "kernel"
+        if self.on_amx and dtype == torch.bfloat16 and not self.float_out:
+            return "amx-packed"
+        return "dequantized"
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight dequantized (an embedding lookup): [len(ids), in]."""

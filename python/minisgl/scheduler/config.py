@@ -27,6 +27,9 @@ class SchedulerConfig(EngineConfig):
     # (None: no tier), and how many GiB of files it may hold there.
     kv_cache_dir: str | None = None
     kv_cache_disk_gb: float = 16.0
+    # Seconds one structured-output constraint may compile (scheduler/grammar.py) before its
+    # request fails; None or <= 0: no limit (the offline LLM's default; the server's is 10).
+    grammar_compile_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

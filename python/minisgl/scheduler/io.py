@@ -129,7 +129,9 @@ class SchedulerIO:
             if rid is None:
                 continue
             if out.finish_reason == "error":
-                code = "request_failed" if out.error_param is None else "invalid_value"
+                code = out.error_code or (
+                    "request_failed" if out.error_param is None else "invalid_value"
+                )
                 msgs.append(ErrorMsg(rid, out.error or "the request failed", out.error_param, code))
                 del self.uid_to_rid[out.uid], self.rid_to_uid[rid]
                 self._started.discard(out.uid)

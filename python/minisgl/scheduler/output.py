@@ -39,6 +39,7 @@ class TokenOutput:
     cached_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
     error_param: str | None = None  # the parameter at fault (a 400), None: its own failure
+    error_code: str | None = None  # None: "invalid_value" with a param, else "request_failed"
     # [logprob, [[alternative id, logprob], ...]] of this token, where the request asked.
     logprobs: list[Any] | None = None
     # The prompt's (first output only): see Req.prompt_logprobs.

@@ -77,9 +77,12 @@ class ResultsMixin:
         if req.finish_reason is not None:
             self._drop(req)
 
-    def _fail(self, req: Req, message: str, param: str | None = None) -> None:
+    def _fail(
+        self, req: Req, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         """End one request with an error; its pages are released as for an abort. param: the
-        parameter at fault (a 400 then), None for the request's own failure."""
+        parameter at fault (a 400 then), None for the request's own failure; code: the error
+        code, where not the default one of either (server/frontend.py `api_error`)."""
         req.finish_reason = "error"
         req.error = message
         self._drop(req)
@@ -87,7 +90,9 @@ class ResultsMixin:
             self.waiting.remove(req)
         cached = req.prompt_cached_tokens
         self._outbox.append(
-            TokenOutput(req.uid, None, "error", cached, error=message, error_param=param)
+            TokenOutput(
+                req.uid, None, "error", cached, error=message, error_param=param, error_code=code
+            )
         )
 
     def _is_in_flight(self, req: Req) -> bool:

@@ -102,8 +102,9 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             if self._tokenizer is None:
                 raise RequestError("structured output needs the model's tokenizer", "structured")
             vocab = self.engine.model_config.vocab_size
-            self.grammars = GrammarQueue(self._tokenizer, vocab)
-        self.grammars.add(req)  # queued once its grammar is compiled
+            timeout = self.config.grammar_compile_timeout_s
+            self.grammars = GrammarQueue(self._tokenizer, vocab, timeout)
+        self.grammars.add(req)  # queued once its grammar is compiled (RequestError: busy)
         return uid
 
     def abort_request(self, uid: int) -> bool:
@@ -170,8 +171,8 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         idle = not (self.waiting or self.running or self.chunked or self._in_flight)
         compiled, failed = self.grammars.ready(0.05 if idle else 0.0)
         self.waiting.extend(compiled)
-        for req, why in failed:
-            self._fail(req, why, "structured")
+        for req, why, code in failed:
+            self._fail(req, why, "structured", code)
 
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
         if self.tp_workers is None:

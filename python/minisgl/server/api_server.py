@@ -29,7 +29,7 @@ from .responses import APIError, ResponseFormatter, new_id, now, total_usage, us
 from .sampling import sample_seed
 from .state import OPEN_PATHS, ServerState
 from .tools import ToolCalls, template_tools
-from .validation import parse_request
+from .validation import check_batch_size, parse_request
 
 logger = init_logger(__name__)
 
@@ -141,6 +141,7 @@ def create_app(state: ServerState) -> FastAPI:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
         check_model(req.model)
         req.check_unsupported()
+        check_batch_size(1, req.n, state.max_batch_prompts, "messages")
         messages = req.chat_messages()
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
@@ -162,6 +163,7 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         req.check_unsupported()
         texts = req.prompts()
+        check_batch_size(len(texts), len(texts) * req.n, state.max_batch_prompts, "prompt")
         # A token-id prompt's text comes back from the detokenizer when echoed.
         prompts = [
             {"text": p} if isinstance(p, str) else {"input_ids": p, "echo": req.echo} for p in texts

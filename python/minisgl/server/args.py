@@ -12,9 +12,12 @@ from minisgl.kvcache import EVICTION_POLICIES
 from minisgl.layers.quantized import QUANTIZATIONS
 
 from .tools import TOOL_CALL_PARSERS
+from .validation import MAX_BATCH_PROMPTS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
+DEFAULT_MAX_BATCH_PROMPTS = MAX_BATCH_PROMPTS
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0
 
 
 @dataclass
@@ -54,6 +57,8 @@ class ServerArgs:
     kv_cache_disk_gb: float = 16.0
     shell_max_tokens: int = 512
     shell_temperature: float = 0.0
+    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments shared by SchedulerConfig and LLM (optional ones only if set)."""
@@ -125,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="context length, at most the model's (default: the model's); "
         "--max-seq-len-override is mini-sglang's spelling, --context-length SGLang's",
+    )
+    p.add_argument(
+        "--max-batch-prompts",
+        type=_positive_int,
+        default=DEFAULT_MAX_BATCH_PROMPTS,
+        metavar="N",
+        help="the most sequences one request may ask for: its prompts (a /v1/completions "
+        "prompt list, a /generate batch) times n, checked before any tokenization; more is a "
+        f"400 (default: {DEFAULT_MAX_BATCH_PROMPTS})",
+    )
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+        metavar="S",
+        help="seconds a structured-output constraint (JSON schema, regex, EBNF) may compile "
+        "before its request fails with a 400, other requests unaffected; 0 or less: no limit "
+        f"(default: {DEFAULT_GRAMMAR_COMPILE_TIMEOUT:g}). A compile cannot be stopped: up to 4 "
+        "past the limit are left running, and while 4 are, constrained requests get a 503",
     )
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
     p.add_argument(

@@ -209,10 +209,12 @@ class FrontendManager:
 
 def api_error(msg: ErrorMsg, param_names: dict[str, str]) -> APIError:
     """The HTTP error for a pipeline's ErrorMsg. Codes "server_error" (the server is going
-    down: 503) and "request_failed" (this request alone failed: 500) are the server's fault;
-    any other is a rejection of the request (400), its pipeline parameter name ("prompt",
-    "max_tokens") renamed to the endpoint's (`param_names`, e.g. "prompt" -> "messages")."""
-    if msg.code == "server_error":
+    down: 503), "server_busy" (too much of something is running to take this request now, e.g.
+    grammar compiles past their time limit: 503, try later) and "request_failed" (this request
+    alone failed: 500) are the server's fault; any other is a rejection of the request (400),
+    its pipeline parameter name ("prompt", "max_tokens") renamed to the endpoint's
+    (`param_names`, e.g. "prompt" -> "messages")."""
+    if msg.code in ("server_error", "server_busy"):
         return APIError(msg.message, status=503, code=msg.code, type="server_error")
     if msg.code == "request_failed":
         return APIError(msg.message, status=500, code=msg.code, type="server_error")

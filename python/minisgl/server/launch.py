@@ -65,6 +65,7 @@ def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         **args.engine_kwargs(),
     )
 
@@ -184,6 +185,7 @@ def launch_server(args: ServerArgs) -> int:
             vocab_size=info.get("vocab_size"),
             server_info=server_info(args, config, info),
             tool_parser=tool_parser_for(args.tool_call_parser, path),
+            max_batch_prompts=args.max_batch_prompts,
         )
         server = uvicorn.Server(
             uvicorn.Config(

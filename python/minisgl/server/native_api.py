@@ -31,7 +31,7 @@ from .native_protocol import (
 from .responses import APIError
 from .sampling import sample_seed
 from .state import ServerState
-from .validation import parse_request
+from .validation import check_batch_size, parse_request
 
 logger = init_logger(__name__)
 
@@ -226,7 +226,11 @@ def register_native_routes(
         req = parse_request(NativeGenerateRequest, await request.body())
         req.check_unsupported()
         param, prompts = req.prompts()
+        limit = state.max_batch_prompts
+        check_batch_size(len(prompts), len(prompts), limit, param)  # before parsing the rest
         sampling = req.sampling(len(prompts))
+        sequences = sum(options.n for options in sampling)
+        check_batch_size(len(prompts), sequences, limit, param, "sampling_params.n")
         logprob_options = req.logprob_options(len(prompts))
         msgs: list[TokenizeMsg] = []
         choices: list[_NativeChoice] = []

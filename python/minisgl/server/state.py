@@ -9,6 +9,7 @@ from typing import Any
 from .frontend import FrontendManager
 from .metrics import ServerMetrics
 from .responses import now
+from .validation import MAX_BATCH_PROMPTS
 
 
 @dataclass
@@ -26,6 +27,8 @@ class ServerState:
     # /get_server_info: the launch arguments and the engine's limits.
     server_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     tool_parser: str = "hermes"  # how tool calls are read from the output (server/tools.py)
+    # The most sub-requests (prompts x n) one HTTP request may make (--max-batch-prompts).
+    max_batch_prompts: int = MAX_BATCH_PROMPTS
 
 
 # Open without the API key (SGLang's rule): liveness, metrics and the version.

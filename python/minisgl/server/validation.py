@@ -17,6 +17,9 @@ logger = init_logger(__name__)
 
 M = TypeVar("M", bound="Strict")
 
+# The most sub-requests (prompts x n) one HTTP request may make: --max-batch-prompts' default.
+MAX_BATCH_PROMPTS = 1024
+
 
 # SGLang request fields and the value at which this server already behaves as they ask (stop
 # strings trimmed, no hidden states, no reasoning parser to separate or stream).
@@ -154,3 +157,20 @@ def parse_object(model: type[M], data: Any, param: str) -> M:
         raise validation_error(exc, param) from None
     _warn_ignored(req, f"{param}.")
     return req
+
+
+def check_batch_size(
+    prompts: int, sequences: int, limit: int, prompt_param: str, n_param: str = "n"
+) -> None:
+    """A 400 naming --max-batch-prompts and the limit when a request asks for more than `limit`
+    sequences (its prompts times n); its param is `prompt_param` where the prompts alone are
+    too many, else `n_param`. Checked before anything is tokenized or queued."""
+    if sequences <= limit:
+        return
+    per = "" if sequences == prompts else f" ({prompts} prompts x n)"
+    raise APIError(
+        f"the request asks for {sequences} sequences{per}, more than this server takes in one "
+        f"request (--max-batch-prompts {limit}); split it into smaller requests",
+        param=prompt_param if prompts > limit else n_param,
+        code="invalid_value",
+    )

@@ -5,15 +5,20 @@
 request there: the tokenizer its prompt text ("tokenize"), the scheduler ("schedule") and the
 detokenizer ("detokenize", at each token) its stop strings. "crash" (the scheduler process, on
 receiving the request; stop strings) raises outside any request's error handling: the engine
-failure that is nobody's request. Unset (the default), `inject` is one comparison.
+failure that is nobody's request. "compile_stall" does not raise: `stall(site, texts)` sleeps
+`STALL_S` where its marker is in a structured-output constraint's spec, so that compile runs past
+a short `--grammar-compile-timeout`. Unset (the default), `inject` and `stall` are one comparison.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
-SITES = ("tokenize", "schedule", "detokenize", "crash")
+SITES = ("tokenize", "schedule", "detokenize", "crash", "compile_stall")
+# How long an armed "compile_stall" holds its compile thread.
+STALL_S = 5.0
 
 
 class InjectedFault(RuntimeError):
@@ -48,3 +53,12 @@ def inject(site: str, texts: Iterable[str]) -> None:
     marker = _FAULT.get(site)
     if marker is not None and any(marker in text for text in texts):
         raise InjectedFault(f"fault injected at {site} (MINISGL_FAULT_INJECT)")
+
+
+def stall(site: str, texts: Iterable[str]) -> None:
+    """Sleep STALL_S if this site is armed and a text carries its marker."""
+    if _FAULT is None:
+        return
+    marker = _FAULT.get(site)
+    if marker is not None and any(marker in text for text in texts):
+        time.sleep(STALL_S)

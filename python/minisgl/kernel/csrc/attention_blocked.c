@@ -175,7 +175,7 @@ static void tile_attend(const bf16_t (*queries)[ATTN_MAX_DIM], const uint32_t* h
 
 // Scores of query rows [n0, n0 + 8) against the 32 keys of two laid-out key blocks: per dim
 // pair, each row's pair broadcast against 16 keys' pairs (16 accumulators in registers).
-static inline __attribute__((always_inline)) void vec_scores_8x32(
+static inline FORM_INLINE void vec_scores_8x32(
     const bf16_t (*queries)[ATTN_MAX_DIM], int64_t n0, const uint32_t* keys0,
     const uint32_t* keys1, int64_t pairs, float* dst, int64_t span) {
     __m512 acc[8][2];
@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void vec_scores_8x32(
 
 // P V of rows [n0, n0 + 4) for DTILES 16-dim tiles from dim d0: per position pair, each row's
 // bf16 part and remainder broadcast against the tiles' value pairs (16 accumulators).
-static inline __attribute__((always_inline)) void vec_pv_4rows(
+static inline FORM_INLINE void vec_pv_4rows(
     const bf16_t* probs, int64_t span, int64_t n0, const uint32_t* head_values, int64_t k0,
     int64_t k1, int64_t d0, int64_t dim, const int dtiles, float (*acc)[16][16]) {
     __m512 sum[4][4];

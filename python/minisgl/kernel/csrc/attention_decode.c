@@ -36,7 +36,7 @@ static inline int64_t attn_start(const attn_args* a, int64_t b) {
 }
 
 // Bytes [first, first + bytes) of KV slot `slot` (rows of row_bytes), into L1.
-static inline __attribute__((always_inline)) void prefetch_rows(const void* cache,
+static inline FORM_INLINE void prefetch_rows(const void* cache,
                                                                int64_t row_bytes, int64_t first,
                                                                int64_t bytes, int64_t slot) {
     const char* part = (const char*)cache + slot * row_bytes + first;
@@ -66,7 +66,7 @@ static void attn_state_merge(attn_state* into, const attn_state* from, int64_t h
     }
 }
 
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // A task reads its rows position by position, every kv head of a position before the next
 // one (scores: the keys; then P V: the values). A task holding every kv head sweeps whole rows
 // in slot order, and a prompt's slots (and consecutive requests' prompts) are consecutive.
@@ -126,7 +126,7 @@ static const int32_t pair_natural[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5
                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // 32 dims of a value row as (even, odd) float32 vectors.
-static inline __attribute__((always_inline)) void load_pair(const void* base, int64_t offset,
+static inline FORM_INLINE void load_pair(const void* base, int64_t offset,
                                                             int dtype, __m512* even,
                                                             __m512* odd) {
     if (dtype == 1) {
@@ -165,7 +165,7 @@ static inline void pairs_to_row(const float* src, float* dst, int64_t dim) {
 // summed across lanes together. BF16_DOT: vdpbf16ps on the stored bf16 key against the bf16
 // query (products of two bf16 values are exact in float32: the float32 path but for summation
 // order), scaled after; otherwise float32 FMAs against the scaled float32 query `qf`.
-static inline __attribute__((always_inline)) void attn_position_scores(
+static inline FORM_INLINE void attn_position_scores(
     const attn_args* a, int64_t key, const bf16_t* q, float (*qf)[ATTN_MAX_DIM],
     const int64_t* key_offset, int64_t heads, float* scores, const int CHUNKS,
     const int BF16_DOT) {
@@ -226,7 +226,7 @@ static void attn_state_store(const attn_args* a, int64_t b, int64_t head0, int64
 // block of ATTN_BLOCK positions the scores, the online softmax, then P V position by position
 // into the sums (a position's value row is widened once for all its heads). CHUNKS = head_dim
 // / 16, a constant in each instantiation so the row loops unroll.
-static inline __attribute__((always_inline)) void attn_range_avx512(
+static inline FORM_INLINE void attn_range_avx512(
     const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count, int64_t begin, int64_t end,
     const attn_next* next, attn_state* st, const int CHUNKS) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
@@ -357,7 +357,7 @@ static inline void store_normalized(const attn_args* a, int64_t offset, float* a
 // taken a slice per task, each reading the group's keys and values again). Every kv head of a
 // position before the next, so a task holding them all reads whole rows in slot order.
 // DIM: head_dim as a constant (0: read it from a), so that the row loops unroll.
-static inline __attribute__((always_inline)) void attn_generic_body(
+static inline FORM_INLINE void attn_generic_body(
     const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count, int64_t first, int64_t count,
     int64_t begin, int64_t end, int seeded, attn_state* st, const int64_t DIM) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = DIM ? DIM : a->head_dim;
@@ -533,7 +533,7 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
         }
         return MINISGL_OK;
     }
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
     if (num_heads > ATTN_MAX_HEADS) {  // more heads than a task holds: one kv head per task
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)

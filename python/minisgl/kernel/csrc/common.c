@@ -31,6 +31,14 @@ int minisgl_has_avx512_bf16(void) {
 #endif
 }
 
+int minisgl_has_avx512(void) {
+#ifdef HAVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int minisgl_has_avx2(void) {
 #ifdef HAVE_AVX2_FMA
     return 1;
@@ -47,8 +55,15 @@ int minisgl_has_vnni(void) {
 #endif
 }
 
+#ifdef MINISGL_EMULATED_AMX
+__thread uint8_t emulated_tiles[8][16][64];
+#endif
+
 int minisgl_has_amx(void) {
-#ifdef HAVE_AMX
+#ifdef MINISGL_EMULATED_AMX
+    amx_granted = 1;  // tiles in memory need no grant
+    return 1;
+#elif defined(HAVE_AMX)
     // Linux hands out the tile state only to processes that ask (ARCH_REQ_XCOMP_PERM, 18 =
     // XFEATURE_XTILEDATA); asking again is harmless.
     amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;

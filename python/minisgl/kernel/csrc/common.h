@@ -11,7 +11,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+// HAVE_AVX512: AVX-512 F, BW, VL and DQ (x86-64-v4), what every AVX-512 kernel assumes.
+#if defined(MINISGL_EMULATED_AVX512)
+// An emulated build (emulated.h): the instructions the macros below name, in software.
+#include "emulated.h"
+#define HAVE_AVX512 1
+#define HAVE_AVX2_FMA 1
+#ifdef MINISGL_EMULATED_BF16
+#define HAVE_AVX512_BF16 1
+#endif
+#ifdef MINISGL_EMULATED_VNNI
+#define HAVE_AVX512_VNNI 1
+#endif
+#if defined(MINISGL_EMULATED_AMX) && defined(HAVE_AVX512_BF16)
+#define HAVE_AMX 1
+#define HAVE_QUANTIZED_AMX 1
+#endif
+#else
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define HAVE_AVX512 1
 #include <immintrin.h>
 #endif
 // AVX2 and FMA: the quantized row layout's float32 kernels (quantized_avx2.c), all of them on
@@ -21,11 +40,11 @@
 #define HAVE_AVX2_FMA 1
 #include <immintrin.h>
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
 #endif
 // vpdpbusd (AVX-512 VNNI): the tiled quantized matmul's int8 products.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
 #define HAVE_AVX512_VNNI 1
 #endif
 #if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
@@ -40,10 +59,20 @@
 #if defined(HAVE_AMX) && defined(__AVX512VBMI__)
 #define HAVE_QUANTIZED_AMX 1
 #endif
+#endif
 
 #include "kernels.h"
 
 #define MINISGL_INTERNAL __attribute__((visibility("hidden")))
+
+// A kernel form's body, inlined into each caller that fixes its constants (rows, tiles, bits):
+// one compiled form each. An emulated build compiles each body once instead (the forms' code
+// then takes the constants at run time): inlined, its emulated lanes took minutes to compile.
+#ifdef MINISGL_EMULATED_AVX512
+#define FORM_INLINE __attribute__((noinline))
+#else
+#define FORM_INLINE __attribute__((always_inline))
+#endif
 
 // The one allocator of the kernels (common.c): 64-byte aligned, NULL on failure.
 MINISGL_INTERNAL void* kernel_alloc(size_t bytes);

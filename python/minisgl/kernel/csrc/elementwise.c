@@ -3,7 +3,7 @@
 #include "simd.h"
 
 // ------------------------------------------------------------------------ fused elementwise
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // Lanes [i, i + 16) of a bf16 row of n, as float32 (zero past the end).
 static inline __m512 load_bf16x16(const bf16_t* row, int64_t i, int64_t n) {
     const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1u);
@@ -60,7 +60,7 @@ __attribute__((noinline)) void add_rms_norm_row(const void* x, const void* resid
                                                        const void* weight, void* out,
                              void* residual_out, int64_t r, int64_t hidden, float eps,
                              int dtype) {
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
     if (dtype == 1) {
         add_rms_norm_bf16_row((const bf16_t*)x + r * hidden,
                               residual ? (const bf16_t*)residual + r * hidden : NULL,
@@ -126,7 +126,7 @@ void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t 
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         int64_t i = 0;
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
         for (; i + 16 <= inter; i += 16) {
             __m512 gate = load16(gate_up, r * 2 * inter + i, dtype);
             __m512 up = load16(gate_up, r * 2 * inter + inter + i, dtype);
@@ -162,7 +162,7 @@ __attribute__((noinline)) void rotary_token(void* x, int64_t base, int64_t heads
     const int64_t half = dim / 2;
     for (int64_t h = 0; h < heads; h++, base += dim) {
         int64_t i = 0;
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
         for (; i + 16 <= half; i += 16) {
             __m512 x1 = load16(x, base + i, dtype), x2 = load16(x, base + half + i, dtype);
             __m512 c1 = round_to_512(dtype, _mm512_loadu_ps(cos + i));

@@ -12,7 +12,7 @@ static inline __mmask32 tail_mask(int64_t K, int64_t k) {
 }
 
 // A block is 4 weight rows: four 64-byte lines of the block `ahead` per 32-element step.
-static inline __attribute__((always_inline)) void prefetch_block(const bf16_t* ahead, int64_t k) {
+static inline FORM_INLINE void prefetch_block(const bf16_t* ahead, int64_t k) {
     for (int line = 0; line < 4; line++)
         __builtin_prefetch(ahead + 4 * k + 32 * line, 0, 3);
 }

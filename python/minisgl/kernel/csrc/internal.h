@@ -49,7 +49,7 @@ static inline void group_floats(const quantized_weight* w, const void* src, int6
     }
     const uint16_t* half = (const uint16_t*)src + n * groups;
     int64_t g = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef HAVE_AVX512
     // Whole-vector stores: the kernels read the values back at once, and a masked store would
     // not forward to those loads (a stall per weight row that cost as much as the row).
     for (; g < groups; g += 16) {
@@ -137,7 +137,7 @@ MINISGL_INTERNAL int quantized_amx_linear(const bf16_t* x, const quantized_weigh
 MINISGL_INTERNAL int quantized_tiled_packed(const quantized_weight* w, bf16_t* packed, int64_t N,
                                             int64_t K, int gated, int nthreads);
 
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // The tile layout of a quantized weight (layers/quant_tiles.py; quantized_tiled.c describes
 // it), which quantized_tiled.c and quantized_amx.c read: TILE_ROWS weight rows a tile.
 #define TILE_ROWS 16
@@ -171,9 +171,14 @@ static inline __m512 tile_floats(const void* src, int64_t scales_f32, int64_t in
 #ifdef HAVE_AVX512_VNNI
 // quantized_tiled.c: minisgl_quantized_linear and minisgl_quantized_rows for a weight in the
 // tile layout (w->tiled), their arguments checked.
+// Activation rows up to which the tiled kernels keep x to 16 bits (two int8 passes: the
+// rounding's remainder too), as precise as bf16 activations; more rows take one pass (Q8_0's
+// precision). layers/quantized.py's TILED_PRECISE_MAX_ROWS is this number.
+#define PRECISE_MAX_ROWS 16
+// path: minisgl_quantized_path's choice, one of the QPATH_TILED_* (float32 x for TILED_F32).
 MINISGL_INTERNAL int quantized_tiled_linear(const void* x, const quantized_weight* w,
                                             const void* bias, void* y, int64_t M, int64_t N,
-                                            int64_t K, int x_dtype, int out_f32, int nthreads);
+                                            int64_t K, int path, int out_f32, int nthreads);
 MINISGL_INTERNAL int quantized_tiled_rows(const quantized_weight* w, const int64_t* ids,
                                           void* out, int64_t count, int64_t K, int dtype,
                                           int nthreads);

@@ -73,6 +73,7 @@ typedef struct {
 // common.c
 void minisgl_fail_allocations(int64_t count);
 int minisgl_has_avx512_bf16(void);
+int minisgl_has_avx512(void);
 int minisgl_has_avx2(void);
 int minisgl_has_amx(void);
 int minisgl_has_vnni(void);
@@ -95,7 +96,32 @@ int minisgl_packed_gated_silu(const bf16_t* x, const bf16_t* packed, const bf16_
                               bf16_t* y, int64_t M, int64_t inter, int64_t K, int use_tiles,
                               int nthreads);
 
-// quantized.c
+// quantized.c: the quantized matmul's paths (minisgl_quantized_path: which one a call takes;
+// kernel/abi.py's QUANTIZED_PATHS names them in this order).
+enum {
+    QPATH_GENERIC,        // any build: row by row, each weight row dequantized once
+    QPATH_F32,            // AVX-512: up to 4 rows of float32 x
+    QPATH_NIBBLES,        // avx512_bf16: 4 bits, up to 4 bf16 rows, nibbles as bf16 integers
+    QPATH_WIDE,           // avx512_bf16: 5-16 bf16 rows, weights to bf16 in registers
+    QPATH_BF16_BLOCK,     // avx512_bf16: more bf16 rows, K not whole 32s: GEMV blocks
+    QPATH_PACKED,         // avx512_bf16: more bf16 rows: 32-row packed blocks
+    QPATH_AVX2_ROWS,      // AVX2: up to 8 rows in float32
+    QPATH_AVX2_INT16,     // AVX2: up to 8 bf16 rows as int16 per 32 columns (vpmaddwd)
+    QPATH_AVX2_TILE,      // AVX2: more rows, 16-row blocks under a 6 x 16 FMA tile
+    QPATH_TILED_F32,      // VNNI tile layout: float32 x against the tiles dequantized
+    QPATH_TILED_PRECISE,  // VNNI tile layout: up to 16 bf16 rows in two int8 passes
+    QPATH_TILED_INT8,     // VNNI tile layout: more bf16 rows, one int8 pass (Q8_0's x)
+    QPATH_TILED_AMX,      // AMX: a tiled weight from 10 bf16 rows, dequantized onto the tiles
+    QPATH_COUNT
+};
+// Whether a weight of this layout (bits, group, tiled) and K columns is one the kernels take:
+// the one rule every quantized entry point checks (kernel/quantized.py's quantized_fits).
+int minisgl_quantized_fits(int64_t bits, int64_t group, int64_t K, int64_t tiled);
+// The path of minisgl_quantized_linear for M rows of x (dtype code) against w; -1: none (the
+// call would return MINISGL_ERR_SHAPE).
+int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype);
+// How many calls took each path since the library loaded: out [QPATH_COUNT].
+void minisgl_quantized_path_runs(int64_t* out);
 int minisgl_quantized_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
                              int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
                              int nthreads);

@@ -115,7 +115,7 @@ static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bia
 // j's sums go to part[j][0] (columns 0-15) and part[j][1] (16-31) at row r0. ahead: the next
 // two blocks (4 lines a step over the pass), of which this pass fetches every spread-th line
 // from line `pass`; or NULL.
-static inline __attribute__((always_inline)) void vec_rows(
+static inline FORM_INLINE void vec_rows(
     const bf16_t* a, int64_t ldx, const bf16_t* wblock, int64_t ksteps,
     float (*part)[2][AMX_MGROUP][16], int64_t r0, const char* ahead, int pass, int spread,
     const int ROWS, const int BLOCKS) {
@@ -206,7 +206,7 @@ void packed_block_rows(const bf16_t* x, const bf16_t* wblock, const bf16_t* bias
 #ifdef HAVE_AMX
 // k-step kb's two weight tiles into tmm6 and tmm7; the pass that streams the weights from
 // memory also prefetches AMX_PREFETCH_STEPS steps ahead.
-static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf16_t* wblock,
+static inline FORM_INLINE void amx_load_weight_tiles(const bf16_t* wblock,
                                                                         int64_t kb,
                                                                         int64_t ksteps,
                                                                         int prefetch) {
@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void amx_load_weight_tiles(const bf
 
 // k-steps [kb0, kb1) of a block into accumulator tiles 0-1 (x rows from a0) and, with pair,
 // 2-3 (rows from a1); the weight tiles from wblock.
-static inline __attribute__((always_inline)) void amx_ksteps(const bf16_t* a0, const bf16_t* a1,
+static inline FORM_INLINE void amx_ksteps(const bf16_t* a0, const bf16_t* a1,
                                                              int pair, int64_t ldx,
                                                              const bf16_t* wblock, int64_t kb0,
                                                              int64_t kb1, int64_t ksteps,
@@ -528,7 +528,7 @@ static inline __m512bh pair_within(const bf16_t* row, int64_t k, int64_t K) {
 // ROWS rows of x (stride K) times one block, summed over k into left (columns 0-15) and right
 // (16-31): an accumulator per row and tile, and for one or two rows one per parity of the pair
 // too (a longer dependency chain would bound them). The fetch ahead may pass the copy's end.
-static inline __attribute__((always_inline)) void packed_gemv_block(
+static inline FORM_INLINE void packed_gemv_block(
     const bf16_t* x, int64_t K, const bf16_t* block, int64_t ksteps, float (*left)[16],
     float (*right)[16], const int ROWS) {
     const int64_t step = AMX_NBLOCK * AMX_KSTEP, whole = K / AMX_KSTEP;

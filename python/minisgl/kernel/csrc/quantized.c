@@ -20,7 +20,7 @@
 #define QROWS_WIDE 8  // QROWS on bf16 weights dequantized in registers (rows_wide)
 #define WIDE_MAX_ROWS 16  // x rows up to which rows_wide beats the packed-block path
 
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // The 16 integers of row n at columns k..k+15 (k a multiple of 16) as float32 lanes: 8 bits
 // straight; 4 bits from the 64-column block's bytes (k & 31) on, low nibbles for the block's
 // first 32 columns, high ones for the last 32.
@@ -42,7 +42,7 @@ static inline __m512 ints16(const quantized_weight* w, int64_t n, int64_t K, int
 static void dequant_row(const quantized_weight* w, int64_t n, int64_t K, const float* scales,
                         const float* mins, void* out, int bf16_out, float* tmp) {
     const int64_t group = w->group, groups = K / group;
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
     for (int64_t g = 0, k = 0; g < groups; g++) {
         const __m512 scale = _mm512_set1_ps(scales[g]);
         const __m512 offset = mins ? _mm512_set1_ps(mins[g]) : _mm512_setzero_ps();
@@ -104,11 +104,11 @@ static void rows_generic(const void* x, const quantized_weight* w, const void* b
     }
 }
 
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // Float32 x rows (M, at most QROWS, a constant where inlined): 16 weights at a time dequantized
 // to float32 (as dequant_row) and multiplied into two accumulators per x row (alternate 16s:
 // two independent chains).
-static inline __attribute__((always_inline)) void rows_f32_impl(
+static inline FORM_INLINE void rows_f32_impl(
     const float* xf, const quantized_weight* w, const void* bias, void* y, int64_t N, int64_t K,
     int64_t n0, int64_t n1, int x_dtype, int out_f32, float* scratch, const int M) {
     const int64_t group = w->group, groups = K / group;
@@ -193,7 +193,7 @@ static inline void nibbles_bf16(const uint8_t* bytes, __m512i table, __m512bh* l
 // 4 bits, bf16 x (M rows, at most QROWS, a constant where inlined): per block the nibbles as
 // bf16 integers (exact), one vdpbf16ps per 32 columns and x row, each scaled by its group's
 // scale; the offsets from the x rows' group sums.
-static inline __attribute__((always_inline)) void rows_int4_impl(
+static inline FORM_INLINE void rows_int4_impl(
     const bf16_t* x, const float* xsums, const quantized_weight* w, const void* bias, void* y,
     int64_t N, int64_t K, int64_t n0, int64_t n1, int out_f32, float* scratch, const int M) {
     const int64_t group = w->group, groups = K / group;
@@ -298,7 +298,7 @@ static void dequant_block_packed(const quantized_weight* w, int64_t n0, int64_t 
 // offset, rounded): one lookup per 32 weights. chunk_group: each 16 columns' group.
 // Columns k..k+31 of weight row n dequantized and rounded to bf16 (its scales and mins given as
 // float32 per group): 8 bits through float32, 4 bits through the group's table of 16 values.
-static inline __attribute__((always_inline)) __m512bh wide_weights(
+static inline FORM_INLINE __m512bh wide_weights(
     const quantized_weight* w, int64_t n, int64_t K, int64_t k, int32_t g0, int32_t g1,
     const float* scales, const float* mins) {
     const __m512 zero = _mm512_setzero_ps();
@@ -326,7 +326,7 @@ static inline __attribute__((always_inline)) __m512bh wide_weights(
 // row; two weight rows at a time (PAIR 2), so each x load feeds two dot products (one a load
 // was as many instructions as the bf16 GEMV's 4 x 4 blocks need for both). chunk_group: each
 // 16 columns' group.
-static inline __attribute__((always_inline)) void rows_wide_impl(
+static inline FORM_INLINE void rows_wide_impl(
     const bf16_t* x, const quantized_weight* w, const void* bias, void* y, int64_t N, int64_t K,
     int64_t n, int out_f32, float* scratch, const int32_t* chunk_group, const int M,
     const int PAIR) {
@@ -388,28 +388,32 @@ static inline int64_t thread_scratch(int64_t K, int64_t group) {
     return 64 * padded(K / group) + 32 * K + padded(K / 16);
 }
 
-static inline int layout_fits(const quantized_weight* w, int64_t K) {
-    return (w->bits == 8 && w->group % 16 == 0 && w->group > 0 && K % w->group == 0) ||
-           (w->bits == 4 && K % 64 == 0 &&
-            (w->group == 32 || (w->group > 0 && w->group % 64 == 0)) && K % w->group == 0);
+// Whether w (K columns) is a layout these kernels take: the one rule, minisgl_quantized_fits.
+static inline int weight_fits(const quantized_weight* w, int64_t K) {
+    return minisgl_quantized_fits(w->bits, w->group, K, w->tiled);
 }
 
-// The tile layout (quantized_tiled.c): whole 32-column x blocks, groups whole units of them.
-static inline int tiled_fits(const quantized_weight* w, int64_t K) {
-    if (w->bits == 6)
-        return w->group > 0 && w->group % 16 == 0 && K % w->group == 0 && K % 32 == 0;
-    return layout_fits(w, K) && K % 32 == 0;
+int minisgl_quantized_fits(int64_t bits, int64_t group, int64_t K, int64_t tiled) {
+    if (K <= 0 || group <= 0 || K % group != 0) return 0;
+    // Row layout: 8 bits in groups of 16s; 4 bits in 64-column blocks, groups of 32 or of 64s.
+    // Tile layout: also whole 32-column x blocks (an 8-bit weight's last 32 columns of a
+    // 64-column step are a tail the tiled kernels take; 4 bits are whole blocks anyway), and
+    // 6 bits (8-bit integers within -32..31) in groups of 16s.
+    if (tiled && bits == 6) return group % 16 == 0 && K % 32 == 0;
+    const int rows_fit = (bits == 8 && group % 16 == 0) ||
+                         (bits == 4 && K % 64 == 0 && (group == 32 || group % 64 == 0));
+    return rows_fit && (!tiled || K % 32 == 0);
 }
 
 // A tiled weight's matmul and rows: only where vpdpbusd was compiled in (quant_tiles.py tiles
 // only then).
 static int tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
-                        int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32, int nthreads) {
-    if (!tiled_fits(w, K)) return MINISGL_ERR_SHAPE;
+                        int64_t M, int64_t N, int64_t K, int path, int out_f32, int nthreads) {
 #ifdef HAVE_AVX512_VNNI
-    return quantized_tiled_linear(x, w, bias, y, M, N, K, x_dtype, out_f32, nthreads);
+    return quantized_tiled_linear(x, w, bias, y, M, N, K, path, out_f32, nthreads);
 #else
-    (void)x, (void)bias, (void)y, (void)M, (void)N, (void)x_dtype, (void)out_f32, (void)nthreads;
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)path, (void)out_f32;
+    (void)nthreads;
     return MINISGL_ERR_SHAPE;
 #endif
 }
@@ -424,57 +428,81 @@ static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, 
 #endif
 }
 
-// How x meets the weight: with bf16 x, up to QROWS rows exactly (4 bits: the nibbles as bf16
-// integers; 8 bits: dequantized to float32, x converted); up to WIDE_MAX_ROWS rows against each
-// 32 weights dequantized to bf16 in registers (rows_wide); more against blocks of 32 weight rows
-// dequantized into the packed tile layout (the packed matmul's kernel), or, where K is not a
-// multiple of 32, QBLOCK rows at a time into the bf16 GEMV's block kernel. Float32 x (or bf16
-// without bf16 dots): up to QROWS rows in float32 with AVX-512; otherwise, with AVX2, the
-// kernels of quantized_avx2.c (every row count: layers/quantized.py sends it prefills too where
-// the CPU has no bf16 dots); else row by row (generic). Layers/quantized.py takes batches above
-// QUANTIZED_GEMV_MAX_ROWS to dequantize + oneDNN instead where the CPU has bf16 dots.
-enum { PATH_GENERIC, PATH_F32, PATH_NIBBLES, PATH_WIDE, PATH_BF16_BLOCK, PATH_PACKED, PATH_AVX2 };
-
-static int choose_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
+// How x meets the weight, the one choice (minisgl_quantized_path; kernels.h names the paths). A
+// tiled weight (quantized_tiled.c): float32 x against its tiles dequantized; bf16 x in int8
+// products, to 16 bits up to PRECISE_MAX_ROWS rows, or with AMX from QUANTIZED_AMX_MIN_ROWS rows
+// on the tiles (quantized_amx.c). The row layout: with bf16 x, up to QROWS rows exactly (4 bits:
+// the nibbles as bf16 integers; 8 bits: dequantized to float32, x converted); up to
+// WIDE_MAX_ROWS rows against each 32 weights dequantized to bf16 in registers (rows_wide); more
+// against blocks of 32 weight rows dequantized into the packed tile layout (the packed matmul's
+// kernel), or, where K is not a multiple of 32, QBLOCK rows at a time into the bf16 GEMV's block
+// kernel. Float32 x (or bf16 without bf16 dots): up to QROWS rows in float32 with AVX-512;
+// otherwise, with AVX2, the kernels of quantized_avx2.c (every row count: layers/quantized.py
+// sends it prefills too where the CPU has no bf16 dots; a few bf16 rows as int16); else row by
+// row (generic). Layers/quantized.py takes batches above QUANTIZED_GEMV_MAX_ROWS to dequantize +
+// oneDNN instead where the CPU has bf16 dots.
+int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
+    if (!weight_fits(w, K) || M < 0 || (x_dtype != 0 && x_dtype != 1)) return -1;
+    if (w->tiled) {
+#ifdef HAVE_AVX512_VNNI
+        if (x_dtype == 0) return QPATH_TILED_F32;
+#ifdef HAVE_QUANTIZED_AMX
+        if (M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx)) return QPATH_TILED_AMX;
+#endif
+        return M <= PRECISE_MAX_ROWS ? QPATH_TILED_PRECISE : QPATH_TILED_INT8;
+#else
+        return -1;  // only a build with vpdpbusd reads the tile layout
+#endif
+    }
 #ifdef HAVE_AVX512_BF16
     if (x_dtype == 1 && M > QROWS && K % 32 == 0)
-        return M <= WIDE_MAX_ROWS ? PATH_WIDE : PATH_PACKED;
-    if (x_dtype == 1 && M > QROWS) return PATH_BF16_BLOCK;
-    if (x_dtype == 1 && w->bits == 4) return PATH_NIBBLES;
+        return M <= WIDE_MAX_ROWS ? QPATH_WIDE : QPATH_PACKED;
+    if (x_dtype == 1 && M > QROWS) return QPATH_BF16_BLOCK;
+    if (x_dtype == 1 && w->bits == 4) return QPATH_NIBBLES;
 #endif
-#ifdef __AVX512F__
-    if (M <= QROWS) return PATH_F32;
+#ifdef HAVE_AVX512
+    if (M <= QROWS) return QPATH_F32;
 #endif
 #ifdef HAVE_AVX2_FMA
-    return PATH_AVX2;
+    if (M > AVX2_ROWS_MAX) return QPATH_AVX2_TILE;
+    return avx2_int16_rows(w, M, K, x_dtype) ? QPATH_AVX2_INT16 : QPATH_AVX2_ROWS;
 #endif
-    (void)w, (void)M, (void)K, (void)x_dtype;
-    return PATH_GENERIC;
+    return QPATH_GENERIC;
+}
+
+// How many calls took each path in this process (minisgl_quantized_path_runs).
+static int64_t path_runs[QPATH_COUNT];
+
+void minisgl_quantized_path_runs(int64_t* out) {
+    for (int p = 0; p < QPATH_COUNT; p++)
+        out[p] = __atomic_load_n(&path_runs[p], __ATOMIC_RELAXED);
 }
 
 int minisgl_quantized_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
                              int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
                              int nthreads) {
-    if (w->tiled) return tiled_linear(x, w, bias, y, M, N, K, x_dtype, out_f32, nthreads);
-    if (!layout_fits(w, K)) return MINISGL_ERR_SHAPE;
+    const int path = minisgl_quantized_path(w, M, K, x_dtype);
+    if (path < 0 || N <= 0 || nthreads < 1) return MINISGL_ERR_SHAPE;
+    __atomic_add_fetch(&path_runs[path], 1, __ATOMIC_RELAXED);
+    if (w->tiled) return tiled_linear(x, w, bias, y, M, N, K, path, out_f32, nthreads);
     const int64_t groups = K / w->group;
-    const int path = choose_path(w, M, K, x_dtype);
-    // x as float32 (PATH_F32, PATH_AVX2) or, on AVX2 with bf16 x and a few rows, as int16 per
-    // 32 columns with their scales; and its per-group sums where the kernel takes the offsets
-    // from them (PATH_NIBBLES, PATH_AVX2's 4 bits and int16 forms).
+    // x as float32 (QPATH_F32, the AVX2 paths) or, on AVX2 with bf16 x and a few rows, as int16
+    // per 32 columns with their scales; and its per-group sums where the kernel takes the offsets
+    // from them (QPATH_NIBBLES, the AVX2 paths' 4 bits and int16 forms).
     int int16_x = 0;
 #ifdef HAVE_AVX2_FMA
-    int16_x = path == PATH_AVX2 && avx2_int16_rows(w, M, K, x_dtype);
+    int16_x = path == QPATH_AVX2_INT16;
 #endif
-    const int64_t x_rows = path == PATH_F32 || path == PATH_AVX2 ? M * K : 0;
+    const int avx2 = path == QPATH_AVX2_ROWS || path == QPATH_AVX2_INT16 || path == QPATH_AVX2_TILE;
+    const int64_t x_rows = path == QPATH_F32 || avx2 ? M * K : 0;
     const int64_t x_scales = int16_x ? M * (K / 32) : 0;
     // (the many-rows AVX2 tile dequantizes with the mins: a prefill's x needs no sums)
     int few_rows_4bit = 0;
 #ifdef HAVE_AVX2_FMA
-    few_rows_4bit = path == PATH_AVX2 && w->bits == 4 && M <= AVX2_ROWS_MAX;
+    few_rows_4bit = avx2 && w->bits == 4 && M <= AVX2_ROWS_MAX;
 #endif
     const int64_t x_sums =
-        (path == PATH_NIBBLES || few_rows_4bit || int16_x) && w->mins ? M * groups : 0;
+        (path == QPATH_NIBBLES || few_rows_4bit || int16_x) && w->mins ? M * groups : 0;
     const int64_t x_floats = x_rows + x_scales + x_sums;
     const int64_t per_thread = thread_scratch(K, w->group);
     float* buffer =
@@ -493,9 +521,9 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
                 sum += x_dtype == 0 ? ((const float*)x)[k] : bf16_to_f32(((const bf16_t*)x)[k]);
             xsums[m * groups + g] = sum;
         }
-    int64_t row_block = path == PATH_PACKED ? 32 : QBLOCK;
+    int64_t row_block = path == QPATH_PACKED ? 32 : QBLOCK;
 #ifdef HAVE_AVX2_FMA
-    if (path == PATH_AVX2) row_block = AVX2_BLOCK;
+    if (avx2) row_block = AVX2_BLOCK;
 #endif
     const int64_t blocks = (N + row_block - 1) / row_block;
     // The scratch after x's floats starts 64-byte aligned too.
@@ -505,7 +533,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
         float* scratch = buffer + x_padded + omp_get_thread_num() * per_thread;
 #ifdef HAVE_AVX512_BF16
         int32_t* chunk_group = (int32_t*)(scratch + 64 * padded(groups) + 32 * K);
-        if (path == PATH_PACKED || path == PATH_WIDE)
+        if (path == QPATH_PACKED || path == QPATH_WIDE)
             for (int64_t c = 0; c < K / 16; c++) chunk_group[c] = (int32_t)(c * 16 / w->group);
 #endif
 #pragma omp for schedule(guided)
@@ -513,7 +541,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
             const int64_t n0 = blk * row_block, n1 = n0 + row_block < N ? n0 + row_block : N;
             switch (path) {
 #ifdef HAVE_AVX512_BF16
-                case PATH_PACKED: {
+                case QPATH_PACKED: {
                     float* mins = scratch + 32 * padded(groups);
                     bf16_t* wblock = (bf16_t*)(scratch + 64 * padded(groups));
                     dequant_block_packed(w, n0, N, K, scratch, mins, chunk_group, wblock);
@@ -521,7 +549,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
                                       K / 32, n0, out_f32);
                     break;
                 }
-                case PATH_BF16_BLOCK:
+                case QPATH_BF16_BLOCK:
                     if (n1 - n0 == QBLOCK) {
                         float *scales = scratch, *mins = scratch + padded(groups);
                         bf16_t* block = (bf16_t*)(mins + padded(groups) + K);
@@ -537,22 +565,24 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
                         rows_generic(x, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32, scratch);
                     }
                     break;
-                case PATH_WIDE:
+                case QPATH_WIDE:
                     rows_wide((const bf16_t*)x, w, bias, y, M, N, K, n0, n1, out_f32, scratch,
                               chunk_group);
                     break;
-                case PATH_NIBBLES:
+                case QPATH_NIBBLES:
                     rows_int4_bf16((const bf16_t*)x, xsums, w, bias, y, M, N, K, n0, n1,
                                    out_f32, scratch);
                     break;
 #endif
-#ifdef __AVX512F__
-                case PATH_F32:
+#ifdef HAVE_AVX512
+                case QPATH_F32:
                     rows_f32(xf, w, bias, y, M, N, K, n0, n1, x_dtype, out_f32, scratch);
                     break;
 #endif
 #ifdef HAVE_AVX2_FMA
-                case PATH_AVX2:
+                case QPATH_AVX2_ROWS:
+                case QPATH_AVX2_INT16:
+                case QPATH_AVX2_TILE:
                     quantized_rows_avx2(xf, int16_x ? xscale : NULL, xsums, w, bias, y, M, N, K,
                                         n0, n1, x_dtype, out_f32, scratch);
                     break;
@@ -571,7 +601,9 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
 // rows, no tiles) MINISGL_ERR_UNSUPPORTED, and the caller multiplies, then applies SiLU.
 int minisgl_quantized_gated_silu(const bf16_t* x, const quantized_weight* w, bf16_t* y, int64_t M,
                                  int64_t inter, int64_t K, int nthreads) {
-    if (!w->tiled || !tiled_fits(w, K) || inter % 16 != 0) return MINISGL_ERR_SHAPE;
+    if (!w->tiled || !weight_fits(w, K) || M < 0 || inter <= 0 || inter % 16 != 0 ||
+        nthreads < 1)
+        return MINISGL_ERR_SHAPE;
 #ifdef HAVE_QUANTIZED_AMX
     if (M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx))
         return quantized_amx_linear(x, w, NULL, y, M, 2 * inter, K, EPILOGUE_GATED, nthreads);
@@ -584,7 +616,8 @@ int minisgl_quantized_gated_silu(const bf16_t* x, const quantized_weight* w, bf1
 // N = 2 * inter gate and up rows paired, for minisgl_packed_gated_silu): a prefill's weight.
 int minisgl_quantized_packed(const quantized_weight* w, bf16_t* packed, int64_t N, int64_t K,
                              int gated, int nthreads) {
-    if (!w->tiled || !tiled_fits(w, K) || (gated && N % 32 != 0)) return MINISGL_ERR_SHAPE;
+    if (!w->tiled || !weight_fits(w, K) || N <= 0 || (gated && N % 32 != 0) || nthreads < 1)
+        return MINISGL_ERR_SHAPE;
     return quantized_tiled_packed(w, packed, N, K, gated, nthreads);
 }
 
@@ -592,7 +625,7 @@ int minisgl_quantized_packed(const quantized_weight* w, bf16_t* packed, int64_t 
 // a quantized table, or the whole weight for a large batch), float32 or bf16 (rounded once).
 int minisgl_quantized_rows(const quantized_weight* w, const int64_t* ids, void* out,
                            int64_t count, int64_t N, int64_t K, int dtype, int nthreads) {
-    if (!(w->tiled ? tiled_fits(w, K) : layout_fits(w, K))) return MINISGL_ERR_SHAPE;
+    if (!weight_fits(w, K) || count < 0 || nthreads < 1) return MINISGL_ERR_SHAPE;
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= N) return MINISGL_ERR_SHAPE;
     if (w->tiled) return tiled_rows(w, ids, out, count, K, dtype, nthreads);

@@ -98,7 +98,7 @@ MINISGL_INTERNAL void dequant_row_avx2(const quantized_weight* w, int64_t n, int
 // 8 bits, M x rows (a constant where inlined): sums[r] = x row r . weight row n. Four
 // accumulator chains a row for one or two rows (an FMA's latency would bound a single chain),
 // two for more (the registers).
-static inline __attribute__((always_inline)) void row_sums_int8(
+static inline FORM_INLINE void row_sums_int8(
     const float* xf, const quantized_weight* w, int64_t n, int64_t K, const float* scales,
     const float* mins, float* sums, const int M) {
     enum { CHAINS = 4 };
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void row_sums_int8(
 // summed (from zero: chains of four), then scaled into the row's accumulators by their groups'
 // scales; separate accumulators for the halves with one or two rows. xsums [M, groups]: the
 // x rows' group sums, for the offsets (where w has mins).
-static inline __attribute__((always_inline)) void row_sums_int4(
+static inline FORM_INLINE void row_sums_int4(
     const float* xf, const float* xsums, const quantized_weight* w, int64_t n, int64_t K,
     const float* scales, const float* mins, float* sums, const int M) {
     const int64_t group = w->group, groups = K / group;
@@ -172,7 +172,7 @@ static inline __attribute__((always_inline)) void row_sums_int4(
     }
 }
 
-static inline __attribute__((always_inline)) void row_sums(const float* xf, const float* xsums,
+static inline FORM_INLINE void row_sums(const float* xf, const float* xsums,
                                                            const quantized_weight* w, int64_t n,
                                                            int64_t K, const float* scales,
                                                            const float* mins, float* sums,
@@ -219,7 +219,7 @@ MINISGL_INTERNAL void avx2_x_int16(const bf16_t* x, int64_t M, int64_t K, int16_
 
 // 8 bits against int16 x (M rows, a constant where inlined): per 32 columns two vpmaddwd a row
 // (exact int32 sums), scaled by the weight group's scale times the x block's.
-static inline __attribute__((always_inline)) void row_sums_int8_i16(
+static inline FORM_INLINE void row_sums_int8_i16(
     const int16_t* x16, const float* xscale, const float* xsums, const quantized_weight* w,
     int64_t n, int64_t K, const float* scales, const float* mins, float* sums, const int M) {
     const int64_t group = w->group, groups = K / group, xblocks = K / 32;
@@ -259,7 +259,7 @@ static inline __attribute__((always_inline)) void row_sums_int8_i16(
 // two vectors of 16 bytes widened to 16 bits (low nibbles: columns 0..15 and 16..31, high:
 // 32..47 and 48..63), two vpmaddwd a half and row, each half scaled by its group's scale times
 // its x block's.
-static inline __attribute__((always_inline)) void row_sums_int4_i16(
+static inline FORM_INLINE void row_sums_int4_i16(
     const int16_t* x16, const float* xscale, const float* xsums, const quantized_weight* w,
     int64_t n, int64_t K, const float* scales, const float* mins, float* sums, const int M) {
     const int64_t group = w->group, groups = K / group, xblocks = K / 32;
@@ -398,7 +398,7 @@ static int64_t batch1_rows(const int16_t* x16, const float* xscale, const float*
     return n0;
 }
 
-static inline __attribute__((always_inline)) void row_sums_i16(
+static inline FORM_INLINE void row_sums_i16(
     const int16_t* x16, const float* xscale, const float* xsums, const quantized_weight* w,
     int64_t n, int64_t K, const float* scales, const float* mins, float* sums, const int M) {
     if (w->bits == 8)
@@ -453,7 +453,7 @@ static void dequant_block_transposed(const quantized_weight* w, int64_t n0, int6
 
 // A tile: sums[r][c] = x row r . weight row c of the transposed block wt [K, 16], for R x rows
 // (a constant where inlined).
-static inline __attribute__((always_inline)) void tile_sums(const float* xf, const float* wt,
+static inline FORM_INLINE void tile_sums(const float* xf, const float* wt,
                                                             int64_t K, float sums[][AVX2_BLOCK],
                                                             const int R) {
     __m256 acc[TILE_X][2];

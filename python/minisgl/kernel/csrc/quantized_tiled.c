@@ -27,10 +27,6 @@
 #define TILE_MR 4         // activation rows one pass over two tiles multiplies
 #define PRECISE_MR 3      // the same with x to 16 bits (two sums a tile and row)
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
-// Activation rows up to which x is kept to 16 bits (two int8 passes: the rounding's remainder
-// too), as precise as bf16 activations; more rows take one pass (Q8_0's precision).
-// layers/quantized.py's TILED_PRECISE_MAX_ROWS is this number.
-#define PRECISE_MAX_ROWS 16
 
 #ifdef HAVE_AVX512_VNNI
 // Columns a unit holds: within one x scale (32 columns) and one weight group.
@@ -100,7 +96,7 @@ static inline __m512i quad_x(const int8_t* p) {
 // constants where inlined). Each x broadcast feeds TP tiles' products (one a product cost as
 // much as the product itself). Precise: a second sum per tile, of the remainders, the first
 // shifted 8 bits at the end; the +128's correction goes to the unshifted one.
-static inline __attribute__((always_inline)) void tile_rows_impl(
+static inline FORM_INLINE void tile_rows_impl(
     const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y, int64_t N,
     int64_t K, int64_t t, int64_t m0, int out_f32, const int MR, const int TP,
     const int PRECISE, const int BITS, const int QUADS) {
@@ -308,10 +304,22 @@ static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out
                                            _mm512_set1_epi32((int)(4 * lane)));
     float ints[64];
     for (int64_t k = 0; k < K; k += 64) {
+        // 16-column pieces this step: 4, or 2 in an 8-bit weight's last 32 columns (K % 64 = 32;
+        // 4-bit weights are whole 64-column blocks).
+        const int pieces = K - k >= 64 ? 4 : 2;
         if (w->bits == 8) {
-            const __m512i v = _mm512_i32gather_epi32(index, values + k * 16, 1);
-            for (int p = 0; p < 4; p++) {
-                const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(quarter(v, p)),
+            __m128i quarters[4];
+            if (pieces == 4) {
+                const __m512i v = _mm512_i32gather_epi32(index, values + k * 16, 1);
+                for (int p = 0; p < 4; p++) quarters[p] = quarter(v, p);
+            } else {  // quads 0..7 only: the 8 dwords of the tail
+                const __m256i v = _mm256_i32gather_epi32((const int*)(values + k * 16),
+                                                         _mm512_castsi512_si256(index), 1);
+                quarters[0] = _mm256_castsi256_si128(v);
+                quarters[1] = _mm256_extracti128_si256(v, 1);
+            }
+            for (int p = 0; p < pieces; p++) {
+                const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(quarters[p]),
                                                    _mm512_set1_epi32(128));
                 _mm512_storeu_ps(ints + 16 * p, _mm512_cvtepi32_ps(q));
             }
@@ -329,7 +337,7 @@ static void tiled_row(const quantized_weight* w, int64_t n, int64_t K, void* out
                 _mm512_storeu_ps(ints + 16 * p,
                                  _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(parts[p])));
         }
-        for (int p = 0; p < 4; p++) {
+        for (int p = 0; p < pieces; p++) {
             const int64_t col = k + 16 * p, g = col / w->group;
             const int64_t at = (t * groups + g) * TILE + lane;
             const float scale = tile_float(w->scales, w->scales_f32, at);
@@ -358,9 +366,13 @@ static void tiled_block(const quantized_weight* w, int64_t t, int64_t N, int64_t
     const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(w->bits, K);
     float scales[TILE], mins[TILE];
     for (int64_t k = 0; k < K; k += 64) {
+        // 16-column pieces: 2 in an 8-bit weight's last 32 columns (8 quads, the rest zeros).
+        const int pieces = K - k >= 64 ? 4 : 2;
         __m512i rows[16];  // quad q of the 64 columns, then (transposed) row l of them
         if (w->bits == 8) {
-            for (int q = 0; q < 16; q++) rows[q] = _mm512_loadu_si512(values + k * 16 + 64 * q);
+            for (int q = 0; q < 16; q++)
+                rows[q] = q < 4 * pieces ? _mm512_loadu_si512(values + k * 16 + 64 * q)
+                                         : _mm512_setzero_si512();
         } else {
             for (int c = 0; c < 2; c++)
                 for (int j = 0; j < 4; j++) {
@@ -371,7 +383,7 @@ static void tiled_block(const quantized_weight* w, int64_t t, int64_t N, int64_t
                 }
         }
         transpose16(rows);
-        for (int p = 0; p < 4; p++) {
+        for (int p = 0; p < pieces; p++) {
             const int64_t col = k + 16 * p, at = (t * groups + col / w->group) * TILE;
             _mm512_storeu_ps(scales, tile_floats(w->scales, w->scales_f32, at / TILE));
             if (w->mins) _mm512_storeu_ps(mins, tile_floats(w->mins, w->scales_f32, at / TILE));
@@ -408,18 +420,19 @@ static void tile_rows_f32(const quantized_weight* w, const float* x, const float
 }
 
 int quantized_tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
-                           int64_t M, int64_t N, int64_t K, int x_dtype, int out_f32,
+                           int64_t M, int64_t N, int64_t K, int path, int out_f32,
                            int nthreads) {
 #ifdef HAVE_QUANTIZED_AMX
-    if (x_dtype == 1 && M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx))
+    if (path == QPATH_TILED_AMX)
         return quantized_amx_linear((const bf16_t*)x, w, (const bf16_t*)bias, y, M, N, K,
                                     out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16, nthreads);
 #endif
+    const int x_dtype = path == QPATH_TILED_F32 ? 0 : 1;
     const int64_t group = w->group, groups = K / group, unit = unit_cols(group);
     const int64_t units = K / unit, tiles = (N + TILE - 1) / TILE;
     // x's int8 rows (and remainders), unit scales, unit sums and group sums; or (float32 x) a
     // tile per thread.
-    const int precise = M <= PRECISE_MAX_ROWS;
+    const int precise = path == QPATH_TILED_PRECISE;
     const int64_t xq_floats = (M * K + 3) / 4, unit_floats = M * units, sum_floats = M * groups;
     const int64_t total = x_dtype == 1
                               ? (1 + precise) * xq_floats + 2 * unit_floats + sum_floats

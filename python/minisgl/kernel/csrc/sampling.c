@@ -14,7 +14,7 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
         int64_t c = 0, best = 0;
         float best_value;
         load_row(x, base, dtype, &best_value, 1);
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
         if (cols >= 16) {
             // Per lane: the largest value so far and its first column; a NaN stops the scan.
             __m512 lane_max = load16(x, base, dtype);
@@ -65,7 +65,7 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
 #define SAMPLE_BLOCK 64
 static inline float block_weights(const float* x, int64_t n, int logits, float top,
                                   float inv_temp, float* w) {
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
     if (n == SAMPLE_BLOCK) {
         __m512 total = _mm512_setzero_ps();
         for (int i = 0; i < SAMPLE_BLOCK; i += 16) {
@@ -106,7 +106,7 @@ void minisgl_sample_rows(const float* x, const float* temperatures, const double
         if (logits) {
             int64_t c = 0;
             top = row[0];
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
             __m512 tops = _mm512_set1_ps(row[0]);
             for (; c + 16 <= cols; c += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + c));
             top = _mm512_reduce_max_ps(tops);
@@ -214,7 +214,7 @@ int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k
             int64_t count = 0;
             float bar = -INFINITY;  // every kept value beats it; -inf: fewer than k kept so far
             for (int64_t c = 0; c < cols; c++) {
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
                 if (c % 16 == 0 && c + 16 <= cols &&
                     !_mm512_cmp_ps_mask(_mm512_loadu_ps(row + c), _mm512_set1_ps(bar),
                                         _CMP_GT_OQ)) {

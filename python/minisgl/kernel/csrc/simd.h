@@ -5,7 +5,7 @@
 
 #include "common.h"
 
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // 16 bf16 values as float32 (exact).
 static inline __m512 bf16x16_to_f32(__m256i packed) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
@@ -70,7 +70,7 @@ static inline __m512 silu_times(__m512 gate, __m512 up, int dtype) {
 }
 #endif
 
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512
 // 16 x 16 32-bit elements transposed in registers: row p of the result is column p of rows.
 static inline void transpose16(__m512i rows[16]) {
     __m512i t[16], u[16];
