@@ -1,4 +1,4 @@
-"""kernels.py's attention cases: decode attention over the page table, cascade attention's
+"""cpu_kernels.py's attention cases: decode attention over the page table, cascade attention's
 shared prefix and causal prefill, each against the PyTorch path it replaces."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kernels.py's cases for the projections and the MLP: GEMV, packed and streamed matmuls, the
+"""cpu_kernels.py's cases for the projections and the MLP: GEMV, packed and streamed matmuls, the
 float32 projection, gate_up with SiLU, residual + RMSNorm and SiLU-and-mul."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kernels.py's sampling cases: greedy argmax of bf16 logits, temperature and top-p sampling,
+"""cpu_kernels.py's sampling cases: greedy argmax of bf16 logits, temperature and top-p sampling,
 and the repetition, frequency and presence penalties."""
 
 from __future__ import annotations

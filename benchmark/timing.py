@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# A timed comparison (kernels.py's rows): label, baseline's name, baseline s, kernel s.
+# A timed comparison (cpu_kernels.py's rows): label, baseline's name, baseline s, kernel s.
 Comparison = tuple[str, str, float, float]
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_kernel_variants import ONLY_WHERE_BUILT, RUNNABLE, U32, UBF16, libraries, variant
+from test_kernel_variants import EVERY_FORM, ONLY_WHERE_BUILT, U32, UBF16, libraries, variant
 
 from minisgl.kernel.abi import QuantizedWeightParams
 from minisgl.kernel.cpu import CpuKernels
@@ -52,7 +52,7 @@ PATHS_RAN: dict[str, list[str]] = {}
 
 # Forms: every runnable build; an emulated AMX build once more with its tiles on (Sapphire
 # Rapids' paths; without them it is Zen 4's).
-FORMS = RUNNABLE + [f"{name}+amx" for name in RUNNABLE if name.endswith("-amx-emulated")]
+FORMS = EVERY_FORM + [f"{name}+amx" for name in EVERY_FORM if name.endswith("-amx-emulated")]
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """The kernel tests again, in a process whose kernels are built under ASan and UBSan
 (MINISGL_CPU_SANITIZE=1, libasan preloaded): every form this machine executes, the emulated
 AVX-512/VNNI/AMX ones included, fuzzed over shapes (test_kernel_fuzz.py), through their error
-paths (test_kernel_errors.py) and their attention kernels (test_kernel_attention.py). A read or
+paths (test_kernel_errors.py), their products, elementwise and sampling kernels
+(test_kernel_variants.py) and their attention kernels (test_kernel_attention.py). A read or
 write outside a buffer, or an undefined operation, aborts that process with a report, which
 fails this test."""
 
@@ -19,7 +20,8 @@ from minisgl.kernel.build import sanitizer_preload
 pytestmark = ONLY_WHERE_BUILT
 
 TESTS = Path(__file__).parent
-SANITIZED_FILES = ["test_kernel_fuzz.py", "test_kernel_errors.py", "test_kernel_attention.py"]
+SANITIZED_FILES = ["test_kernel_fuzz.py", "test_kernel_variants.py", "test_kernel_errors.py"]
+SANITIZED_FILES += ["test_kernel_attention.py"]
 
 
 def test_the_kernel_tests_pass_under_the_sanitizers():

@@ -51,7 +51,7 @@ class CpuAttnBackend(TorchAttnBackend):
     cascade_min_prefix = 128
     cascade_max_extend = 256
     # The shared half runs on the AMX tiles below this many query tokens (decode batches, short
-    # extends); past it SDPA's flash kernel is as fast (benchmark/kernels.py: 1.3x at 63
+    # extends); past it SDPA's flash kernel is as fast (benchmark/cpu_kernels.py: 1.3x at 63
     # queries, level at 128-1,024, 0.9x at 1,024 on Qwen3's heads). Without tiles the
     # vdpbf16ps kernel takes every size (2.6-2.9x SDPA at 63 and 2,016 queries on Zen 5).
     tiles_max_shared_queries = 128

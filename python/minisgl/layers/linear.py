@@ -17,7 +17,7 @@ from .quant_weight import QuantizedWeight
 from .quantized import QuantizedProjection, quantize
 
 # Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
-# (benchmark/kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
+# (benchmark/cpu_kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
 # AMX_GEMV_MAX_ROWS) the C GEMV on that copy, which streams it once with vdpbf16ps (level with
 # the row-major GEMV the model kept beside it before at 1 row, up to 1.4x faster at 2-8; that one
 # was ~1.2-3x oneDNN's bf16 at 1-4 rows), then the C packed matmul: on the AMX tiles 1.3-1.6x

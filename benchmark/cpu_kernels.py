@@ -4,7 +4,7 @@ Each row times both sides in this process on the same inputs and prints the rati
 (PyTorch time / kernel time). Weights cycle through all layers, so they come from memory as
 in a real decode step, not from cache.
 
-Run from the repo root: `python benchmark/kernels.py` (about a minute). The cases are in
+Run from the repo root: `python benchmark/cpu_kernels.py` (about a minute). The cases are in
 kernels_layers.py (projections, MLP, norms), kernels_attention.py and kernels_sampling.py.
 """
 
