@@ -285,6 +285,9 @@ class Batch:
     attn_metadata: Any = None
     # Rows of the logits to sample from (one per request that produces a token this step).
     logits_indices: torch.Tensor | None = None
+    # Speculative decoding (decode only): each request's draft tokens, verified in this step at
+    # the positions after its last token (None: one position per request).
+    drafts: list[list[int]] | None = None
 
     @property
     def is_prefill(self) -> bool:

@@ -95,9 +95,15 @@ class CpuAttnBackend(TorchAttnBackend):
             meta = CpuPagedMetadata(
                 rows.repeat_interleave(extend_lens), batch.positions.to("cpu", torch.int64) + 1
             )
-        else:
+        elif all(r.extend_len == 1 for r in reqs):
             meta = CpuPagedMetadata(
                 rows, torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
+            )
+        else:  # a verify step: each query position attends causally, its own KV included
+            assert batch.positions is not None
+            extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+            meta = CpuPagedMetadata(
+                rows.repeat_interleave(extend_lens), batch.positions.to("cpu", torch.int64) + 1
             )
         if shared:
             meta.shared_slots = self.page_table[reqs[0].table_idx, :shared].long()

@@ -60,10 +60,17 @@ class LLM(Scheduler):
         tp_size: int = 1,
         kv_cache_dir: str | os.PathLike | None = None,
         kv_cache_disk_gb: float = 16.0,
+        speculative_algorithm: str | None = None,
+        speculative_num_draft_tokens: int = 8,
+        **speculative: int,
     ) -> None:
         """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others).
         kv_cache_dir: a disk KV tier there (bounded by kv_cache_disk_gb), reused across runs;
-        `shutdown()` writes the cache's KV to it."""
+        `shutdown()` writes the cache's KV to it. speculative_algorithm "NGRAM": speculative
+        decoding (SGLang's names; `speculative_ngram_*` settings as SchedulerConfig's)."""
+        unknown = [k for k in speculative if not k.startswith("speculative_ngram_")]
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
         from transformers import AutoTokenizer, GenerationConfig
 
         path = resolve_model_path(model_path)
@@ -98,6 +105,9 @@ class LLM(Scheduler):
             tp_size=tp_size,
             kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
             kv_cache_disk_gb=kv_cache_disk_gb,
+            speculative_algorithm=speculative_algorithm,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
+            **speculative,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
 

@@ -102,6 +102,9 @@ class TokenMsg:
     # token, [token id, logprob, alternatives] per prompt token (the first: logprob None).
     logprobs: list[Any] | None = None
     prompt_logprobs: list[list[Any]] | None = None
+    # Speculative decoding: the request's verify steps and accepted drafts so far (None: off).
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int = 0
 
 
 @register_message
@@ -122,6 +125,9 @@ class OutputMsg:
     # ...] of the alternatives], and once, the same per prompt token (the first: logprob None).
     logprobs: list[list[Any]] | None = None
     prompt_logprobs: list[list[Any]] | None = None
+    # As TokenMsg's, as of this output.
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int = 0
 
 
 @register_message
@@ -157,6 +163,9 @@ class StatsMsg:
     eviction_policy: str = ""
     # The disk KV tier's counters (kvcache.TierStats as a dict); None without a tier.
     tier: dict[str, int] | None = None
+    # Speculative decoding's lifetime counters (verify_steps, draft_tokens, accepted_tokens);
+    # None while it is off.
+    spec: dict[str, int] | None = None
 
 
 @register_message

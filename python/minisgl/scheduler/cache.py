@@ -227,6 +227,15 @@ class CacheManager:
             self.lock(new)
             req.cache_handle = new
 
+    def rewind(self, req: Req, new_len: int) -> None:
+        """Keep KV for positions [0, new_len) only (a verify step's rejected drafts): the pages
+        past it go back on the free list."""
+        assert req.cache_handle is not None and req.cache_handle.cached_len <= new_len
+        assert new_len <= req.device_len, f"rewind to {new_len} past device_len {req.device_len}"
+        start, end = align_up(new_len, self.page_size), align_up(req.device_len, self.page_size)
+        self._free(self.page_table[req.table_idx, start:end])
+        req.cached_len = req.device_len = new_len
+
     def release_uncached(self, req: Req) -> None:
         """Drop a request that never inserted anything: unlock its hit, free its own pages."""
         assert req.cache_handle is not None

@@ -30,6 +30,16 @@ class SchedulerConfig(EngineConfig):
     # Seconds one structured-output constraint may compile (scheduler/grammar.py) before its
     # request fails; None or <= 0: no limit (the offline LLM's default; the server's is 10).
     grammar_compile_timeout_s: float | None = None
+    # Speculative decoding (scheduler/speculative.py), SGLang's flags: "NGRAM" drafts from the
+    # request's own tokens and recent requests' (None: off); the most positions a request
+    # verifies per step, its last token included; the n-gram lengths matched (longest first),
+    # the tokens the shared cache keeps after each n-gram, and its size in n-grams.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 6
+    speculative_ngram_branch_length: int = 12
+    speculative_ngram_capacity: int = 200_000
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +67,7 @@ class SchedulerConfig(EngineConfig):
             raise ValueError(f"max_prefill_length must be >= 1, got {self.max_prefill_length}")
         if not self.kv_cache_disk_gb > 0:
             raise ValueError(f"kv_cache_disk_gb must be > 0, got {self.kv_cache_disk_gb}")
+        self._check_speculative()
         if self.kv_cache_dir is not None:
             self.kv_cache_dir = str(self.kv_cache_dir)
             if self.cache_type != "radix":
@@ -64,3 +75,30 @@ class SchedulerConfig(EngineConfig):
             if self.tp_size > 1:
                 # Every rank holds its own KV heads: a load would have to reach all of them.
                 raise ValueError(f"kv_cache_dir is not supported with tp_size > 1 ({self.tp_size})")
+
+    def _check_speculative(self) -> None:
+        from .speculative import ALGORITHMS
+
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and algorithm.upper() not in ALGORITHMS:
+            raise ValueError(
+                f"unknown speculative_algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}"
+            )
+        self.speculative_algorithm = None if algorithm is None else algorithm.upper()
+        checks = [
+            ("speculative_num_draft_tokens", self.speculative_num_draft_tokens >= 2),
+            (
+                "speculative_ngram_min_match_window_size",
+                self.speculative_ngram_min_match_window_size >= 1,
+            ),
+            (
+                "speculative_ngram_max_match_window_size",
+                self.speculative_ngram_max_match_window_size
+                >= self.speculative_ngram_min_match_window_size,
+            ),
+            ("speculative_ngram_branch_length", self.speculative_ngram_branch_length >= 1),
+            ("speculative_ngram_capacity", self.speculative_ngram_capacity >= 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"invalid {name}={getattr(self, name)!r}")

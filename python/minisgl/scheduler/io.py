@@ -147,6 +147,10 @@ class SchedulerIO:
                     cached = req.prompt_cached_tokens if req is not None else 0
             msg = TokenMsg(rid, out.token, out.finish_reason, cached)
             msg.logprobs, msg.prompt_logprobs = out.logprobs, out.prompt_logprobs
+            msg.spec_verify_ct, msg.spec_accepted_tokens = (
+                out.spec_verify_ct,
+                out.spec_accepted_tokens,
+            )
             msgs.append(msg)
             if out.finish_reason is not None:
                 del self.uid_to_rid[out.uid], self.rid_to_uid[rid]
@@ -180,6 +184,7 @@ class SchedulerIO:
             evicted_tokens=getattr(cm.prefix_cache, "evicted_tokens", 0),
             eviction_policy=s.config.radix_eviction_policy,
             tier=None if cm.tier is None else dataclasses.asdict(cm.tier.stats),
+            spec=None if s.speculator is None else dataclasses.asdict(s.speculator.stats),
         )
 
     # ---------------------------------------------------------------- the loop

@@ -44,6 +44,9 @@ class TokenOutput:
     logprobs: list[Any] | None = None
     # The prompt's (first output only): see Req.prompt_logprobs.
     prompt_logprobs: list[list[Any]] | None = None
+    # Speculative decoding: the request's verify steps and accepted drafts so far (None: off).
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.core import Batch, RequestError, SamplingParams
+from minisgl.core import Batch, Req, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput
 
 from .grammar import GrammarQueue
@@ -62,15 +62,22 @@ def prepare_forward_input(
     eos_ids: frozenset[int] = frozenset(),
     grammars: GrammarQueue | None = None,
     plan: LogprobPlan | None = None,
+    sampled: list[Req] | None = None,
 ) -> ForwardInput:
     """Positions, KV slots, logits rows, attention metadata and sampling args of a batch
     (`eos_ids`: the tokens min_tokens keeps from being drawn; `grammars`: the constrained
-    requests' token masks; `plan`: the rows that get log-probabilities)."""
+    requests' token masks; `plan`: the rows that get log-probabilities; `sampled`: one request
+    per logits row, by default every request that produces a token, see verify_rows)."""
     reqs, device = batch.reqs, engine.device
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
-    if batch.is_decode:
+    if batch.is_decode and batch.drafts is None:
         positions = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
         input_rows = rows
+        logits_indices = None
+    elif batch.is_decode:  # a verify step: every position's logits
+        extend = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+        positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
+        input_rows = rows.repeat_interleave(extend)
         logits_indices = None
     else:
         extend = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
@@ -84,7 +91,8 @@ def prepare_forward_input(
     batch.out_loc = engine.page_table[input_rows, positions].long()
     batch.logits_indices = logits_indices
     engine.attn_backend.prepare_metadata(batch)
-    sampled = [r for r in reqs if not r.is_chunked]
+    if sampled is None:
+        sampled = [r for r in reqs if not r.is_chunked]
     plan = plan if plan is not None else logprob_plan(batch, sampled)
     sample_args = engine.sampler.prepare(sampled, eos_ids)
     if grammars is not None:

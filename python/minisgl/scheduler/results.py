@@ -15,6 +15,7 @@ from minisgl.utils.faults import inject as inject_fault
 from .cache import CacheManager
 from .logprobs import collect_logprobs
 from .output import InFlight, SchedulerStats, TokenOutput, finish_reason
+from .speculative import Speculator, accepted_length
 from .table import TableManager
 
 logger = init_logger(__name__)
@@ -32,25 +33,53 @@ class ResultsMixin:
     table_manager: TableManager
     _outbox: list[TokenOutput]
     _in_flight: InFlight | None
+    speculator: Speculator | None
 
     def _process(self, step: InFlight) -> None:
         output = step.output()
         tokens = output.next_tokens_cpu.tolist()
         logprobs = collect_logprobs(step, output)
-        for i, (req, token) in enumerate(zip(step.sampled, tokens)):
-            if req.finish_reason is not None:
-                continue  # finished or aborted while this step ran: its token is not sent
-            try:
-                self._append_token(req, token, logprobs.get(i))
-            except Exception as exc:  # this request's fault: it alone ends
-                logger.exception("processing %s failed", req)
-                self._fail(req, f"processing the request failed: {exc}")
+        if step.batch.drafts is not None:
+            self._process_verified(step, tokens, logprobs)
+        else:
+            for i, (req, token) in enumerate(zip(step.sampled, tokens)):
+                if req.finish_reason is None:  # else finished or aborted while this step ran
+                    self._append_safely(req, token, logprobs.get(i))
         for req in step.batch.reqs:
             if req.finish_reason is not None:
                 if not self._is_in_flight(req) and req.cache_handle is not None:
                     self._release(req)
             elif step.batch.is_prefill:
                 self.cache_manager.cache_req(req, finished=False)
+
+    def _append_safely(self, req: Req, token: int, logprobs: list[Any] | None) -> None:
+        try:
+            self._append_token(req, token, logprobs)
+        except Exception as exc:  # this request's fault: it alone ends
+            logger.exception("processing %s failed", req)
+            self._fail(req, f"processing the request failed: {exc}")
+
+    def _process_verified(
+        self, step: InFlight, tokens: list[int], logprobs: dict[int, list[Any]]
+    ) -> None:
+        """A verify step: each request keeps its drafts up to the first that differs from the
+        token sampled before it, plus that sampled token (up to where it finishes); the KV of
+        the rest is given back."""
+        assert step.batch.drafts is not None and self.speculator is not None
+        row = 0
+        for req, draft in zip(step.sampled, step.batch.drafts):
+            sampled = tokens[row : row + len(draft) + 1]
+            accepted = accepted_length(draft, sampled)
+            # The kept drafts, then the token sampled after them (equal where the rule holds).
+            for i, token in enumerate(draft[:accepted] + sampled[accepted : accepted + 1]):
+                if req.finish_reason is not None:
+                    break  # finished or aborted: nothing after it is sent
+                self._append_safely(req, token, logprobs.get(row + i))
+            # KV stays for the tokens kept but the last (whose KV the next step computes).
+            self.cache_manager.rewind(req, len(req.input_ids) - 1)
+            if draft:
+                self.speculator.record(req, len(draft), accepted)
+            row += len(draft) + 1
 
     def _append_token(self, req: Req, token: int, logprobs: list[Any] | None = None) -> None:
         inject_fault("schedule", req.sampling_params.stop)
@@ -60,11 +89,14 @@ class ResultsMixin:
         if req.grammar is not None and not req.grammar.accept_token(token):
             self._fail(req, f"token {token} breaks the request's structured output constraint")
             return
+        if logprobs is not None:  # the step computed the batch's most alternatives: its own
+            logprobs = [logprobs[0], logprobs[1][: req.sampling_params.logprobs or 0]]
         req.input_ids = torch.cat([req.input_ids, torch.tensor([token], dtype=torch.int32)])
         req.finish_reason = finish_reason(req, token, self.eos_ids)
         self.stats.generated_tokens += 1
         cached = req.prompt_cached_tokens if req.finish_reason else 0
         prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        spec = None if self.speculator is None else self.speculator.state(req)
         out = TokenOutput(
             req.uid,
             token,
@@ -72,6 +104,8 @@ class ResultsMixin:
             cached,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            spec_verify_ct=None if spec is None else spec.verify_steps,
+            spec_accepted_tokens=0 if spec is None else spec.accepted_tokens,
         )
         self._outbox.append(out)
         if req.finish_reason is not None:
@@ -106,6 +140,8 @@ class ResultsMixin:
             self.running.remove(req)
 
     def _release(self, req: Req) -> None:
+        if self.speculator is not None and req.finish_reason is not None:
+            self.speculator.learn(req)  # (not a retraction: the request comes back)
         if req.finish_reason == "error":  # what it computed last may be what went wrong
             self.cache_manager.release_uncached(req)
         else:

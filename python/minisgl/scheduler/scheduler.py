@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,7 @@ from .policy import SCHEDULE_POLICIES
 from .preemption import PreemptionMixin
 from .prepare import prepare_forward_input, validate_request
 from .results import ResultsMixin
+from .speculative import Speculator, verify_rows
 from .table import TableManager
 from .tier import open_disk_tier
 
@@ -74,10 +76,22 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         # Made at the first constrained request (building xgrammar's vocabulary takes ~0.6 s).
         self.grammars: GrammarQueue | None = None
         self._tokenizer = tokenizer
+        self.speculator: Speculator | None = None
+        if config.speculative_algorithm is not None:
+            self.speculator = Speculator(
+                config.speculative_num_draft_tokens,
+                config.speculative_ngram_min_match_window_size,
+                config.speculative_ngram_max_match_window_size,
+                config.speculative_ngram_branch_length,
+                config.speculative_ngram_capacity,
+            )
 
     @property
     def overlap(self) -> bool:
-        return not ENV.DISABLE_OVERLAP_SCHEDULING.value and self.config.overlap_schedule
+        # Drafts follow a request's last token, so speculation needs it processed: no overlap.
+        if self.speculator is not None:
+            return False
+        return not ENV.DISABLE_OVERLAP_SCHEDULING.value and bool(self.config.overlap_schedule)
 
     # ---------------------------------------------------------------- requests in
     def add_request(
@@ -144,12 +158,16 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             self._process(self._in_flight)
             self._in_flight = None
         batch = self._schedule()
+        started = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None
         previous, self._in_flight = self._in_flight, launched if overlap else None
         if previous is not None:
             self._process(previous)
         if launched is not None and not overlap:
             self._process(launched)
+            if self.speculator is not None and launched.batch.is_decode:
+                rows = len(launched.batch.out_loc) if launched.batch.out_loc is not None else 0
+                self.speculator.cost.observe(rows, time.perf_counter() - started)
         if batch is None and previous is None:  # nothing ran, nothing was pending
             if self.grammars is not None and self.grammars.pending:
                 pass  # constraints still compiling
@@ -186,8 +204,12 @@ class Scheduler(PreemptionMixin, ResultsMixin):
 
     def _launch(self, batch: Batch) -> InFlight:
         sampled = [r for r in batch.reqs if not r.is_chunked]
-        plan = logprob_plan(batch, sampled)  # before the step moves cached_len
-        forward_input = prepare_forward_input(batch, self.engine, self.eos_ids, self.grammars, plan)
+        # A verify step samples every query position (before the step moves cached_len).
+        rows = sampled if batch.drafts is None else verify_rows(sampled, batch.drafts)
+        plan = logprob_plan(batch, rows)
+        forward_input = prepare_forward_input(
+            batch, self.engine, self.eos_ids, self.grammars, plan, rows
+        )
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":
             # PyTorch releases the GIL inside ops, so the next step is scheduled meanwhile.
@@ -313,11 +335,35 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         reqs = self._decode_reqs()
         if not reqs:
             return None
-        self.cache_manager.allocate(reqs, [r.device_len + 1 for r in reqs])
-        for req in reqs:
-            req.device_len += 1
+        drafts = self._drafts(reqs)
+        new_lens = [r.device_len + 1 + len(d) for r, d in zip(reqs, drafts)]
+        self.cache_manager.allocate(reqs, new_lens)
+        for req, new_len, draft in zip(reqs, new_lens, drafts):
+            if draft:  # the inputs of the positions after the last token
+                start = req.device_len + 1
+                self.engine.token_pool[req.table_idx, start : start + len(draft)] = torch.tensor(
+                    draft, dtype=torch.int32
+                ).to(self.device)
+            req.device_len = new_len
         self.budget.on_decode()
-        return Batch(reqs, "decode")
+        return Batch(reqs, "decode", drafts=drafts if any(drafts) else None)
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Each decode request's draft tokens this step (none without speculation), cut to the
+        room its max length leaves and dropped where their pages are not free (a draft never
+        evicts cached KV)."""
+        if self.speculator is None:
+            return [[] for _ in reqs]
+        # device_len is the last token's position: the step may emit 1 + drafts tokens.
+        room = [r.max_device_len - r.device_len - 2 for r in reqs]
+        drafts = self.speculator.propose(reqs, room)
+        need = sum(
+            self.cache_manager.pages_to_grow(r, r.device_len + 1 + len(d))
+            for r, d in zip(reqs, drafts)
+        )
+        if any(drafts) and need > self.cache_manager.num_free_pages:
+            return [[] for _ in reqs]
+        return drafts
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its KV stays cached."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from minisgl.engine.config import LOGPROBS_MODES
 from minisgl.kvcache import EVICTION_POLICIES
 from minisgl.layers.quantized import QUANTIZATIONS
 
+from .speculative_args import add_speculative_arguments
 from .tools import TOOL_CALL_PARSERS
 from .validation import MAX_BATCH_PROMPTS
 
@@ -59,6 +60,12 @@ class ServerArgs:
     shell_temperature: float = 0.0
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS
     grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 6
+    speculative_ngram_branch_length: int = 12
+    speculative_ngram_capacity: int = 200_000
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments shared by SchedulerConfig and LLM (optional ones only if set)."""
@@ -77,6 +84,7 @@ class ServerArgs:
             kv_cache_dir=self.kv_cache_dir,
             kv_cache_disk_gb=self.kv_cache_disk_gb,
         )
+        kwargs.update({k: v for k, v in asdict(self).items() if k.startswith("speculative_")})
         if self.schedule_policy is not None:
             kwargs["schedule_policy"] = self.schedule_policy
         if self.overlap_schedule is not None:
@@ -298,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shell-max-tokens", type=int, default=512)
     p.add_argument("--shell-temperature", type=float, default=0.0)
+    add_speculative_arguments(p)
     return p
 
 

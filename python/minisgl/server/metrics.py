@@ -134,6 +134,21 @@ class ServerMetrics:
         self.tier_disk = Gauge(
             "minisgl_kv_tier_disk", "Disk KV tier now: files and bytes", ["unit"], registry=r
         )
+        self.spec_tokens = Counter(
+            "minisgl_spec_tokens",
+            "Speculative decoding: draft tokens verified (drafted) and kept (accepted)",
+            ["kind"],
+            registry=r,
+        )
+        self.spec_verify_steps = Counter(
+            "minisgl_spec_verify_steps", "Speculative decoding: request verify steps", registry=r
+        )
+        self.spec_accept_length = Gauge(
+            "minisgl_spec_accept_length",
+            "Speculative decoding: mean tokens a request gets per verify step (accepted drafts "
+            "plus the one sampled)",
+            registry=r,
+        )
         self.last_stats: StatsMsg | None = None
         # Lifetime totals as last reported: counters move by the difference.
         self._totals: dict[str, int] = {}
@@ -155,6 +170,14 @@ class ServerMetrics:
         self._advance(self.cache_hits.labels("disk"), "disk", disk_hits)
         policy = stats.eviction_policy or "lru"
         self._advance(self.evicted.labels(policy), "evicted", stats.evicted_tokens)
+        if stats.spec:
+            spec = stats.spec
+            self._advance(self.spec_tokens.labels("drafted"), "spec_drafted", spec["draft_tokens"])
+            accepted = spec["accepted_tokens"]
+            self._advance(self.spec_tokens.labels("accepted"), "spec_accepted", accepted)
+            steps = spec["verify_steps"]
+            self._advance(self.spec_verify_steps, "spec_steps", steps)
+            self.spec_accept_length.set(1.0 + accepted / steps if steps else 0.0)
         if not tier:
             return
         for event, field in _TIER_CHUNK_FIELDS.items():

@@ -65,9 +65,19 @@ class _NativeChoice:
     output_logprobs: list[list[Any]] = dataclasses.field(default_factory=list)
     input_logprobs: list[list[Any]] = dataclasses.field(default_factory=list)
 
+    # Speculative decoding: the verify steps and drafts accepted so far (None: off).
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int = 0
+
     def add_logprobs(self, out: OutputMsg) -> None:
-        """Keep an output's log-probability entries (see OutputMsg.logprobs)."""
+        """Keep an output's log-probability entries (see OutputMsg.logprobs) and its
+        speculative counters."""
         self.output_logprobs.extend(out.logprobs or [])
+        if out.spec_verify_ct is not None:
+            self.spec_verify_ct, self.spec_accepted_tokens = (
+                out.spec_verify_ct,
+                out.spec_accepted_tokens,
+            )
         if out.prompt_logprobs is not None:
             self.input_logprobs = out.prompt_logprobs[max(self.logprob_start_len, 0) :]
 
@@ -105,6 +115,13 @@ class _NativeChoice:
             "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - arrival,
         }
+        if self.spec_verify_ct is not None:  # SGLang's names
+            meta["spec_verify_ct"] = self.spec_verify_ct
+            meta["spec_accept_length"] = (
+                1.0 + self.spec_accepted_tokens / self.spec_verify_ct
+                if self.spec_verify_ct
+                else 0.0
+            )
         if self.return_logprob:
             meta.update(self._logprob_fields())
         body: dict[str, Any] = {"text": out.text, "meta_info": meta}

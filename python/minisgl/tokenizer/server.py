@@ -135,6 +135,8 @@ class _DetokState:
     # The EOS / stop token id that ended the request: counted, its text left out unless the
     # request includes stop strings in its output (as vLLM and SGLang).
     stop_token: int | None = None
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int = 0
 
 
 class DetokenizeManager:
@@ -219,6 +221,11 @@ class DetokenizeManager:
             return None
         if msg.cached_tokens:
             state.cached_tokens = msg.cached_tokens
+        if msg.spec_verify_ct is not None:
+            state.spec_verify_ct, state.spec_accepted_tokens = (
+                msg.spec_verify_ct,
+                msg.spec_accepted_tokens,
+            )
         if msg.prompt_logprobs is not None:
             state.prompt_logprobs = self.token_texts.entries(msg.prompt_logprobs)
         if msg.token is not None:
@@ -264,6 +271,8 @@ class DetokenizeManager:
             logprobs=state.logprobs,
             prompt_logprobs=state.prompt_logprobs,
             matched_stop=matched,
+            spec_verify_ct=state.spec_verify_ct,
+            spec_accepted_tokens=state.spec_accepted_tokens,
         )
         state.text.clear()
         state.pending_tokens = 0

@@ -1,0 +1,164 @@
+"""Speculative decoding: decode tokens/s with n-gram drafts against without, on real prompts.
+
+Prompt kinds (chat-templated, greedy, each request's prompt different): `edit` a code file of
+this repository with a rename asked for, `document` a passage with a question answered from it,
+`rewrite` a paragraph to copy with one change, `chat` open questions. For each kind and batch
+size, every prompt is first prefilled into the radix cache (one token), so the timed run is
+decode: output tokens / seconds, speculation off and on, in one invocation with the same
+engine settings. Acceptance: mean tokens per verify step and the share of drafts kept.
+Figures only: nothing is asserted.
+
+    python benchmark/speculative.py                       # default model, batch 1, 4, 16
+    python benchmark/speculative.py --batch-sizes 1 --kinds edit,chat --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import paths  # noqa: E402,F401  (before minisgl: a checkout without `pip install -e .`)
+from machine import machine_note, set_threads  # noqa: E402
+from models import model_label, resolve_bench_model  # noqa: E402
+
+from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.llm import LLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("edit", "document", "rewrite", "chat")
+SOURCES = sorted((ROOT / "python" / "minisgl").rglob("*.py"))
+RENAMES = ["req", "batch", "tokens", "config", "state", "output", "engine", "cache"]
+DOCUMENT = (ROOT / "README.md").read_text()
+QUESTIONS = [
+    "What are the two commands a newcomer runs first?",
+    "Which Python version do the commands need?",
+    "Where is the default model prepared?",
+    "How do you start the API server on another port?",
+    "Which radix eviction policies can be chosen?",
+    "What does the test command run?",
+    "How is the shell started?",
+    "Where do weights live?",
+]
+TOPICS = [
+    "the history of the bicycle",
+    "why the sky is blue",
+    "how bread rises",
+    "what makes a good friend",
+    "the life of a honeybee",
+    "how volcanoes form",
+    "a day at the beach",
+    "learning to play the piano",
+]
+
+
+def code_chunk(index: int, chars: int = 1800) -> str:
+    text = SOURCES[index % len(SOURCES)].read_text()
+    return text[:chars].rsplit("\n", 1)[0]
+
+
+def messages(kind: str, index: int) -> list[dict[str, str]]:
+    if kind == "edit":
+        name = RENAMES[index % len(RENAMES)]
+        code = code_chunk(index * 7 + 3)
+        ask = f"Rewrite this code with the variable `{name}` renamed to `{name}_new`. Output only "
+        return [{"role": "user", "content": f"{ask}the code.\n\n```python\n{code}\n```"}]
+    if kind == "document":
+        start = (index * 900) % max(1, len(DOCUMENT) - 2500)
+        passage = DOCUMENT[start : start + 2500]
+        question = QUESTIONS[index % len(QUESTIONS)]
+        ask = f"Answer from the document, quoting it.\n\n{passage}\n\nQuestion: {question}"
+        return [{"role": "user", "content": ask}]
+    if kind == "rewrite":
+        start = (index * 1300 + 400) % max(1, len(DOCUMENT) - 1500)
+        paragraph = DOCUMENT[start : start + 1200]
+        ask = "Repeat the following text exactly, but write 'minisgl' as 'MiniSGL':\n\n"
+        return [{"role": "user", "content": ask + paragraph}]
+    topic = TOPICS[index % len(TOPICS)]
+    return [{"role": "user", "content": f"Tell me about {topic}."}]
+
+
+def prompts(llm: LLM, kind: str, count: int) -> list[list[int]]:
+    out = []
+    for i in range(count):
+        ids = llm.tokenizer.apply_chat_template(messages(kind, i), add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def decode_run(llm: LLM, ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """(output tokens / second, outputs) of one greedy generate whose prompts are cached."""
+    llm.generate(ids, SamplingParams(max_tokens=1), use_tqdm=False)  # prefill into the tree
+    params = SamplingParams(max_tokens=max_tokens)
+    start = time.perf_counter()
+    outputs = llm.generate(ids, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [o["token_ids"] for o in outputs]
+    return sum(map(len, tokens)) / seconds, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model folder or name (default model)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    # The default model as LLM() serves it (its GGUF, quantized, where one is prepared).
+    model = None if args.model in (None, "default") else resolve_bench_model(args.model)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown --kinds {sorted(unknown)}; choose from {list(KINDS)}")
+    common = dict(dtype=args.dtype, max_running_req=max(batch_sizes))
+    plain = LLM(model, **common)
+    spec = LLM(
+        model,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=args.num_draft_tokens,
+        **common,
+    )
+    for llm in (plain, spec):  # warm-up: kernels, buffers, the cost model's first steps
+        llm.generate(prompts(llm, "chat", 2), SamplingParams(max_tokens=16), use_tqdm=False)
+    label = model_label(plain.model_path) + (" (GGUF)" if plain.config.gguf_path else "")
+    print(
+        f"# speculative decoding: {label}, {plain.config.quantization or args.dtype}, greedy, "
+        f"{args.max_tokens} new tokens; {machine_note()}"
+    )
+    print(
+        "| kind | batch | off tok/s | ngram tok/s | ratio | tokens/verify | drafts kept | equal |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in kinds:
+        for batch in batch_sizes:
+            ids = prompts(plain, kind, batch)
+            off_rate, off_tokens = decode_run(plain, ids, args.max_tokens)
+            assert spec.speculator is not None
+            before = dict(vars(spec.speculator.stats))
+            on_rate, on_tokens = decode_run(spec, ids, args.max_tokens)
+            after = vars(spec.speculator.stats)
+            steps = after["verify_steps"] - before["verify_steps"]
+            drafted = after["draft_tokens"] - before["draft_tokens"]
+            accepted = after["accepted_tokens"] - before["accepted_tokens"]
+            per_step = f"{1 + accepted / steps:.2f}" if steps else "-"
+            kept = f"{accepted / drafted:.0%}" if drafted else "-"
+            equal = "yes" if on_tokens == off_tokens else "no"
+            print(
+                f"| {kind} | {batch} | {off_rate:.1f} | {on_rate:.1f} | "
+                f"{on_rate / off_rate:.2f}x | {per_step} | {kept} | {equal} |",
+                flush=True,
+            )
+    plain.shutdown()
+    spec.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The speculative decoding options of the CLI (SGLang's names; scheduler/speculative.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from minisgl.scheduler.speculative import ALGORITHMS
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        type=str.upper,
+        choices=list(ALGORITHMS),
+        help="NGRAM: draft tokens from what followed the same recent tokens in the request's "
+        "own prompt and output and in recent requests, verified several per step (off by "
+        "default; lossless: the output is what decoding without it gives)",
+    )
+    group.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=8,
+        metavar="N",
+        help="the most positions a request verifies in one step, its last token included "
+        "(default 8); fewer are drafted where the measured cost says they do not pay",
+    )
+    group.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the shortest n-gram matched to draft (default 1)",
+    )
+    group.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=6,
+        metavar="N",
+        help="the longest n-gram matched, tried first (default 6)",
+    )
+    group.add_argument(
+        "--speculative-ngram-branch-length",
+        type=int,
+        default=12,
+        metavar="N",
+        help="tokens the shared n-gram cache keeps after each n-gram (default 12)",
+    )
+    group.add_argument(
+        "--speculative-ngram-capacity",
+        type=int,
+        default=200_000,
+        metavar="N",
+        help="n-grams the cache of recent requests holds, least recent dropped (default 200000)",
+    )

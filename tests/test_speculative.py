@@ -1,0 +1,311 @@
+"""Speculative decoding (n-gram drafts): greedy output equals decoding without it (and HF) token
+for token in every configuration, sampled output has the same distribution, and the pages of
+rejected drafts come back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import (
+    LONG_TEXT,
+    MIXED_PROMPTS,
+    assert_all_pages_free,
+    build_llm,
+    greedy,
+    hf_greedy,
+)
+
+from minisgl.core import SamplingParams, StructuredOutput
+from minisgl.llm import LLM
+from minisgl.scheduler import SchedulerConfig
+
+NGRAM = dict(speculative_algorithm="NGRAM")
+# Text that repeats itself: random-weight models loop too, so drafts get accepted and rejected.
+REPEATS = "one two three four five six one two three four five six one two three"
+PROMPTS: list[str | list[int]] = [*MIXED_PROMPTS, REPEATS, [7, 8, 9, 7, 8, 9, 7, 8]]
+# Lengths ending at and off every draft boundary (drafts are at most 7 per step).
+MAX_NEW = [1, 2, 9, 24, 40, 16, 3, 33, 40, 17]
+
+
+@pytest.fixture(autouse=True)
+def every_draft(request, monkeypatch):
+    """Every draft verified, whatever the cost model would keep (it decides by timing, which
+    varies by machine): these tests check the verification; test_cost_model_* the policy."""
+    from minisgl.scheduler.speculative import Speculator
+
+    if "cost_model" not in request.node.name:
+        monkeypatch.setattr(
+            Speculator, "_worth_it", lambda self, guesses, rows: [g for g, _ in guesses]
+        )
+
+
+def generate(llm: LLM, prompts: list, params: list[SamplingParams] | SamplingParams) -> list[dict]:
+    outputs = llm.generate(prompts, params)
+    assert_all_pages_free(llm)
+    return outputs
+
+
+def spec_and_plain(name: str, prompts: list, params, **kw) -> tuple[list[dict], list[dict], LLM]:
+    """The outputs with speculation and without it (and the speculating LLM, shut down)."""
+    llm = build_llm(name, **NGRAM, **kw)
+    try:
+        spec = generate(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    plain_llm = build_llm(name, **kw)
+    try:
+        plain = generate(plain_llm, prompts, params)
+    finally:
+        plain_llm.shutdown()
+    return spec, plain, llm
+
+
+def token_ids(outputs: list[dict]) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+@pytest.mark.parametrize(
+    ("arch", "page_size"),
+    [
+        ("qwen3", 1),
+        ("qwen3", 4),
+        ("qwen3", 16),
+        ("llama3", 1),
+        ("qwen2", 4),
+        ("mistral", 16),
+        ("qwen3-moe", 1),
+        ("qwen3-kv1", 4),
+    ],
+)
+def test_greedy_equals_decoding_without_it_and_hf(arch: str, page_size: int) -> None:
+    params = [greedy(n) for n in MAX_NEW]
+    # Fewer running slots than prompts: verify steps mix with prefills joining the batch.
+    spec, plain, llm = spec_and_plain(arch, PROMPTS, params, page_size=page_size, max_running_req=4)
+    assert token_ids(spec) == token_ids(plain) == hf_greedy(arch, PROMPTS, MAX_NEW)
+    assert [o["finish_reason"] for o in spec] == [o["finish_reason"] for o in plain]
+    stats = llm.speculator.stats
+    assert stats.accepted_tokens > 0 and stats.draft_tokens > stats.accepted_tokens
+
+
+def test_radix_hits_chunked_prefill_and_a_second_round() -> None:
+    """Chunks of 16 tokens, then the same prompts again from the prefix cache (and the shared
+    n-gram cache, which the finished requests fed)."""
+    params = [greedy(n) for n in MAX_NEW]
+    llm = build_llm("qwen3", max_prefill_length=16, **NGRAM)
+    try:
+        first = generate(llm, PROMPTS, params)
+        again = generate(llm, PROMPTS, params)
+        assert sum(o["cached_tokens"] for o in again) > 0
+        assert len(llm.speculator.cache) > 0
+    finally:
+        llm.shutdown()
+    assert token_ids(first) == token_ids(again) == hf_greedy("qwen3", PROMPTS, MAX_NEW)
+
+
+def test_retraction_under_page_pressure() -> None:
+    """A pool too small for every request's output: decode retracts, drafts never evict."""
+    prompts = [LONG_TEXT, REPEATS, LONG_TEXT[:120], "1, 2, 3, 4, 5,"] * 2
+    params = greedy(60, ignore_eos=True)
+    spec, plain, llm = spec_and_plain("qwen3", prompts, params, num_page_override=260)
+    assert llm.stats.retractions > 0
+    assert token_ids(spec) == token_ids(plain)
+
+
+def test_stop_tokens_and_max_tokens_inside_an_accepted_run() -> None:
+    """A stop token id that the plain output reaches mid-way ends the speculative one at the same
+    place, with nothing after it; max_tokens cuts a run of accepted drafts."""
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    plain_llm = build_llm("qwen3")
+    reference = plain_llm.generate([prompt], greedy(40))[0]["token_ids"]
+    plain_llm.shutdown()
+    stop = reference[12]
+    first = reference.index(stop)
+    params = [greedy(40, stop_token_ids=[stop]), *[greedy(n) for n in range(1, 12)]]
+    spec, plain, llm = spec_and_plain("qwen3", [prompt] * len(params), params)
+    assert token_ids(spec) == token_ids(plain)
+    assert spec[0]["token_ids"] == reference[: first + 1] and spec[0]["finish_reason"] == "stop"
+    assert [len(o["token_ids"]) for o in spec[1:]] == list(range(1, 12))
+    assert llm.speculator.stats.accepted_tokens > 0
+
+
+def test_logprobs_penalties_bias_and_min_tokens_as_decoded_one_by_one() -> None:
+    """Every position of a verify step is sampled with what it would have known decoded alone:
+    penalties count the drafts before it, min_tokens holds off EOS, logit_bias applies."""
+    params = [
+        greedy(30, logprobs=3),
+        greedy(30, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+        greedy(30, logit_bias={7: 4.0, 9: 3.0}),
+        greedy(30, min_tokens=20, stop_token_ids=[8, 9]),
+        greedy(30, logprobs=0, frequency_penalty=1.0),
+    ]
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8]] * 2 + [REPEATS] * 3
+    spec, plain, _ = spec_and_plain("qwen3", prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    for s, p in zip(spec, plain):
+        if p.get("logprobs") is None:
+            continue
+        assert [e[0] for e in s["logprobs"]] == [e[0] for e in p["logprobs"]]
+        for (_, got, got_top), (_, want, want_top) in zip(s["logprobs"], p["logprobs"]):
+            assert got == pytest.approx(want, abs=1e-4)
+            assert [t for t, _ in got_top] == [t for t, _ in want_top]
+
+
+def test_structured_output_with_speculation_is_valid_and_equal() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "boolean"}},
+        "required": ["name", "n"],
+    }
+    structured = StructuredOutput("json", json.dumps(schema))
+    params = [greedy(200, structured=structured), greedy(30), greedy(30)]
+    prompts = ["Give me JSON:", REPEATS, [7, 8, 9, 7, 8, 9, 7, 8]]
+    spec, plain, _ = spec_and_plain("qwen3", prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    assert spec[0]["finish_reason"] == "stop", spec[0]["text"]
+    parsed = json.loads(spec[0]["text"])
+    assert set(parsed) == {"name", "n"}
+
+
+def test_tensor_parallel_verify_steps_replay() -> None:
+    params = [greedy(n) for n in MAX_NEW]
+    spec, plain, llm = spec_and_plain("qwen3-kv1", PROMPTS, params, tp_size=2, page_size=4)
+    assert token_ids(spec) == token_ids(plain)
+    assert llm.speculator.stats.accepted_tokens > 0
+
+
+def _chi2_p_value(a: list[str], b: list[str]) -> float:
+    """Two-sample chi-square test of homogeneity; categories with fewer than 10 samples in all
+    are pooled."""
+    counts: dict[str, list[int]] = {}
+    for i, sample in enumerate((a, b)):
+        for key in sample:
+            counts.setdefault(key, [0, 0])[i] += 1
+    table, rare = [], [0, 0]
+    for pair in counts.values():
+        if sum(pair) >= 10:
+            table.append(pair)
+        else:
+            rare = [rare[0] + pair[0], rare[1] + pair[1]]
+    if sum(rare):
+        table.append(rare)
+    observed = torch.tensor(table, dtype=torch.float64)
+    expected = observed.sum(1, keepdim=True) * observed.sum(0, keepdim=True) / observed.sum()
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(table) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, statistic / 2))
+
+
+def _samples(speculate: bool, count: int) -> tuple[list[str], int]:
+    """The first four tokens of `count` samples at temperature 1 (top-p, penalties and a
+    logit_bias that puts most mass on three tokens, the prompt's), and the drafts accepted."""
+    # The drafts (what followed each token in the prompt) are never 101, the likeliest token.
+    prompt = [101, 303, 202, 303, 202, 303, 202, 303]
+    params = SamplingParams(
+        temperature=1.0,
+        top_p=0.9,
+        presence_penalty=0.4,
+        repetition_penalty=1.1,
+        logit_bias={101: 14.0, 202: 13.0, 303: 12.5},
+        max_tokens=4,
+        ignore_eos=True,
+    )
+    llm = build_llm("qwen3", max_running_req=8, **(NGRAM if speculate else {}))
+    try:
+        torch.manual_seed(0)
+        outputs = generate(llm, [prompt] * count, params)
+        accepted = llm.speculator.stats.accepted_tokens if llm.speculator else 0
+    finally:
+        llm.shutdown()
+    return [" ".join(map(str, o["token_ids"])) for o in outputs], accepted
+
+
+def test_sampling_has_the_distribution_of_decoding_without_speculation(monkeypatch) -> None:
+    import minisgl.scheduler.results as results
+    from minisgl.scheduler.speculative import Speculator
+
+    # Every draft verified, whatever the cost model would keep: the rule is what is tested.
+    monkeypatch.setattr(
+        Speculator, "_worth_it", lambda self, guesses, rows: [g for g, _ in guesses]
+    )
+    plain, _ = _samples(False, 400)
+    spec, accepted = _samples(True, 400)
+    assert accepted > 130  # drafts were verified and kept, not merely proposed
+    assert _chi2_p_value(plain, spec) > 1e-3
+    # The test can tell: keeping the first draft whatever was sampled skews the distribution.
+    monkeypatch.setattr(results, "accepted_length", lambda draft, sampled: min(1, len(draft)))
+    wrong, _ = _samples(True, 400)
+    assert _chi2_p_value(plain, wrong) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("speculative_algorithm", "EAGLE9"),
+        ("speculative_num_draft_tokens", 1),
+        ("speculative_ngram_min_match_window_size", 0),
+        ("speculative_ngram_capacity", -1),
+    ],
+)
+def test_bad_settings_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(model_path="unused", **{field: value})
+
+
+def test_served_with_speculation_reports_it_and_equals_offline(tmp_path) -> None:
+    """The server's flags: /generate equals offline decoding without speculation, its
+    meta_info carries SGLang's spec_verify_ct, and /metrics counts drafted and accepted tokens."""
+    import httpx
+    from helpers import hf_encode, tiny_model
+    from test_server import SERVER_ARGS, metrics, start_server, wait_for
+
+    prompts = [REPEATS, [7, 8, 9, 7, 8, 9, 7, 8]]
+    offline = build_llm("qwen3")
+    expected = [o["text"] for o in offline.generate(prompts, greedy(40))]
+    offline.shutdown()
+    args = [*SERVER_ARGS, "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "6"]
+    server = start_server(tiny_model("qwen3"), args, tmp_path / "server.log")
+    try:
+        body = {
+            "input_ids": [hf_encode("qwen3", p) for p in prompts],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 40},
+        }
+        outs = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+        assert [o["text"] for o in outs] == expected
+        meta = [o["meta_info"] for o in outs]
+        assert all(m["spec_verify_ct"] > 0 and m["spec_accept_length"] > 1 for m in meta)
+        samples = wait_for(
+            lambda: (
+                (m := metrics(server.url)).get("minisgl_spec_tokens_total{kind=accepted}") and m
+            ),
+            what="speculative counters",
+        )
+        assert (
+            samples["minisgl_spec_tokens_total{kind=drafted}"]
+            >= samples["minisgl_spec_tokens_total{kind=accepted}"]
+        )
+        assert samples["minisgl_spec_accept_length"] > 1
+    finally:
+        server.stop()
+
+
+def test_cost_model_drafts_where_rows_are_cheap_and_not_where_dear() -> None:
+    """The policy: drafts while a row costs little against a step and guesses are good; none
+    where a row costs as much as the step (a compute-bound CPU) or guesses are poor."""
+    from minisgl.scheduler.speculative import Speculator, StepCost
+
+    def drafts(row_seconds: float, acceptance: float, batch: int, base: float = 0.010) -> list[int]:
+        spec = Speculator(8, 1, 4, 8, 0)
+        for rows in (batch, batch + 4, batch + 8):
+            for _ in range(5):
+                spec.cost.observe(rows, base + row_seconds * rows)
+        guesses = [([1, 2, 3, 4, 5, 6, 7], acceptance)] * batch
+        return [len(d) for d in spec._worth_it(guesses, batch)]
+
+    assert drafts(0.0002, 0.8, 1) == [7]  # memory-bound: each row ~2% of a step
+    assert 0 < sum(drafts(0.0002, 0.8, 16)) < 7 * 16  # a large batch: fewer
+    assert drafts(0.010, 0.8, 1, base=0.0005) == [0]  # a row costs a whole step
+    assert drafts(0.0002, 0.01, 1) == [0]  # guesses that never hold
+    fresh = StepCost()
+    assert fresh.coefficients() == (1.0, fresh.row_cost)  # nothing measured: optimistic
