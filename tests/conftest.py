@@ -1,6 +1,7 @@
 """Suite-wide settings (applied before any test imports minisgl) and shared fixtures."""
 
 import os
+import signal
 
 import openai
 import pytest
@@ -21,6 +22,57 @@ def client(server):
 def model(client):
     """The name the server serves its model under."""
     return client.models.list().data[0].id
+
+
+# ---------------------------------------------------------------- servers shared by modules
+# A server start costs 10-15 s on two cores (four processes importing torch): modules whose
+# tests need the same server, and only what any server of those settings gives them, share one
+# for the whole session. A test that stops one is marked `stops_shared_server` and runs at the
+# end of the session (pytest_collection_modifyitems), after every other test that may use it.
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "stops_shared_server: stops a session-wide server; runs after every other test"
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    last = [item for item in items if item.get_closest_marker("stops_shared_server")]
+    if last:
+        items[:] = [item for item in items if item not in last] + last
+
+
+def _shared(make):
+    """A session server, spawned by `make()` and not waited on: each user waits for it to be
+    healthy (test_server.py computes its oracle meanwhile); stopped at the end of the session
+    unless a test stopped it."""
+    server = make()
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGKILL if server.proc.poll() is None else signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """The default model in float32 with test_server.py's settings and API key (test_server.py,
+    test_server_native.py)."""
+    from helpers import smollm2
+    from test_server import API_KEY, SERVER_ARGS, spawn_server
+
+    log = tmp_path_factory.mktemp("smollm2-server") / "server.log"
+    yield from _shared(lambda: spawn_server(smollm2(), [*SERVER_ARGS, "--api-key", API_KEY], log))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_server(tmp_path_factory):
+    """The tiny float32 Qwen3 (prefill in chunks of 16; test_logprobs.py, test_structured.py)."""
+    from helpers import tiny_model
+    from test_server import spawn_server
+
+    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
+    args = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len", "256"]
+    args += ["--max-prefill-length", "16"]
+    yield from _shared(lambda: spawn_server(tiny_model("qwen3"), args, log))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmark"))
@@ -46,11 +47,15 @@ def test_offline_benchmark_quick_run(tmp_path: Path) -> None:
     env = {**os.environ, "MINISGL_LOG_LEVEL": "WARNING"}
     # With a second CPU, a contended pass too (1 busy loop beside the engine).
     contention = ["--contention", "1"] if len(CPUS) > 1 else []
+    # The tiny random Qwen3 in float32: the script's path is the same as on the default model,
+    # and its machine measurement takes float32 matmuls (bf16 ones crawl on a CPU without bf16
+    # dot products: 10 s of the run).
     cmd = [
         sys.executable,
         str(ROOT / "benchmark" / "offline.py"),
         "--quick",
         "--skip-hf",
+        *["--model", str(tiny_model("qwen3")), "--dtype", "float32"],
         *contention,
         "--out",
         str(tmp_path),
@@ -124,6 +129,7 @@ def test_eviction_benchmark_smoke_run() -> None:
     """A few requests over three prefixes, two policies: one table row each."""
     env = {**os.environ, "MINISGL_LOG_LEVEL": "WARNING"}
     cmd = [sys.executable, str(ROOT / "benchmark" / "eviction.py"), "--policies", "lru,priority"]
+    cmd += ["--model", str(tiny_model("qwen3"))]  # the tiny random Qwen3: the same cache work
     cmd += ["--requests", "8", "--prefixes", "3", "--prefix-len", "32", "--threads", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -138,8 +144,11 @@ def test_kv_tier_benchmark_smoke_run() -> None:
     from test_server import free_port
 
     env = {**os.environ, "MINISGL_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, str(ROOT / "benchmark" / "kv_tier.py"), "--models", "default"]
-    # one P3 prompt a run, one run an engine: the smoke run's P3 prefills cost most of its time
+    # The tiny random Qwen3 with a 40,960-token context (P3's prompts are 1,056 tokens): the same
+    # tier work at a fraction of the compute (the default model took 73 s, 29 of them P3's).
+    model = tiny_model("qwen3-long")
+    cmd = [sys.executable, str(ROOT / "benchmark" / "kv_tier.py"), "--models", str(model)]
+    # one P3 prompt a run, one run an engine
     cmd += ["--prompt-len", "200", "--p3-prompts", "1", "--repeat", "1", "--threads", "2"]
     cmd += ["--port", str(free_port())]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from helpers import smollm2
+from helpers import tiny_model
 
 from minisgl.server.dp import replica_argv, replica_cpus
 
@@ -53,7 +53,10 @@ def _completion(port: int, prompt: str) -> tuple[int, dict]:
 def dp_server():
     port = 31900 + os.getpid() % 50 * 4
     command = [sys.executable, "-m", "minisgl", "--dp", "2", "--port", str(port)]
-    command += ["--model", str(smollm2()), "--num-pages", "2048", "--served-model-name", "m"]
+    # The tiny random Qwen3 (SmolLM2's tokenizer): routing and caching are the subject, and
+    # two replicas loading it start sooner than two loading SmolLM2.
+    command += ["--model", str(tiny_model("qwen3")), "--num-pages", "2048"]
+    command += ["--served-model-name", "m"]
     proc = subprocess.Popen(command, start_new_session=True)
     deadline = time.monotonic() + 300
     while True:

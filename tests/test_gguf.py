@@ -235,11 +235,20 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
         GgufCheckpoint(path)
 
 
-def test_default_model_quantized_equals_converted_folder() -> None:
+@pytest.fixture(scope="module")
+def default_gguf():
+    """The default model's GGUF, parsed once for the module (gguf-py reads its tokenizer's
+    metadata, one array per token: seconds a parse)."""
+    with GgufCheckpoint(default_gguf_path()) as checkpoint:
+        yield checkpoint
+
+
+def test_default_model_quantized_equals_converted_folder(default_gguf) -> None:
     start = time.perf_counter()
     quantized_bytes = dense_bytes = 0
     folder = default_model_path() / "model.safetensors"
-    with GgufCheckpoint(default_gguf_path()) as checkpoint, safe_open(folder, "pt") as hf:
+    checkpoint = default_gguf
+    with safe_open(folder, "pt") as hf:
         assert set(checkpoint.entries) == set(hf.keys())  # tied: neither has lm_head
         for name, entry in checkpoint.entries.items():
             want = hf.get_tensor(name)
@@ -261,12 +270,15 @@ def test_default_model_quantized_equals_converted_folder() -> None:
 
 def test_repacked_weights_are_cached_and_a_bad_cache_is_replaced(monkeypatch, tmp_path) -> None:
     """The first complete load writes the repacked tensors; the next reads them back equal (no
-    GGUF parse); an incomplete load writes nothing; an unreadable cache file is replaced."""
+    GGUF parse); an incomplete load writes nothing; an unreadable cache file is replaced. On
+    the one-layer llama file above (quantized tensors with and without mins, dense F16/F32 and
+    an unsupported type's): the default model's file costs seconds a parse."""
     from minisgl.models import gguf_cache
 
     target = tmp_path / "cache.safetensors"
     monkeypatch.setattr(gguf_cache, "cache_file", lambda path: target)
-    gguf = default_gguf_path()
+    gguf = tmp_path / "llama.gguf"
+    _write_gguf(gguf, "llama", _TENSORS)
     with gguf_cache.open_gguf(gguf) as partial:
         assert isinstance(partial, gguf_cache.CachingGguf)
         partial.tensor("model.norm.weight")
@@ -296,7 +308,9 @@ def test_repacked_weights_are_cached_and_a_bad_cache_is_replaced(monkeypatch, tm
     assert not target.exists()  # removed, rewritten by the next complete load
 
 
-def test_a_gguf_path_converts_only_its_config_and_serves_the_file(tmp_path: Path) -> None:
+def test_a_gguf_path_converts_only_its_config_and_serves_the_file(
+    tmp_path: Path, default_gguf
+) -> None:
     """A .gguf model path: its cached folder holds the config and tokenizer only (a large file
     is never dequantized whole), and every weight comes from the file: its blocks served
     quantized, or, with any other quantization, its tensors dense (the values
@@ -321,8 +335,7 @@ def test_a_gguf_path_converts_only_its_config_and_serves_the_file(tmp_path: Path
         assert out["text"].startswith(" Paris"), out["text"]
         llm.shutdown()
         name = "model.layers.0.self_attn.o_proj.weight"
-        with GgufCheckpoint(link) as gguf:
-            want = gguf.tensor(name)
+        want = default_gguf.tensor(name)  # the file `link` points at, parsed by the fixture
         for quantization in ("none", "int8", None):
             with open_checkpoint(folder, quantization, link) as checkpoint:
                 assert isinstance(checkpoint, DenseView) and not checkpoint.quantized_names

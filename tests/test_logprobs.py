@@ -5,7 +5,6 @@ prompts, vLLM's prompt_logprobs, chunked prefill, overlap and radix-cache hits."
 from __future__ import annotations
 
 import json
-import signal
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from helpers import (
     hf_logits,
 )
 from helpers import tiny_model as tiny_model_path
-from test_server import spawn_server, wait_healthy
+from test_server import wait_healthy
 
 from minisgl.core import SamplingParams
 from minisgl.tokenizer import encode_chat, load_tokenizer
@@ -101,18 +100,10 @@ def test_processed_logprobs_are_the_distribution_sampled_from() -> None:
 
 
 # ---------------------------------------------------------------- over HTTP
-def tiny_server(tmp_path_factory):
-    """A server on the tiny float32 Qwen3 (prefill in chunks of 16), stopped at the end."""
-    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
-    args = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len", "256"]
-    srv = spawn_server(tiny_model_path(MODEL), [*args, "--max-prefill-length", "16"], log)
-    try:
-        yield wait_healthy(srv)
-    finally:
-        srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
-
-
-server = pytest.fixture(scope="module", name="server")(tiny_server)
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_server):
+    """The session's server on the tiny float32 Qwen3 (prefill in chunks of 16; conftest.py)."""
+    return wait_healthy(tiny_qwen3_server)
 
 
 @pytest.fixture(scope="module")

@@ -128,27 +128,23 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def started(tmp_path_factory):
-    """The server, and the offline greedy outputs (the oracle) computed while it starts."""
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = spawn_server(smollm2(), [*SERVER_ARGS, "--api-key", API_KEY], log)
-    try:
-        llm = build_llm("smollm2")
-        tok = llm.tokenizer
-        out = {}
-        texts = llm.generate(STREAM_PROMPTS, greedy(MAX_TOKENS))
-        out.update({p: o["text"] for p, o in zip(STREAM_PROMPTS, texts)})
-        chat_ids = [encode_chat(tok, msgs) for msgs in CHATS]
-        for i, o in enumerate(llm.generate(chat_ids, greedy(MAX_TOKENS))):
-            out[f"chat{i}"] = o["text"]
-        # No max_tokens: up to the end of the context (the model's EOS comes well before).
-        out["chat_unbounded"] = llm.generate(chat_ids[:1], greedy(None))[0]
-        out["stop"] = llm.generate([STOP_PROMPT], greedy(32))[0]["text"]
-        llm.shutdown()
-        del llm
-        yield wait_healthy(srv), out
-    finally:
-        srv.stop(signal.SIGKILL if srv.proc.poll() is None else signal.SIGTERM)
+def started(smollm2_server):
+    """The server (the session's, conftest.py: test_server_native.py uses it too), and the
+    offline greedy outputs (the oracle) computed while it starts."""
+    llm = build_llm("smollm2")
+    tok = llm.tokenizer
+    out = {}
+    texts = llm.generate(STREAM_PROMPTS, greedy(MAX_TOKENS))
+    out.update({p: o["text"] for p, o in zip(STREAM_PROMPTS, texts)})
+    chat_ids = [encode_chat(tok, msgs) for msgs in CHATS]
+    for i, o in enumerate(llm.generate(chat_ids, greedy(MAX_TOKENS))):
+        out[f"chat{i}"] = o["text"]
+    # No max_tokens: up to the end of the context (the model's EOS comes well before).
+    out["chat_unbounded"] = llm.generate(chat_ids[:1], greedy(None))[0]
+    out["stop"] = llm.generate([STOP_PROMPT], greedy(32))[0]["text"]
+    llm.shutdown()
+    del llm
+    return wait_healthy(smollm2_server), out
 
 
 @pytest.fixture(scope="module")
@@ -627,11 +623,13 @@ def test_metrics_parse_and_move_with_traffic(server, client, model):
     assert 0 < after["minisgl_prefix_cache_hit_rate"] <= 1
 
 
-def test_zz_shutdown_leaves_no_child_process(server):
-    """Runs last in this module: SIGTERM to the whole process group (as systemd or
-    `kill -- -PGID` send it) is a clean shutdown, not a worker failure, and leaves no
-    process behind. (The launcher stopping live children itself is covered by
-    test_server_lifecycle.py, where the scheduler is killed.)"""
+@pytest.mark.stops_shared_server
+def test_zz_shutdown_leaves_no_child_process(smollm2_server):
+    """Runs last in the session (it stops the session's server, conftest.py): SIGTERM to the
+    whole process group (as systemd or `kill -- -PGID` send it) is a clean shutdown, not a
+    worker failure, and leaves no process behind. (The launcher stopping live children itself
+    is covered by test_server_lifecycle.py, where the scheduler is killed.)"""
+    server = wait_healthy(smollm2_server)
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert len(children) >= 3  # scheduler, tokenizer, detokenizer
     os.killpg(server.proc.pid, signal.SIGTERM)  # the server leads its own session

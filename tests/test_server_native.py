@@ -12,22 +12,19 @@ import httpx
 import openai
 import pytest
 from helpers import smollm2
-from test_server import CHATS, SERVER_ARGS, STOP_PROMPT, metrics, start_server, wait_for
+from test_server import API_KEY, CHATS, STOP_PROMPT, metrics, wait_for, wait_healthy
 
 import minisgl
 from minisgl.tokenizer import encode_chat, load_tokenizer
 
-API_KEY = "native-key"
 MODEL = "SmolLM2-135M-Instruct"
 IM_START = 1  # SmolLM2's <|im_start|>: a special token that is not an EOS
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("native") / "server.log"
-    srv = start_server(smollm2(), [*SERVER_ARGS, "--api-key", API_KEY], log)
-    yield srv
-    srv.stop()
+def server(smollm2_server):
+    """The session's server (conftest.py; test_server.py's settings and API key)."""
+    return wait_healthy(smollm2_server)
 
 
 @pytest.fixture(scope="module")

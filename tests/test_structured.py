@@ -15,13 +15,17 @@ import pytest
 import torch
 from helpers import assert_all_pages_free, build_llm
 from structured_schemas import SCHEMAS
-from test_logprobs import tiny_server
+from test_server import wait_healthy
 
 from minisgl.core import Req, RequestError, SamplingParams, StructuredOutput
 from minisgl.scheduler import grammar
 from minisgl.scheduler.grammar import CompileBusy, CompilePool, CompileTimeout
 
-server = pytest.fixture(scope="module", name="server")(tiny_server)
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_server):
+    """The session's server on the tiny float32 Qwen3 (prefill in chunks of 16; conftest.py)."""
+    return wait_healthy(tiny_qwen3_server)
 
 
 def constrained(kind: str, spec: str, seed: int, max_tokens: int = 256) -> SamplingParams:
