@@ -23,7 +23,7 @@ from test_kernel_variants import EVERY_FORM, ONLY_WHERE_BUILT, U32, UBF16, libra
 
 from minisgl.kernel.abi import QuantizedWeightParams
 from minisgl.kernel.cpu import CpuKernels
-from minisgl.kernel.quantized import quantized_fits, quantized_weight_params
+from minisgl.kernel.quantized import quantized_fits, quantized_weight_params, w8a8_fits
 from minisgl.layers.quant_tiles import tile_weight
 from minisgl.layers.quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 from minisgl.layers.quantized import QuantizedProjection
@@ -94,6 +94,8 @@ def possible_paths(kernels: CpuKernels) -> set[str]:
         needed |= {"avx2-int16"} if kernels.has_avx2 else set()
     if kernels.has_vnni:
         needed |= {"tiled-f32", "tiled-precise", "tiled-amx" if kernels.has_amx else "tiled-int8"}
+    if kernels.has_amx_int8:
+        needed.add("tiled-w8a8")
     assert needed <= paths, f"the dispatcher never chooses {sorted(needed - paths)}"
     return paths
 
@@ -119,10 +121,12 @@ def make_weight(layout: tuple, out_features: int, in_features: int, gen) -> Quan
 def weight_params(
     q: QuantizedWeight, tiled: bool, amx: bool
 ) -> tuple[QuantizedWeightParams, object, int]:
-    """The C view (and the tensors it points at, to keep alive) and the layout's bits."""
+    """The C view (and the tensors it points at, to keep alive) and the layout's bits; on AMX
+    an int8 weight with one scale a row takes a prefill's rows as int8 (W8A8)."""
     held = tile_weight(q) if tiled else q
+    int8_x = amx and w8a8_fits(held.bits, q.group, q.in_features, q.mins is not None)
     params = quantized_weight_params(
-        held.values, held.scales, held.mins, held.bits, q.group, tiled, amx
+        held.values, held.scales, held.mins, held.bits, q.group, tiled, amx, int8_x
     )
     return params, held, held.bits
 
@@ -141,8 +145,9 @@ def assert_guards(buffer: torch.Tensor, what: str) -> None:
 def product_bound(path: str, x: torch.Tensor, dense: torch.Tensor, out_unit: float):
     """float64 x @ dense^T and the bound on what `path` computes: float32 sums of the products
     in any order (twice: the scale's multiply), plus where the path rounds them: the weights to
-    bf16 (wide, packed, GEMV blocks, AMX), x to int16 per 32 columns (AVX2 int16), or to int8
-    per 32 columns (tiled: one pass; two where precise), and the output to its dtype."""
+    bf16 (wide, packed, GEMV blocks, AMX), x to int16 per 32 columns (AVX2 int16), to int8
+    per 32 columns (tiled: one pass; two where precise) or per row (W8A8), and the output to
+    its dtype."""
     x64, w64 = x.double(), dense.double()
     want = x64 @ w64.T
     magnitude = x64.abs() @ w64.abs().T
@@ -154,6 +159,8 @@ def product_bound(path: str, x: torch.Tensor, dense: torch.Tensor, out_unit: flo
         blocks = x64.abs().view(x.shape[0], -1, 32).amax(dim=2)
         step = blocks.repeat_interleave(32, dim=1) * steps[path]
         bound += step @ w64.abs().T
+    if path == "tiled-w8a8":  # x to int8 per row
+        bound += (x64.abs().amax(dim=1, keepdim=True) / 127) @ w64.abs().sum(dim=1)[None]
     return want, out_unit * want.abs() + (1 + out_unit) * bound
 
 
@@ -178,13 +185,17 @@ def cases(seed: int, tiled: bool) -> Iterator[tuple]:
             bits = 6 if tiled else 8  # tile_weight holds 8-bit integers within -32..31 in 6 bits
         if not quantized_fits(bits, group, in_features, tiled):
             continue
-        for few_bf16 in (False, False, True):  # and a few bf16 rows: the 4-bit nibble path
+        # Rows cycling through their boundaries; a few bf16 rows (the 4-bit nibble path); and
+        # for one scale a row, many bf16 rows (W8A8's int8 tiles).
+        kinds = ["cycle", "cycle", "few"] + (["many"] if layout[2] is None else [])
+        for kind in kinds:
+            rows = {"few": rng.randint(1, 4), "many": rng.choice([129, 300])}.get(kind)
             yield (
                 layout,
                 in_features,
-                rng.randint(1, 4) if few_bf16 else next(rows_cycle),
+                next(rows_cycle) if rows is None else rows,
                 rng.choice(OUT_FEATURES),
-                torch.bfloat16 if few_bf16 else rng.choice([torch.float32, torch.bfloat16]),
+                rng.choice([torch.float32, torch.bfloat16]) if kind == "cycle" else torch.bfloat16,
                 rng.randint(1, 4),
                 rng.random() < 0.5,
                 rng.random() < 0.3,
@@ -251,9 +262,9 @@ def test_quantized_amx_entry_points_stay_in_bounds(kernels):
     """The tiled weight's packed copy (a prefill's weight on AMX) equals the dequantized weight
     packed; the gated SiLU on the tiles within its roundings; builds without the tiles refuse."""
     gen = torch.Generator().manual_seed(9)
-    for layout, k in itertools.product(LAYOUTS[1:8:2], (32, 96, 160)):
+    for layout, k in itertools.product([LAYOUTS[0], *LAYOUTS[1:8:2]], (32, 96, 160)):
         bits = layout[1]
-        if not quantized_fits(bits, layout[2], k, True) or not kernels.has_vnni:
+        if not quantized_fits(bits, layout[2] or k, k, True) or not kernels.has_vnni:
             continue
         q = make_weight(layout, 64, k, gen)
         params, _held, _bits = weight_params(q, True, kernels.has_amx)
@@ -272,8 +283,9 @@ def test_quantized_amx_entry_points_stay_in_bounds(kernels):
             x = torch.randn(rows, k, generator=gen).bfloat16()
             act = kernels.quantized_gated_silu(x, params, 32)
             dense = q.dequantize()
-            gate, gate_bound = product_bound("tiled-amx", x, dense[:32], UBF16)
-            up, up_bound = product_bound("tiled-amx", x, dense[32:], UBF16)
+            path = kernels.quantized_path(params, rows, k, torch.bfloat16)
+            gate, gate_bound = product_bound(path, x, dense[:32], UBF16)
+            up, up_bound = product_bound(path, x, dense[32:], UBF16)
             silu = gate * torch.sigmoid(gate)
             want = silu * up
             bound = 3 * UBF16 * want.abs() + 1.1 * up.abs() * gate_bound + silu.abs() * up_bound
@@ -320,13 +332,16 @@ def test_the_reported_overflow_of_8_bit_tiles_whose_width_is_32_mod_64(kernels, 
         kernels.quantized_rows(params, (64, in_features), torch.arange(64), torch.float32, whole)
         assert_guards(buffer, f"every row, tiled {tiled}")
         assert torch.equal(whole, q.dequantize())
-        projection = QuantizedProjection(q, kernels, tiled=tiled)
-        for rows, dtype in itertools.product((1, 9, 200), (torch.float32, torch.bfloat16)):
+        for int8_x, rows, dtype in itertools.product(
+            (False, True), (1, 9, 200), (torch.float32, torch.bfloat16)
+        ):
+            projection = QuantizedProjection(q, kernels, tiled=tiled, int8_activations=int8_x)
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
             got = projection(x, torch.empty(0), None)
             route = projection.route(rows, dtype)
-            path = kernels.quantized_path(params, rows, in_features, dtype)
+            path = kernels.quantized_path(projection.params, rows, in_features, dtype)
             path = path if route == "kernel" else "avx512-packed"  # dequantized to bf16 once
             out_unit = U32 if dtype == torch.float32 else UBF16
             want, bound = product_bound(path, x, q.dequantize(), out_unit)
-            assert_within(got, want, bound, f"{route} {path} rows {rows} {dtype} tiled {tiled}")
+            what = f"{route} {path} rows {rows} {dtype} tiled {tiled} int8_x {int8_x}"
+            assert_within(got, want, bound, what)

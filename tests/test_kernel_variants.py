@@ -76,7 +76,7 @@ def variant(name: str) -> CpuKernels:
     kernels = CpuKernels(ctypes.CDLL(str(libraries()[name])))
     # The tile form is the native build's here (tests/test_cpu_kernels.py); this is the form a
     # CPU without tiles runs.
-    kernels.has_amx = False
+    kernels.has_amx = kernels.has_amx_int8 = False
     return kernels
 
 

@@ -209,7 +209,7 @@ def _without_amx(kernels: CpuKernels | None) -> CpuKernels | None:
     if kernels is None or not kernels.has_amx:
         return kernels
     vector = copy.copy(kernels)
-    vector.has_amx = False
+    vector.has_amx = vector.has_amx_int8 = False
     return vector
 
 

@@ -32,6 +32,7 @@ QUANTIZED_PATHS = (
     "tiled-precise",
     "tiled-int8",
     "tiled-amx",
+    "tiled-w8a8",
 )
 
 _ptr = ctypes.c_void_p
@@ -46,6 +47,7 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_has_avx2": [],
     "minisgl_has_avx512": [],
     "minisgl_has_amx": [],
+    "minisgl_has_amx_int8": [],
     "minisgl_has_vnni": [],
     "minisgl_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "minisgl_packed_elems": [_i64, _i64],
@@ -95,6 +97,7 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_has_avx2": _int,
     "minisgl_has_avx512": _int,
     "minisgl_has_amx": _int,
+    "minisgl_has_amx_int8": _int,
     "minisgl_has_vnni": _int,
     "minisgl_gemv_bf16": None,
     "minisgl_packed_elems": _i64,
@@ -261,11 +264,12 @@ def check_prefill_tokens(kernel: str, tokens: int, extend_lens: torch.Tensor) ->
 class QuantizedWeightParams(ctypes.Structure):
     """A quantized weight's integers, per-group scales and mins (NULL: none) for the C
     kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight, or with
-    tiled set quant_tiles.py's TiledWeight; amx: a tiled one meets bf16 rows on the AMX tiles)."""
+    tiled set quant_tiles.py's TiledWeight; amx: a tiled one meets bf16 rows on the AMX tiles;
+    int8_x: a prefill's bf16 rows as int8 per row on the AMX int8 tiles, W8A8)."""
 
     _fields_ = [("values", _ptr), ("scales", _ptr), ("mins", _ptr)]
     _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64), ("tiled", _i64)]
-    _fields_ += [("amx", _i64)]
+    _fields_ += [("amx", _i64), ("int8_x", _i64)]
 
 
 class ProjectionParams(ctypes.Structure):

@@ -41,6 +41,7 @@ SOURCES = tuple(
         "quantized_amx.c",
         "quantized_avx2.c",
         "quantized_tiled.c",
+        "quantized_w8a8.c",
         "sampling.c",
     )
 )
@@ -86,7 +87,8 @@ TARGETS = (
     KernelTarget("avx512-no-bf16", ("-march=x86-64-v4", "-mno-avx512bf16"), _AVX512),
     KernelTarget(
         "avx512-bf16-amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")
+        + ("-mamx-int8",),
         _AVX512 | {"avx512_bf16", "avx512_vnni"},
     ),
     KernelTarget("avx512-vnni-emulated", _EMULATED, _AVX2, emulated=True),

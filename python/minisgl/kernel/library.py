@@ -28,6 +28,8 @@ class KernelLibrary:
         self.has_vnni = bool(lib.minisgl_has_vnni())
         # Built with the tile instructions and granted the tile state by the kernel.
         self.has_amx = ENV.CPU_AMX.value and bool(lib.minisgl_has_amx())
+        # And the int8 tiles (AMX-INT8: every CPU with AMX so far): W8A8 prefill matmuls.
+        self.has_amx_int8 = self.has_amx and bool(lib.minisgl_has_amx_int8())
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether the kernels take tensors of this dtype (float32 and bfloat16)."""

@@ -24,6 +24,9 @@ from minisgl.kernel.threads import kernel_threads
 # int8 products: from 10 rows the dequantization, shared by every row, costs less than a
 # product per row (csrc/internal.h's QUANTIZED_AMX_MIN_ROWS; benchmark/kernels_quantized.py).
 QUANTIZED_AMX_MIN_ROWS = 10
+# W8A8 (csrc/quantized_w8a8.c): rows above which bf16 activations meet an int8 weight with one
+# scale per row as int8 on the AMX int8 tiles, and the widest in_features it takes.
+W8A8_MIN_ROWS, W8A8_MAX_K = 128, 65536
 
 
 def quantized_fits(bits: int, group: int, in_features: int, tiled: bool) -> bool:
@@ -41,6 +44,13 @@ def quantized_fits(bits: int, group: int, in_features: int, tiled: bool) -> bool
     return rows_fit and (not tiled or in_features % 32 == 0)
 
 
+def w8a8_fits(bits: int, group: int, in_features: int, has_mins: bool) -> bool:
+    """Whether a tiled weight takes the W8A8 path (csrc/internal.h's w8a8_fits): 8 bits, one
+    scale per row (group = in_features), no mins, in_features up to W8A8_MAX_K (every int32
+    sum exact)."""
+    return bits == 8 and group == in_features and not has_mins and in_features <= W8A8_MAX_K
+
+
 def quantized_weight_params(
     values: torch.Tensor,
     scales: torch.Tensor,
@@ -49,10 +59,13 @@ def quantized_weight_params(
     group: int,
     tiled: bool = False,
     amx: bool = False,
+    int8_x: bool = False,
 ) -> QuantizedWeightParams:
     """The C view of a quantized weight's tensors (which the caller keeps alive); tiled: in
     the tile layout (layers/quant_tiles.py); amx: tiled, and multiplied on the AMX tiles from
-    QUANTIZED_AMX_MIN_ROWS bf16 rows (where the kernels have them)."""
+    QUANTIZED_AMX_MIN_ROWS bf16 rows (where the kernels have them); int8_x: tiled, and more
+    than W8A8_MIN_ROWS bf16 rows rounded to int8 per row on the AMX int8 tiles where the weight
+    fits W8A8 (`w8a8_fits`) and the kernels have them."""
     for name, tensor in (("values", values), ("scales", scales), ("mins", mins)):
         if tensor is not None and not tensor.is_contiguous():
             raise_not_contiguous("quantized weight", **{name: tensor})
@@ -65,6 +78,7 @@ def quantized_weight_params(
         scales_f32=int(scales.dtype == torch.float32),
         tiled=int(tiled),
         amx=int(tiled and amx),
+        int8_x=int(tiled and int8_x),
     )
 
 

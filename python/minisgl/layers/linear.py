@@ -274,7 +274,9 @@ class Linear(nn.Module):
             weight = quantize(weight, self.quantization) or weight
         if isinstance(weight, QuantizedWeight):
             gated = self.gated and self.bias is None  # the fused SiLU takes no bias
-            self.cpu_projection = QuantizedProjection(weight, kernels, gated=gated)
+            self.cpu_projection = QuantizedProjection(
+                weight, kernels, gated=gated, int8_activations=self.quantization == "int8"
+            )
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             return
         if weight.device.type == "cpu" and weight.dtype in CPU_PROJECTION_DTYPES:

@@ -127,7 +127,10 @@ class SparseMoE(nn.Module):
                 return
             experts = [q for q in quantized if q is not None]
         gated = stack == "w_gate_up"
-        projections = [QuantizedProjection(q, kernels, gated=gated) for q in experts]
+        int8_x = self.quantization == "int8"
+        projections = [
+            QuantizedProjection(q, kernels, gated=gated, int8_activations=int8_x) for q in experts
+        ]
         self.quantized[stack] = ExpertStack(None, projections)
         setattr(self, stack, nn.Parameter(torch.empty(0), requires_grad=False))
 

@@ -16,18 +16,22 @@ from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 from minisgl.kernel.quantized import (
     QUANTIZED_AMX_MIN_ROWS,
+    W8A8_MIN_ROWS,
     quantized_fits,
     quantized_weight_params,
+    w8a8_fits,
 )
 
 from .quant_tiles import TiledWeight, tile_weight
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
-# Quantized at load: "int8" (a scale per output row), "int4" (a float16 scale and offset per 32
+# Quantized at load: "int8" (a scale per output row; where the CPU has AMX-INT8 a prefill's
+# activations are rounded to int8 per row too, W8A8), "int8-wo" (the same weights, activations
+# never rounded below 16 bits: weight-only), "int4" (a float16 scale and offset per 32
 # columns, Q4_1's scheme; "-g64"/"-g128": per 64/128, fewer bytes, coarser: the default model
 # kept 97% of bf16's top-1 at 32, 74% at 64-128, benchmark/quantized_quality.py). "gguf": a
 # GGUF file's own quantized tensors. "none": every weight dense, even from a quantized file.
-LOAD_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+LOAD_QUANTIZATIONS = ("int8", "int8-wo", "int4", "int4-g32", "int4-g64", "int4-g128")
 QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 
 # Rows up to which the C kernels multiply the quantized weight as it is (measured: above,
@@ -64,7 +68,7 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     int4's group is the largest of the one asked (32 unless named), 64 and 32 dividing
     in_features."""
     in_features = weight.shape[1]
-    if method == "int8":
+    if method in ("int8", "int8-wo"):
         return quantize_int8(weight) if in_features % 16 == 0 else None
     if method.startswith("int4"):
         group = int(method.partition("-g")[2] or 32)
@@ -101,9 +105,12 @@ class QuantizedProjection:
         float_out: bool = False,
         tiled: bool | None = None,
         gated: bool = False,
+        int8_activations: bool = False,
     ) -> None:
         """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
-        is 0), False keeps the row layout."""
+        is 0), False keeps the row layout. int8_activations: a prefill's bf16 rows rounded to
+        int8 per row (W8A8) where the kernels have the AMX int8 tiles and the weight is int8
+        with one scale per row."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         layout = (weight.bits, weight.group, weight.in_features)
         if kernels is not None and not quantized_fits(*layout, tiled=False):
@@ -117,6 +124,14 @@ class QuantizedProjection:
         self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
         # The AMX paths: a tiled weight on a CPU with tiles.
         self.on_amx = tiled and kernels is not None and kernels.has_amx
+        self.int8_x = (
+            int8_activations
+            and self.on_amx
+            and kernels is not None
+            and kernels.has_amx_int8
+            and not float_out
+            and w8a8_fits(weight.bits, weight.group, weight.in_features, weight.mins is not None)
+        )
         self.params = quantized_weight_params(
             self.weight.values,
             self.weight.scales,
@@ -125,6 +140,7 @@ class QuantizedProjection:
             weight.group,
             tiled,
             self.on_amx,
+            self.int8_x,
         )
         self.gated = gated and self.on_amx and self.out_features % 32 == 0
         # Without bf16 dot products (AVX2, AVX-512 without bf16) the C kernels' float32 tiles
@@ -202,7 +218,8 @@ class QuantizedProjection:
         kernels = self.kernels
         on_kernels = kernels is not None and kernels.supports(dtype)
         every_row = self.c_takes_every_row and dtype == torch.bfloat16
-        if on_kernels and (rows <= QUANTIZED_GEMV_MAX_ROWS or every_row):
+        w8a8 = self.int8_x and dtype == torch.bfloat16 and rows > W8A8_MIN_ROWS
+        if on_kernels and (rows <= QUANTIZED_GEMV_MAX_ROWS or every_row or w8a8):
             return "kernel"
         if self.on_amx and dtype == torch.bfloat16 and not self.float_out:
             return "amx-packed"
@@ -226,7 +243,7 @@ class QuantizedProjection:
             return None
         assert self.kernels is not None
         inter = self.out_features // 2
-        if len(rows) <= QUANTIZED_GEMV_MAX_ROWS:
+        if len(rows) <= QUANTIZED_GEMV_MAX_ROWS or self.int8_x:
             act = self.kernels.quantized_gated_silu(rows.contiguous(), self.params, inter)
         else:
             packed = self._packed(gated=True)

@@ -3,6 +3,8 @@
 // tiles).
 #include "common.h"
 
+#include <cpuid.h>
+
 // Allocations made through kernel_alloc fail while this is positive (the tests' hook, each
 // failure counting it down), so that every error path is exercised.
 static int64_t failing_allocations = 0;
@@ -22,6 +24,9 @@ void* kernel_alloc(size_t bytes) {
 }
 
 int amx_granted = 0;
+#ifdef HAVE_AMX_INT8
+int amx_int8_granted = 0;
+#endif
 
 int minisgl_has_avx512_bf16(void) {
 #ifdef HAVE_AVX512_BF16
@@ -61,13 +66,28 @@ __thread uint8_t emulated_tiles[8][16][64];
 
 int minisgl_has_amx(void) {
 #ifdef MINISGL_EMULATED_AMX
-    amx_granted = 1;  // tiles in memory need no grant
+    amx_granted = amx_int8_granted = 1;  // tiles in memory need no grant
     return 1;
 #elif defined(HAVE_AMX)
     // Linux hands out the tile state only to processes that ask (ARCH_REQ_XCOMP_PERM, 18 =
     // XFEATURE_XTILEDATA); asking again is harmless.
     amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#ifdef HAVE_AMX_INT8
+    // A fixed target's build has the int8 tiles compiled in; this CPU's CPUID leaf 7 says
+    // whether it runs them (EDX bit 25, AMX-INT8).
+    unsigned int eax, ebx, ecx, edx;
+    amx_int8_granted = amx_granted && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) &&
+                       (edx >> 25 & 1u);
+#endif
     return amx_granted;
+#else
+    return 0;
+#endif
+}
+
+int minisgl_has_amx_int8(void) {
+#ifdef HAVE_AMX_INT8
+    return amx_int8_granted;
 #else
     return 0;
 #endif

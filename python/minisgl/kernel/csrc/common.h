@@ -26,6 +26,7 @@
 #if defined(MINISGL_EMULATED_AMX) && defined(HAVE_AVX512_BF16)
 #define HAVE_AMX 1
 #define HAVE_QUANTIZED_AMX 1
+#define HAVE_AMX_INT8 1
 #endif
 #else
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -58,6 +59,10 @@
 // (AVX-512 VBMI, which every CPU with AMX has) moves its bytes into place.
 #if defined(HAVE_AMX) && defined(__AVX512VBMI__)
 #define HAVE_QUANTIZED_AMX 1
+#endif
+// The int8 tiles (tdpbsud): W8A8 matmuls of a tiled 8-bit weight (quantized_w8a8.c).
+#if defined(HAVE_AMX) && defined(__AMX_INT8__)
+#define HAVE_AMX_INT8 1
 #endif
 #endif
 

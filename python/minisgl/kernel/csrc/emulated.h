@@ -254,6 +254,20 @@ static inline void emu_tile_dpbf16ps(int c, int a, int b) {
         }
 }
 
+// c[m][n] += sum_k sum_i a[m][4k + i] * b[k][4n + i] (int32 c; a signed, b unsigned bytes).
+static inline void emu_tile_dpbsud(int c, int a, int b) {
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            int32_t acc;
+            memcpy(&acc, &emulated_tiles[c][m][4 * n], 4);
+            for (int k = 0; k < 16; k++)
+                for (int i = 0; i < 4; i++)
+                    acc += (int32_t)(int8_t)emulated_tiles[a][m][4 * k + i] *
+                           (int32_t)emulated_tiles[b][k][4 * n + i];
+            memcpy(&emulated_tiles[c][m][4 * n], &acc, 4);
+        }
+}
+
 #undef _tile_loadd
 #define _tile_loadd(tile, base, stride) emu_tile_loadd(tile, base, stride)
 #undef _tile_stored
@@ -262,6 +276,8 @@ static inline void emu_tile_dpbf16ps(int c, int a, int b) {
 #define _tile_zero(tile) emu_tile_zero(tile)
 #undef _tile_dpbf16ps
 #define _tile_dpbf16ps(c, a, b) emu_tile_dpbf16ps(c, a, b)
+#undef _tile_dpbsud
+#define _tile_dpbsud(c, a, b) emu_tile_dpbsud(c, a, b)
 #undef _tile_loadconfig
 #define _tile_loadconfig(config) ((void)(config))
 #undef _tile_release

@@ -111,6 +111,14 @@ MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, c
                                         int out_f32);
 #endif
 
+#ifdef HAVE_AVX512_BF16
+// matmul.c: rows [m0, m0 + rows) of a 32-column block at n0 (float32 sums, left: columns 0-15,
+// right: 16-31) + bias into y through the epilogue (EPILOGUE_GATED: y [M, N / 2]).
+MINISGL_INTERNAL void packed_store(const float (*left)[16], const float (*right)[16],
+                                   const bf16_t* bias, void* y, int64_t N, int64_t m0,
+                                   int64_t rows, int64_t n0, int epilogue);
+#endif
+
 #ifdef HAVE_AMX
 // matmul.c: every row of x (zero rows up to whole 16-row tiles, row stride ldx) times one packed
 // block on the AMX tiles (configured by the caller), through the epilogue; fill(ctx, kb) writes
@@ -166,6 +174,34 @@ static inline __m512 tile_floats(const void* src, int64_t scales_f32, int64_t in
     if (scales_f32) return _mm512_loadu_ps(at);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)at));
 }
+#endif
+
+#ifdef HAVE_AVX512
+// The 16-row tiles block b (32 output columns) of an N-row tiled weight pairs, as the packed
+// copy's blocks and the AMX kernels take them (right -1: none, zeros); gated: N = 2 * inter
+// rows of gate, then up, paired in 16s (the gated epilogue's order).
+static inline void block_tiles(int64_t b, int64_t N, int gated, int64_t* left, int64_t* right) {
+    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+    *left = gated ? b : 2 * b;
+    *right = gated ? N / 32 + b : (2 * b + 1 < tiles ? 2 * b + 1 : -1);
+}
+#endif
+
+// W8A8 (quantized_w8a8.c): an 8-bit tiled weight with one scale per row (group K, no mins)
+// against bf16 x of more than W8A8_MIN_ROWS rows rounded to int8 per row, on the AMX int8
+// tiles; K up to W8A8_MAX_K keeps every int32 sum exact (127 * 255 * K < 2^31).
+// layers/quantized.py's QUANTIZED_GEMV_MAX_ROWS is W8A8_MIN_ROWS.
+#define W8A8_MIN_ROWS 128
+#define W8A8_MAX_K 65536
+static inline int w8a8_fits(const quantized_weight* w, int64_t K) {
+    return w->tiled && w->bits == 8 && w->group == K && !w->mins && K <= W8A8_MAX_K;
+}
+#ifdef HAVE_AMX_INT8
+// Whether the CPU has AMX-INT8 (common.c; set by minisgl_has_amx): its tiles are usable too.
+MINISGL_INTERNAL extern int amx_int8_granted;
+MINISGL_INTERNAL int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w,
+                                           const bf16_t* bias, void* y, int64_t M, int64_t N,
+                                           int64_t K, int epilogue, int nthreads);
 #endif
 
 #ifdef HAVE_AVX512_VNNI

@@ -84,9 +84,8 @@ static inline void store_f32(const float (*left)[16], const float (*right)[16],
 
 // Rows [m0, m0 + rows) of a 32-column block at n0 (left: columns 0-15, right: 16-31) into y
 // through the epilogue.
-static inline void packed_store(const float (*left)[16], const float (*right)[16],
-                                const bf16_t* bias, void* y, int64_t N, int64_t m0, int64_t rows,
-                                int64_t n0, int epilogue) {
+void packed_store(const float (*left)[16], const float (*right)[16], const bf16_t* bias, void* y,
+                  int64_t N, int64_t m0, int64_t rows, int64_t n0, int epilogue) {
     if (epilogue == EPILOGUE_GATED)
         amx_store_gated(left, right, bias ? bias + n0 : NULL, (bf16_t*)y, N / 2, m0, rows,
                         n0 / 2);

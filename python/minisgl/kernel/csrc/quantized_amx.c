@@ -134,14 +134,6 @@ static void fill_step(void* ctx, int64_t kb) {
         memset(dst + 512, 0, 1024);
 }
 
-// The tiles block b of a packed copy of an N-row weight is made of (right -1: none, zeros);
-// gated: N = 2 * inter rows of gate, then up, paired in 16s (the gated epilogue's order).
-static inline void block_tiles(int64_t b, int64_t N, int gated, int64_t* left, int64_t* right) {
-    const int64_t tiles = (N + TILE - 1) / TILE;
-    *left = gated ? b : 2 * b;
-    *right = gated ? N / 32 + b : (2 * b + 1 < tiles ? 2 * b + 1 : -1);
-}
-
 // bf16 x [M, K] times the tiled weight w [N, K] (K a multiple of 32): y [M, N] bf16 (float32 for
 // EPILOGUE_F32), or with EPILOGUE_GATED y [M, N / 2] = silu(gate) * up, N / 2 a multiple of 16
 // (and no bias). A task is one block (guided, as the packed matmul's); x is copied only to pad
