@@ -30,6 +30,7 @@ from helpers import (
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
+from minisgl.kernel.quantized import QUANTIZED_AMX_MIN_ROWS
 from minisgl.layers.quant_weight import (
     QuantizedWeight,
     as_8bit,
@@ -40,7 +41,6 @@ from minisgl.layers.quant_weight import (
     quantize_int8,
 )
 from minisgl.layers.quantized import (
-    QUANTIZED_AMX_MIN_ROWS,
     QUANTIZED_GEMV_MAX_ROWS,
     TILED_PRECISE_MAX_ROWS,
     QuantizedProjection,

@@ -1,5 +1,5 @@
-"""W8A8 (`--quantization int8` on AMX-INT8): a prefill's bf16 rows rounded to int8 per row and
-multiplied with the int8 weight in the int8 tiles, the call's largest columns kept in bf16. The
+"""W8A8 (`--quantization int8` on AMX-INT8): the bf16 rows of a decode batch or a prefill (more
+than W8A8_MIN_ROWS) rounded to int8 per row and multiplied with the int8 weight in the int8 tiles, the call's largest columns kept in bf16. The
 kernel's shapes and bounds are tests/test_kernel_fuzz.py's (on every CPU, through the emulated
 Xeon build); here its accuracy on outlier channels and the engine's choice of it."""
 
@@ -29,13 +29,14 @@ W8A8_KERNELS = _w8a8_kernels()
 
 
 @pytest.mark.skipif(W8A8_KERNELS is None, reason="the C kernels are not built here")
-def test_outlier_channels_keep_w8a8_within_a_percent() -> None:
+@pytest.mark.parametrize("rows", [W8A8_MIN_ROWS + 1, 16, 200])
+def test_outlier_channels_keep_w8a8_within_a_percent(rows: int) -> None:
     """Activations with a few channels 100x the rest (as LLMs' are): rounding each row to int8
     by its largest value would leave the other channels a few steps; with the largest columns
     kept in bf16 the product stays as close to the exact one as weight-only's (Sapphire Rapids:
     0.25% and 0.24%)."""
     gen = torch.Generator().manual_seed(8)
-    in_features, rows = 512, W8A8_MIN_ROWS + 72
+    in_features = 512
     weight = quantize_int8(torch.randn(96, in_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
     x[:, torch.randperm(in_features, generator=gen)[:6]] *= 100
@@ -57,33 +58,42 @@ def test_outlier_channels_keep_w8a8_within_a_percent() -> None:
     assert route != "kernel" or path != "tiled-w8a8", (route, path)
 
 
-def _prefill_logits(quantization: str) -> tuple[torch.Tensor, int]:
+def _prefill_logits(quantization: str) -> tuple[torch.Tensor, tuple[int, int]]:
     """The bf16 prefill logits of MIXED_PROMPTS (one batch, > W8A8_MIN_ROWS rows) and how many
-    matmuls took the W8A8 path."""
+    matmuls took the W8A8 path: in that prefill, and in the decode steps of a batch of 8."""
     llm = build_llm("qwen3", quantization=quantization, dtype=torch.bfloat16)
     prefill = spy_logits(llm, "prefill")
     before = KERNELS.quantized_path_runs()["tiled-w8a8"] if KERNELS is not None else 0
     llm.generate(MIXED_PROMPTS, greedy(1))
     ran = (KERNELS.quantized_path_runs()["tiled-w8a8"] if KERNELS is not None else 0) - before
     assert len(prefill) == 1 and len(prefill[0]) == len(MIXED_PROMPTS), len(prefill)
-    assert llm.generate(MIXED_PROMPTS[:3], greedy(4))[0]["token_ids"]
+    decode = spy_logits(llm, "decode")
+    before = KERNELS.quantized_path_runs()["tiled-w8a8"] if KERNELS is not None else 0
+    outputs = llm.generate(MIXED_PROMPTS[:8], greedy(4))
+    decode_ran = (
+        KERNELS.quantized_path_runs()["tiled-w8a8"] if KERNELS is not None else 0
+    ) - before
+    assert all(len(out["token_ids"]) == 4 for out in outputs), outputs
+    assert decode and all(len(step) == 8 for step in decode), [len(step) for step in decode]
     assert_all_pages_free(llm)
     llm.shutdown()
-    return prefill[0].float(), ran
+    return prefill[0].float(), (ran, decode_ran)
 
 
 def test_int8_serves_a_prefill_w8a8_where_the_cpu_has_int8_tiles() -> None:
-    """`int8` and `int8-wo` hold the same weights: on AMX-INT8 a bf16 prefill of more than
-    W8A8_MIN_ROWS rows takes the int8 tiles under `int8` only, and its logits stay close to
-    weight-only's; elsewhere the two are the same computation, logits equal."""
+    """`int8` and `int8-wo` hold the same weights: on AMX-INT8 a bf16 prefill, and a decode batch,
+    of more than W8A8_MIN_ROWS rows takes the int8 tiles under `int8` only, and the prefill's
+    logits stay close to weight-only's; elsewhere the two are the same computation, logits
+    equal."""
     torch.set_num_threads(2)
     wo, wo_ran = _prefill_logits("int8-wo")
     w8a8, w8a8_ran = _prefill_logits("int8")
-    assert wo_ran == 0
+    assert wo_ran == (0, 0)
     if KERNELS is None or not KERNELS.has_amx_int8:
-        assert w8a8_ran == 0 and torch.equal(w8a8, wo)
+        assert w8a8_ran == (0, 0) and torch.equal(w8a8, wo)
         return
-    assert w8a8_ran > 0
+    # every projection of the 3 decode steps of 8 rows (the head stays weight-only)
+    assert w8a8_ran[0] > 0 and w8a8_ran[1] >= 3 * 4, w8a8_ran
     # A random-weight model (flat, near-tied distributions): logits within a few percent, the
     # same argmax nearly everywhere (measured on Sapphire Rapids: 1.2% and every row).
     relative = ((w8a8 - wo).norm() / wo.norm()).item()

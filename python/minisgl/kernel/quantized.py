@@ -26,7 +26,7 @@ from minisgl.kernel.threads import kernel_threads
 QUANTIZED_AMX_MIN_ROWS = 10
 # W8A8 (csrc/quantized_w8a8.c): rows above which bf16 activations meet an int8 weight with one
 # scale per row as int8 on the AMX int8 tiles, and the widest in_features it takes.
-W8A8_MIN_ROWS, W8A8_MAX_K = 128, 65536
+W8A8_MIN_ROWS, W8A8_MAX_K = 5, 65536
 
 
 def quantized_fits(bits: int, group: int, in_features: int, tiled: bool) -> bool:
@@ -49,6 +49,15 @@ def w8a8_fits(bits: int, group: int, in_features: int, has_mins: bool) -> bool:
     scale per row (group = in_features), no mins, in_features up to W8A8_MAX_K (every int32
     sum exact)."""
     return bits == 8 and group == in_features and not has_mins and in_features <= W8A8_MAX_K
+
+
+def gated_on_tiles(weight: QuantizedWeightParams, rows: int) -> bool:
+    """Whether `rows` bf16 rows meet this gated weight on the tiles, SiLU in the epilogue: an
+    AMX weight's QUANTIZED_AMX_MIN_ROWS or more, a W8A8 weight's more than W8A8_MIN_ROWS (the
+    C dispatcher's choice, csrc/quantized.c)."""
+    if weight.int8_x and rows > W8A8_MIN_ROWS:
+        return True
+    return bool(weight.amx) and rows >= QUANTIZED_AMX_MIN_ROWS
 
 
 def quantized_weight_params(
@@ -174,14 +183,15 @@ class QuantizedKernels(KernelLibrary):
         self, x: torch.Tensor, weight: QuantizedWeightParams, inter: int
     ) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) [M, inter] for a tiled gate_up weight ([gate; up],
-        2 * inter rows) with amx set, on the AMX tiles: M at least QUANTIZED_AMX_MIN_ROWS."""
+        2 * inter rows) with amx set, on the AMX tiles (`gated_on_tiles`)."""
         rows, in_features = x.shape
         if not x.is_contiguous() or x.dtype != torch.bfloat16:
             raise ValueError(f"quantized_gated_silu: x must be contiguous bfloat16, got {x.dtype}")
-        if rows < QUANTIZED_AMX_MIN_ROWS or not weight.amx:
+        if not gated_on_tiles(weight, rows):
             raise ValueError(
-                f"quantized_gated_silu: {rows} rows (amx {weight.amx}) run unfused: the tiles take "
-                f"an AMX weight's {QUANTIZED_AMX_MIN_ROWS} rows or more"
+                f"quantized_gated_silu: {rows} rows (amx {weight.amx}, int8_x {weight.int8_x}) run "
+                f"unfused: the tiles take an AMX weight's {QUANTIZED_AMX_MIN_ROWS} rows or more, "
+                f"a W8A8 weight's more than {W8A8_MIN_ROWS}"
             )
         out = x.new_empty(rows, inter)
         status = self.lib.minisgl_quantized_gated_silu(

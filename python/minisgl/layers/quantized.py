@@ -15,8 +15,8 @@ from minisgl.env import ENV
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 from minisgl.kernel.quantized import (
-    QUANTIZED_AMX_MIN_ROWS,
     W8A8_MIN_ROWS,
+    gated_on_tiles,
     quantized_fits,
     quantized_weight_params,
     w8a8_fits,
@@ -25,12 +25,12 @@ from minisgl.kernel.quantized import (
 from .quant_tiles import TiledWeight, tile_weight
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
-# Quantized at load: "int8" (a scale per output row; where the CPU has AMX-INT8 a prefill's
-# activations are rounded to int8 per row too, W8A8), "int8-wo" (the same weights, activations
-# never rounded below 16 bits: weight-only), "int4" (a float16 scale and offset per 32
-# columns, Q4_1's scheme; "-g64"/"-g128": per 64/128, fewer bytes, coarser: the default model
-# kept 97% of bf16's top-1 at 32, 74% at 64-128, benchmark/quantized_quality.py). "gguf": a
-# GGUF file's own quantized tensors. "none": every weight dense, even from a quantized file.
+# Quantized at load: "int8" (a scale per output row; where the CPU has AMX-INT8 the bf16 rows
+# of a decode batch or prefill, more than W8A8_MIN_ROWS, are rounded to int8 per row too:
+# W8A8), "int8-wo" (the same weights, activations never rounded below 16 bits: weight-only),
+# "int4" (a float16 scale and offset per 32 columns, Q4_1's scheme; "-g64"/"-g128": per
+# 64/128, fewer bytes, coarser: the default model kept 97% of bf16's top-1 at 32, 74% at
+# 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors. "none": every weight dense, even from a quantized file.
 LOAD_QUANTIZATIONS = ("int8", "int8-wo", "int4", "int4-g32", "int4-g64", "int4-g128")
 QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 
@@ -108,8 +108,8 @@ class QuantizedProjection:
         int8_activations: bool = False,
     ) -> None:
         """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
-        is 0), False keeps the row layout. int8_activations: a prefill's bf16 rows rounded to
-        int8 per row (W8A8) where the kernels have the AMX int8 tiles and the weight is int8
+        is 0), False keeps the row layout. int8_activations: more than W8A8_MIN_ROWS bf16 rows
+        rounded to int8 per row (W8A8) where the kernels have the AMX int8 tiles and the weight is int8
         with one scale per row."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         layout = (weight.bits, weight.group, weight.in_features)
@@ -237,9 +237,13 @@ class QuantizedProjection:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up with SiLU in the matmul where this gated projection has it (bf16 x
-        of QUANTIZED_AMX_MIN_ROWS rows or more); else None."""
+        on the tiles: `gated_on_tiles`); else None."""
         rows = x.reshape(-1, self.in_features)
-        if not self.gated or x.dtype != torch.bfloat16 or len(rows) < QUANTIZED_AMX_MIN_ROWS:
+        if (
+            not self.gated
+            or x.dtype != torch.bfloat16
+            or not gated_on_tiles(self.params, len(rows))
+        ):
             return None
         assert self.kernels is not None
         inter = self.out_features // 2

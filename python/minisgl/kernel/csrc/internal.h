@@ -189,9 +189,10 @@ static inline void block_tiles(int64_t b, int64_t N, int gated, int64_t* left, i
 
 // W8A8 (quantized_w8a8.c): an 8-bit tiled weight with one scale per row (group K, no mins)
 // against bf16 x of more than W8A8_MIN_ROWS rows rounded to int8 per row, on the AMX int8
-// tiles; K up to W8A8_MAX_K keeps every int32 sum exact (127 * 255 * K < 2^31).
-// layers/quantized.py's QUANTIZED_GEMV_MAX_ROWS is W8A8_MIN_ROWS.
-#define W8A8_MIN_ROWS 128
+// tiles (decode batches and prefills: below, the call's fixed costs, the column maxima and the
+// outlier tiles, outweigh the 16-bit products); K up to W8A8_MAX_K keeps every int32 sum exact
+// (127 * 255 * K < 2^31). kernel/quantized.py's W8A8_MIN_ROWS is this number.
+#define W8A8_MIN_ROWS 5
 #define W8A8_MAX_K 65536
 static inline int w8a8_fits(const quantized_weight* w, int64_t K) {
     return w->tiled && w->bits == 8 && w->group == K && !w->mins && K <= W8A8_MAX_K;

@@ -3,28 +3,29 @@
 #include "simd.h"
 
 // ------------------------------------------------ W8A8: int8 activations on the AMX int8 tiles
-// A prefill's bf16 rows against an 8-bit tiled weight with one scale per output row
-// (`--quantization int8`): each x row is rounded to int8 with one scale (max|x| / 127, dynamic
-// and symmetric: SmoothQuant's per-token activations) and meets the weight in int8 products on
-// the tiles, summed in int32 over the whole of k and scaled once by the two rows' scales. The
-// call's W8A8_OUTLIERS columns of largest magnitude (over all its rows) are left out of the
-// rounding and meet the weight's columns (dequantized to bf16) on the bf16 tiles instead, one
+// A call's bf16 rows (a decode batch's or a prefill's) against an 8-bit tiled weight with one scale
+// per output row (`--quantization int8`): each x row is rounded to int8 with one scale (max|x| /
+// 127, dynamic and symmetric: SmoothQuant's per-token activations) and meets the weight in int8
+// products on the tiles, summed in int32 over the whole of k and scaled once by the two rows'
+// scales. The call's W8A8_OUTLIERS columns of largest magnitude (over all its rows) are left out of
+// the rounding and meet the weight's columns (dequantized to bf16) on the bf16 tiles instead, one
 // k-step, LLM.int8()'s decomposition: on the default model per-row rounding alone cost 3.6% of
-// perplexity, with 32 columns apart 0.4% (benchmark/quantized_quality.py). The tile layout's
-// 8-bit values are the int8 tiles' B operand as they lie (a 64-column step of a 16-row tile is
-// 16 k-quads of 16 rows: 1 KB, stride 64), stored +128: tdpbsud takes x signed and the weight
-// unsigned, and 128 * sum(xq) comes off each row's sums. The int8 tiles do twice the bf16
-// tiles' products a cycle, and nothing else of the weight is dequantized.
+// perplexity, with 32 columns apart 0.4% (benchmark/quantized_quality.py). The tile layout's 8-bit
+// values are the int8 tiles' B operand as they lie (a 64-column step of a 16-row tile is 16 k-quads
+// of 16 rows: 1 KB, stride 64), stored +128: tdpbsud takes x signed and the weight unsigned, and
+// 128 * sum(xq) comes off each row's sums. The int8 tiles do twice the bf16 tiles' products a
+// cycle, and nothing else of the weight is dequantized.
 
 #ifdef HAVE_AMX_INT8
-#define W8A8_PANEL 128    // x rows a task takes against one 32-column block (L2-resident)
+#define W8A8_PANEL_BYTES (512 << 10)  // int8 x rows a task takes against a block (L2-resident)
 #define W8A8_KSTEP 64     // columns an int8 tile product takes
 #define W8A8_OUTLIERS 32  // columns kept in bf16: one bf16 tile product (AMX_KSTEP)
+#define W8A8_SERIAL_ROWS 32  // rows up to which one thread quantizes them
 
 // x rounded to int8 per row: xq [mpad, ldx] (columns past K, outlier columns and rows past M
 // zero), each row's scale and 128 times its integers' sum (the weight's +128 meets it); the
-// outlier columns' indices and x's values there, xout [mpad, 32] bf16 (zeros past K and M);
-// and the weight's values at those columns, a bf16 B tile (16 k-pairs of 16 rows) per tile.
+// outlier columns' indices (ascending) and x's values there, xout [mpad, 32] bf16 (zeros past
+// K and M).
 typedef struct {
     int8_t* xq;
     float* scale;
@@ -33,7 +34,6 @@ typedef struct {
     int64_t outliers[W8A8_OUTLIERS];
     int64_t count;  // outlier columns (K when K < W8A8_OUTLIERS)
     bf16_t* xout;
-    bf16_t* wout;
 } int8_rows;
 
 // Row m of bf16 x [*, K] (K a multiple of 16) into xs: its outlier columns into xout, the rest
@@ -64,11 +64,10 @@ static void quantize_row(const bf16_t* x, int64_t K, const int8_rows* xs, const 
     xs->offset[m] = 128 * _mm512_reduce_add_epi32(sum);
 }
 
-// Thread `tid`'s share of x [M, K]'s column maxima of magnitude into its K floats of colmax.
-static void column_maxima(const bf16_t* x, int64_t M, int64_t K, float* mine) {
+// Rows [m0, m1) of x [*, K]'s column maxima of magnitude into mine (K floats).
+static void column_maxima(const bf16_t* x, int64_t m0, int64_t m1, int64_t K, float* mine) {
     for (int64_t k = 0; k < K; k++) mine[k] = 0.0f;
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = m0; m < m1; m++)
         for (int64_t k = 0; k < K; k += 16) {
             const __m512 v = _mm512_abs_ps(
                 bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + m * K + k))));
@@ -77,38 +76,59 @@ static void column_maxima(const bf16_t* x, int64_t M, int64_t K, float* mine) {
 }
 
 // The W8A8_OUTLIERS columns of largest magnitude over every row (the threads' maxima, `team`
-// slices of K in colmax; ties: the lowest column first) into xs, their entries of skip 0 (the
-// others -1).
+// slices of K in colmax, merged into the first; ties: the lowest column first) into xs in
+// ascending column order (the tasks gather them step by step), their entries of skip 0 (the
+// others -1). Each pick is a vector max over K, then the first column holding it, marked taken
+// in colmax (-1: below every magnitude).
 static void pick_outliers(float* colmax, int team, int64_t K, int16_t* skip, int8_rows* xs) {
     for (int t = 1; t < team; t++)
-        for (int64_t k = 0; k < K; k++)
-            colmax[k] = colmax[k] > colmax[t * K + k] ? colmax[k] : colmax[t * K + k];
+        for (int64_t k = 0; k < K; k += 16)
+            _mm512_storeu_ps(colmax + k, _mm512_max_ps(_mm512_loadu_ps(colmax + k),
+                                                       _mm512_loadu_ps(colmax + t * K + k)));
     for (int64_t k = 0; k < K; k++) skip[k] = -1;
     xs->count = K < W8A8_OUTLIERS ? K : W8A8_OUTLIERS;
     for (int64_t j = 0; j < xs->count; j++) {
+        __m512 largest = _mm512_set1_ps(-1.0f);
+        for (int64_t k = 0; k < K; k += 16)
+            largest = _mm512_max_ps(largest, _mm512_loadu_ps(colmax + k));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
         int64_t best = -1;
-        for (int64_t k = 0; k < K; k++)
-            if (skip[k] && (best < 0 || colmax[k] > colmax[best])) best = k;
+        for (int64_t k = 0; k < K && best < 0; k += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(colmax + k), top, _CMP_EQ_OQ);
+            if (hit) best = k + __builtin_ctz(hit);
+        }
+        // NaN maxima compare equal to nothing: then the first column not yet taken
+        for (int64_t k = 0; best < 0; k++)
+            if (skip[k]) best = k;
         xs->outliers[j] = best;
         skip[best] = 0;
+        colmax[best] = -1.0f;
     }
+    for (int64_t j = 1; j < xs->count; j++)
+        for (int64_t i = j; i > 0 && xs->outliers[i - 1] > xs->outliers[i]; i--) {
+            const int64_t column = xs->outliers[i];
+            xs->outliers[i] = xs->outliers[i - 1];
+            xs->outliers[i - 1] = column;
+        }
 }
 
-// Tile t's values at the outlier columns as a bf16 B tile: k-pair row p holds, for each of the
-// 16 weight rows n, columns outliers[2p] and outliers[2p + 1] (zeros past count).
-static void outlier_tile(const quantized_weight* w, int64_t t, int64_t K, const int8_rows* xs,
-                         bf16_t* dst) {
-    const uint8_t* values = (const uint8_t*)w->values + t * tile_bytes(8, K);
-    float scales[16];
-    _mm512_storeu_ps(scales, tile_floats(w->scales, w->scales_f32, t));
-    for (int64_t j = 0; j < W8A8_OUTLIERS; j++) {
-        const int64_t k = xs->outliers[j];
-        for (int n = 0; n < 16; n++) {
-            const float v = j < xs->count ? (values[k / 4 * 64 + 4 * n + k % 4] - 128) * scales[n]
-                                          : 0.0f;
-            dst[j / 2 * 32 + 2 * n + j % 2] = f32_to_bf16(v);
-        }
-    }
+// One tile's values at outlier column k (in its k-step `step`, 16 k-quads of 16 lanes: the
+// column is byte k % 4 of k-quad (k % 64) / 4) into lane halves of the bf16 B tile dst: k-pair
+// row j / 2, the low half for an even j, the high half for an odd one (the tile's other lanes
+// untouched, zero where no column lands).
+static inline void gather_outlier(const uint8_t* step, int64_t k, int64_t j, __m512 scales,
+                                  bf16_t* dst) {
+    const __m512i quad = _mm512_loadu_si512(step + k % W8A8_KSTEP / 4 * 64);
+    const __m512i shift = _mm512_set1_epi32((int)(8 * (k % 4)));
+    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(quad, shift), _mm512_set1_epi32(255));
+    const __m512 v =
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(128))), scales);
+    const __m512i rounded = _mm512_castps_si512(round_bf16_512(v));
+    bf16_t* pair = dst + j / 2 * 32;
+    if (j % 2 == 0)
+        _mm512_mask_storeu_epi16(pair, 0x55555555u, _mm512_srli_epi32(rounded, 16));
+    else
+        _mm512_mask_storeu_epi16(pair, 0xAAAAAAAAu, rounded);
 }
 
 // Tile t's k-step s (64 columns) as a B tile: in place, or for a last step of 32 columns (K
@@ -136,7 +156,8 @@ static inline void scale_tile(const int32_t (*sums)[16], const float (*outlier)[
 }
 
 // Rows [m0, m1) of xs (whole 32-row pairs but the last, which may be one 16-row tile) times
-// block b (tiles left, right; right -1: none) through the epilogue.
+// block b (tiles left, right; right -1: none) through the epilogue. The first 32 rows' k-steps
+// also gather the block's outlier columns into bf16 B tiles, from the steps as they stream by.
 static void w8a8_task(const int8_rows* xs, const quantized_weight* w, const bf16_t* bias, void* y,
                       int64_t M, int64_t N, int64_t K, int64_t left, int64_t right, int64_t n0,
                       int64_t m0, int64_t m1, int epilogue) {
@@ -144,30 +165,38 @@ static void w8a8_task(const int8_rows* xs, const quantized_weight* w, const bf16
     float outlier[4][16][16] __attribute__((aligned(64)));
     float block[4][16][16] __attribute__((aligned(64)));
     uint8_t tails[2][16][64] __attribute__((aligned(64)));
+    bf16_t wout[2][16 * W8A8_OUTLIERS] __attribute__((aligned(64)));  // 16 k-pairs x 16 rows
+    memset(wout, 0, sizeof wout);
     const int64_t ksteps = xs->ldx / W8A8_KSTEP;
     const __m512 wleft = tile_floats(w->scales, w->scales_f32, left);
     const __m512 wright = right >= 0 ? tile_floats(w->scales, w->scales_f32, right) : wleft;
-    const bf16_t* wout_left = xs->wout + left * 512;
-    const bf16_t* wout_right = xs->wout + (right >= 0 ? right : left) * 512;
     for (int64_t m = m0; m < m1; m += 32) {
         const int pair = m1 - m >= 32;
         const int8_t* a0 = xs->xq + m * xs->ldx;
         const int8_t* a1 = a0 + 16 * xs->ldx;
+        int64_t next = m == m0 ? 0 : xs->count;  // the next outlier to gather
         // (the tile intrinsics take their registers as literals)
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t s = 0; s < ksteps; s++) {
+            const uint8_t* step_left = weight_step(w, left, K, s, tails[0]);
+            const uint8_t* step_right = right >= 0 ? weight_step(w, right, K, s, tails[1]) : NULL;
+            for (; next < xs->count && xs->outliers[next] < (s + 1) * W8A8_KSTEP; next++) {
+                gather_outlier(step_left, xs->outliers[next], next, wleft, wout[0]);
+                if (step_right)
+                    gather_outlier(step_right, xs->outliers[next], next, wright, wout[1]);
+            }
             _tile_loadd(4, a0 + s * W8A8_KSTEP, xs->ldx);
-            _tile_loadd(6, weight_step(w, left, K, s, tails[0]), 64);
+            _tile_loadd(6, step_left, 64);
             _tile_dpbsud(0, 4, 6);
             if (pair) {
                 _tile_loadd(5, a1 + s * W8A8_KSTEP, xs->ldx);
                 _tile_dpbsud(2, 5, 6);
             }
-            if (right >= 0) {
-                _tile_loadd(7, weight_step(w, right, K, s, tails[1]), 64);
+            if (step_right) {
+                _tile_loadd(7, step_right, 64);
                 _tile_dpbsud(1, 4, 7);
                 if (pair) _tile_dpbsud(3, 5, 7);
             }
@@ -184,8 +213,8 @@ static void w8a8_task(const int8_rows* xs, const quantized_weight* w, const bf16
         _tile_zero(2);
         _tile_zero(3);
         _tile_loadd(4, xs->xout + m * W8A8_OUTLIERS, 2 * W8A8_OUTLIERS);
-        _tile_loadd(6, wout_left, 64);
-        _tile_loadd(7, wout_right, 64);
+        _tile_loadd(6, wout[0], 64);
+        _tile_loadd(7, wout[1], 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_stored(0, outlier[0], 64);
@@ -212,43 +241,62 @@ static void w8a8_task(const int8_rows* xs, const quantized_weight* w, const bf16
     }
 }
 
+// Row m of xs: x's row quantized, or (a padding row past M) zeros.
+static void int8_row(const bf16_t* x, int64_t M, int64_t K, int8_rows* xs, const int16_t* skip,
+                     int64_t m) {
+    if (m < M) {
+        quantize_row(x + m * K, K, xs, skip, m);
+        return;
+    }
+    memset(xs->xq + m * xs->ldx, 0, (size_t)xs->ldx);
+    memset(xs->xout + m * W8A8_OUTLIERS, 0, W8A8_OUTLIERS * 2);
+    xs->scale[m] = 0.0f;
+    xs->offset[m] = 0;
+}
+
 int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w, const bf16_t* bias, void* y,
                           int64_t M, int64_t N, int64_t K, int epilogue, int nthreads) {
     const int gated = epilogue == EPILOGUE_GATED;
     const int64_t mpad = (M + 15) / 16 * 16, ldx = (K + W8A8_KSTEP - 1) / W8A8_KSTEP * W8A8_KSTEP;
-    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS, blocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
-    const int64_t panels = (mpad + W8A8_PANEL - 1) / W8A8_PANEL;
-    // xq, then (64-byte aligned pieces) the weight's outlier tiles, xout, scales and offsets,
-    // the column maxima and the skip mask.
-    const size_t xq_bytes = (size_t)(mpad * ldx), wout_bytes = (size_t)tiles * 1024;
-    const size_t xout_bytes = (size_t)mpad * W8A8_OUTLIERS * 2, rows_bytes = (size_t)mpad * 8;
+    const int64_t blocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
+    // As few panels as keep one in L2, of even size (whole 32 rows): each panel reads the whole
+    // weight once more.
+    int64_t panel_rows = W8A8_PANEL_BYTES / ldx / 32 * 32;
+    panel_rows = panel_rows < 32 ? 32 : panel_rows;
+    const int64_t panels = (mpad + panel_rows - 1) / panel_rows;
+    panel_rows = ((mpad + panels - 1) / panels + 31) / 32 * 32;
+    // xq, then (64-byte aligned pieces) xout, scales and offsets, the column maxima and the
+    // skip mask.
+    const size_t xq_bytes = (size_t)(mpad * ldx), xout_bytes = (size_t)mpad * W8A8_OUTLIERS * 2;
+    const size_t rows_bytes = (size_t)mpad * 8;
     const size_t col_bytes = (size_t)(K * (4 * nthreads + 2) + 63) / 64 * 64;
-    char* buffer = kernel_alloc(xq_bytes + wout_bytes + xout_bytes + rows_bytes + col_bytes);
+    char* buffer = kernel_alloc(xq_bytes + xout_bytes + rows_bytes + col_bytes);
     if (!buffer) return MINISGL_ERR_NOMEM;
     int8_rows xs = {.xq = (int8_t*)buffer, .ldx = ldx};
-    xs.wout = (bf16_t*)(buffer + xq_bytes);
-    xs.xout = (bf16_t*)(buffer + xq_bytes + wout_bytes);
-    xs.scale = (float*)(buffer + xq_bytes + wout_bytes + xout_bytes);
+    xs.xout = (bf16_t*)(buffer + xq_bytes);
+    xs.scale = (float*)(buffer + xq_bytes + xout_bytes);
     xs.offset = (int32_t*)xs.scale + mpad;
-    float* colmax = (float*)(buffer + xq_bytes + wout_bytes + xout_bytes + rows_bytes);
+    float* colmax = (float*)(buffer + xq_bytes + xout_bytes + rows_bytes);
     int16_t* skip = (int16_t*)(colmax + nthreads * K);
+    // A decode batch's rows are quantized by one thread: two barriers fewer than sharing them.
+    const int serial = M <= W8A8_SERIAL_ROWS;
 #pragma omp parallel num_threads(nthreads)
     {
-        column_maxima(x, M, K, colmax + omp_get_thread_num() * K);
+        if (serial) {
 #pragma omp single
-        pick_outliers(colmax, omp_get_num_threads(), K, skip, &xs);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) outlier_tile(w, t, K, &xs, xs.wout + t * 512);
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < mpad; m++) {
-            if (m < M) {
-                quantize_row(x + m * K, K, &xs, skip, m);
-            } else {
-                memset(xs.xq + m * ldx, 0, (size_t)ldx);
-                memset(xs.xout + m * W8A8_OUTLIERS, 0, W8A8_OUTLIERS * 2);
-                xs.scale[m] = 0.0f;
-                xs.offset[m] = 0;
+            {
+                column_maxima(x, 0, M, K, colmax);
+                pick_outliers(colmax, 1, K, skip, &xs);
+                for (int64_t m = 0; m < mpad; m++) int8_row(x, M, K, &xs, skip, m);
             }
+        } else {
+            const int team = omp_get_num_threads(), tid = omp_get_thread_num();
+            column_maxima(x, M * tid / team, M * (tid + 1) / team, K, colmax + tid * K);
+#pragma omp barrier
+#pragma omp single
+            pick_outliers(colmax, team, K, skip, &xs);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < mpad; m++) int8_row(x, M, K, &xs, skip, m);
         }
         amx_configure();
         // Panel-major: consecutive tasks of a thread share its x panel in L2.
@@ -257,8 +305,8 @@ int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w, const bf16
             const int64_t panel = task / blocks, b = task % blocks;
             int64_t left, right;
             block_tiles(b, N, gated, &left, &right);
-            const int64_t m0 = panel * W8A8_PANEL;
-            const int64_t m1 = m0 + W8A8_PANEL < mpad ? m0 + W8A8_PANEL : mpad;
+            const int64_t m0 = panel * panel_rows;
+            const int64_t m1 = m0 + panel_rows < mpad ? m0 + panel_rows : mpad;
             w8a8_task(&xs, w, bias, y, M, N, K, left, right, 32 * b, m0, m1, epilogue);
         }
         _tile_release();
