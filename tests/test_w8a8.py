@@ -1,7 +1,8 @@
 """W8A8 (`--quantization int8` on AMX-INT8): the bf16 rows of a decode batch or a prefill (more
-than W8A8_MIN_ROWS) rounded to int8 per row and multiplied with the int8 weight in the int8 tiles, the call's largest columns kept in bf16. The
-kernel's shapes and bounds are tests/test_kernel_fuzz.py's (on every CPU, through the emulated
-Xeon build); here its accuracy on outlier channels and the engine's choice of it."""
+than W8A8_MIN_ROWS) rounded to int8 per row and multiplied with the int8 weight in the int8
+tiles, the call's largest columns kept in bf16. The kernel's shapes and bounds are
+tests/test_kernel_fuzz.py's (on every CPU, through the emulated Xeon build); here its accuracy
+on outlier channels and the engine's choice of it."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 # W8A8), "int8-wo" (the same weights, activations never rounded below 16 bits: weight-only),
 # "int4" (a float16 scale and offset per 32 columns, Q4_1's scheme; "-g64"/"-g128": per
 # 64/128, fewer bytes, coarser: the default model kept 97% of bf16's top-1 at 32, 74% at
-# 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors. "none": every weight dense, even from a quantized file.
+# 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors.
+# "none": every weight dense, even from a quantized file.
 LOAD_QUANTIZATIONS = ("int8", "int8-wo", "int4", "int4-g32", "int4-g64", "int4-g128")
 QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 
@@ -109,8 +110,8 @@ class QuantizedProjection:
     ) -> None:
         """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
         is 0), False keeps the row layout. int8_activations: more than W8A8_MIN_ROWS bf16 rows
-        rounded to int8 per row (W8A8) where the kernels have the AMX int8 tiles and the weight is int8
-        with one scale per row."""
+        rounded to int8 per row (W8A8) where the kernels have the AMX int8 tiles and the weight
+        is int8 with one scale per row."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         layout = (weight.bits, weight.group, weight.in_features)
         if kernels is not None and not quantized_fits(*layout, tiled=False):

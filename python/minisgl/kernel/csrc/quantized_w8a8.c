@@ -8,20 +8,21 @@
 // 127, dynamic and symmetric: SmoothQuant's per-token activations) and meets the weight in int8
 // products on the tiles, summed in int32 over the whole of k and scaled once by the two rows'
 // scales. The call's W8A8_OUTLIERS columns of largest magnitude (over all its rows) are left out of
-// the rounding and meet the weight's columns (dequantized to bf16) on the bf16 tiles instead, one
-// k-step, LLM.int8()'s decomposition: on the default model per-row rounding alone cost 3.6% of
-// perplexity, with 32 columns apart 0.4% (benchmark/quantized_quality.py). The tile layout's 8-bit
-// values are the int8 tiles' B operand as they lie (a 64-column step of a 16-row tile is 16 k-quads
-// of 16 rows: 1 KB, stride 64), stored +128: tdpbsud takes x signed and the weight unsigned, and
-// 128 * sum(xq) comes off each row's sums. The int8 tiles do twice the bf16 tiles' products a
-// cycle, and nothing else of the weight is dequantized.
+// the rounding and meet the weight's integers at those columns (exact in bf16, the row scale after
+// the sum) on the bf16 tiles instead, LLM.int8()'s decomposition: on the default model per-row
+// rounding alone cost 3.6% of perplexity, with the columns apart 0.4% over bf16
+// (benchmark/quantized_quality.py). The tile layout's 8-bit values are the int8 tiles' B operand as
+// they lie (a 64-column step of a 16-row tile is 16 k-quads of 16 rows: 1 KB, stride 64), stored
+// +128: tdpbsud takes x signed and the weight unsigned, and 128 * sum(xq) comes off each row's
+// sums. The int8 tiles do twice the bf16 tiles' products a cycle, and nothing else of the weight is
+// dequantized.
 
 #ifdef HAVE_AMX_INT8
 #define W8A8_PANEL_BYTES (512 << 10)  // int8 x rows a task takes against a block (L2-resident)
 #define W8A8_KSTEP 64     // columns an int8 tile product takes
 // Columns kept in bf16 (bf16 tile products of AMX_KSTEP): up to W8A8_SERIAL_ROWS rows the
 // smaller count (its cost is the call's, a decode batch shares it among few rows), above it the
-// larger (the default model's perplexity +1.1% over bf16 with 32, +0.9% with 64).
+// larger (the default model's whole-text perplexity over bf16: +0.4% with 64).
 #define W8A8_OUTLIERS 64
 #define W8A8_FEW_OUTLIERS 32
 #define W8A8_SERIAL_ROWS 32  // rows up to which one thread quantizes them
@@ -29,8 +30,8 @@
 
 // x rounded to int8 per row: xq [mpad, ldx] (columns past K, outlier columns and rows past M
 // zero), each row's scale and 128 times its integers' sum (the weight's +128 meets it); the
-// outlier columns' indices (ascending) and x's values there, xout [mpad, 32] bf16 (zeros past
-// K and M).
+// outlier columns' indices (ascending) and x's values there, xout [mpad, W8A8_OUTLIERS] bf16 (zeros
+// past the count and M).
 typedef struct {
     int8_t* xq;
     float* scale;
