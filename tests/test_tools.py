@@ -116,7 +116,7 @@ def test_required_always_yields_valid_calls(client, model) -> None:
         tool_choice="required",
         n=4,
         temperature=1.0,
-        max_tokens=128,
+        max_tokens=256,  # two calls a character a token still fit
         seed=3,
     )
     for choice in reply.choices:
@@ -143,9 +143,17 @@ def test_named_choice_streamed(client, model) -> None:
 
 
 def test_call_result_answer_flow(client, model) -> None:
+    # One call (parallel off), and room for its longest form: a random model may spell the
+    # city a character (or an escape) a token, which 128 tokens did not always hold.
     first = client.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=128
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
     )
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
     call = first.choices[0].message.tool_calls[0]
     assert_valid(call)
     messages = [
