@@ -1,9 +1,11 @@
-"""Weight formats side by side, one invocation: minisgl decode at batch 1/8/64 and W1 per format
+"""Weight formats side by side, one invocation: minisgl decode at batch 1/8/64, a 512-token
+prompt's prefill and W1 per format
 (bf16, int8 and int4 quantized at load, for a GGUF model its own quantized tensors, and with
 gguf-q8_0 the model converted to a Q8_0 GGUF by llama.cpp's converter), the
 weight bytes each step streams with the bandwidth bound they give, the ratio against bf16 in
 the same run, and llama.cpp on the same GGUF file (--peer llamacpp; scripts/setup_llamacpp.sh
-builds it) at batch 1.
+builds it) at batch 1 and in prompt processing (llama-bench's pp512 beside our pp512: the prompt
+and its one token per second, a whole request's time).
 
     python benchmark/quantized.py                        # the default model: bf16/int8/int4/gguf
     python benchmark/quantized.py --model qwen3-0.6b-random --formats bf16,int8,int4
@@ -85,6 +87,12 @@ def main() -> None:
     p.add_argument("--peer", choices=["llamacpp"], default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=512,
+        help="a prompt of this many tokens, prefill tok/s (llama.cpp: its pp test); 0: none",
+    )
     args = p.parse_args()
     set_threads(args.threads)
     model = resolve_bench_model(args.model)
@@ -101,6 +109,9 @@ def main() -> None:
 
         require_llama_bench()
     shapes: list[Shape] = decode_shapes([int(b) for b in args.batch_sizes.split(",")], False)
+    if args.prefill_tokens > 0:
+        length = (args.prefill_tokens, args.prefill_tokens)
+        shapes.append(Shape(f"pp{args.prefill_tokens}", 1, length, (1, 1)))
     if args.workloads != "none":
         shapes += [OFFLINE_PRESETS[w] for w in args.workloads.split(",")]
     tokens = TokenSource(model, args.seed)
@@ -124,16 +135,27 @@ def main() -> None:
             if shape.name.startswith("batch"):
                 steps = run.decode_steps or 0
                 figures[shape.name] = steps * shape.num_prompts / (run.decode_s or float("inf"))
+            elif shape.name.startswith("pp"):  # the prompt, and its one token, per second
+                figures[shape.name] = shape.input_range[0] / run.wall_s
             else:
                 figures[shape.name] = run.wall_s
         rows.append((fmt, nbytes, figures))
     if args.peer == "llamacpp":  # on every GGUF the run served
-        from runners.llamacpp import decode_tokens_per_s
+        from runners.llamacpp import decode_tokens_per_s, prefill_tokens_per_s
 
+        threads = torch.get_num_threads()
         for path in served_ggufs:
-            rate = decode_tokens_per_s(path, torch.get_num_threads())
-            rows.append((f"llama.cpp {path.name}", path.stat().st_size, {"batch 1": rate}))
+            figures = {"batch 1": decode_tokens_per_s(path, threads)}
+            if args.prefill_tokens > 0:
+                pp = prefill_tokens_per_s(path, threads, args.prefill_tokens)
+                figures[f"pp{args.prefill_tokens}"] = pp
+            rows.append((f"llama.cpp {path.name}", path.stat().st_size, figures))
     report(rows, shapes, machine.bandwidth_gbs)
+
+
+def is_rate(shape: Shape) -> bool:
+    """Decode batches and prefill are tokens per second (higher is better); workloads seconds."""
+    return shape.name.startswith(("batch", "pp"))
 
 
 def report(rows: list, shapes: list[Shape], bandwidth_gbs: float) -> None:
@@ -141,7 +163,7 @@ def report(rows: list, shapes: list[Shape], bandwidth_gbs: float) -> None:
     base = next((figures for fmt, _, figures in rows if fmt == "bf16"), None)
     header = "| format | weights MB | bound steps/s |"
     for shape in shapes:
-        unit = "tok/s" if shape.name.startswith("batch") else "s"
+        unit = "tok/s" if is_rate(shape) else "s"
         header += f" {shape.name} {unit} | vs bf16 |"
     print(header)
     print("|" + "---|" * (3 + 2 * len(shapes)))
@@ -152,10 +174,10 @@ def report(rows: list, shapes: list[Shape], bandwidth_gbs: float) -> None:
             if value is None:
                 cells += ["", ""]
                 continue
-            is_rate = shape.name.startswith("batch")
-            cells.append(f"{value:.0f}" if is_rate else f"{value:.2f}")
+            rate = is_rate(shape)
+            cells.append(f"{value:.0f}" if rate else f"{value:.2f}")
             ref = None if base is None else base.get(shape.name)
-            ratio = "" if not ref else f"{value / ref:.2f}x" if is_rate else f"{ref / value:.2f}x"
+            ratio = "" if not ref else f"{value / ref:.2f}x" if rate else f"{ref / value:.2f}x"
             cells.append(ratio)
         print("| " + " | ".join(cells) + " |")
 

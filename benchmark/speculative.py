@@ -8,8 +8,13 @@ decode: output tokens / seconds, speculation off and on, in one invocation with 
 engine settings. Acceptance: mean tokens per verify step and the share of drafts kept.
 Figures only: nothing is asserted.
 
+With `--peer llamacpp` (scripts/setup_llamacpp.sh builds it), llama.cpp's prompt lookup decoding
+(`llama-lookup`, one sequence) generates from the same GGUF file and the same chat-templated
+prompt of each kind, without drafts and with as many as ours, for a second table (batch 1).
+
     python benchmark/speculative.py                       # default model, batch 1, 4, 16
     python benchmark/speculative.py --batch-sizes 1 --kinds edit,chat --max-tokens 64
+    python benchmark/speculative.py --batch-sizes 1 --peer llamacpp
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import paths  # noqa: E402,F401  (before minisgl: a checkout without `pip install -e .`)
+import torch  # noqa: E402
 from machine import machine_note, set_threads  # noqa: E402
 from models import model_label, resolve_bench_model  # noqa: E402
 
@@ -109,6 +115,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--peer", choices=["llamacpp"], default=None)
     args = parser.parse_args()
     set_threads(args.threads)
     # The default model as LLM() serves it (its GGUF, quantized, where one is prepared).
@@ -156,8 +163,36 @@ def main() -> None:
                 f"{on_rate / off_rate:.2f}x | {per_step} | {kept} | {equal} |",
                 flush=True,
             )
+    if args.peer == "llamacpp":
+        llamacpp_table(plain, kinds, args)
     plain.shutdown()
     spec.shutdown()
+
+
+def llamacpp_table(llm: LLM, kinds: list[str], args: argparse.Namespace) -> None:
+    """llama.cpp's prompt lookup decoding on the served GGUF, each kind's first prompt."""
+    from runners.llamacpp import lookup_decode
+
+    gguf = llm.config.gguf_path
+    if gguf is None:
+        print("# --peer llamacpp: the model is not a GGUF file; nothing to compare")
+        return
+    threads = torch.get_num_threads()
+    print(f"\n# llama.cpp llama-lookup on {Path(gguf).name}, greedy, batch 1, {threads} threads")
+    print("| kind | off tok/s | lookup tok/s | ratio | tokens/step | drafts kept |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        text = llm.tokenizer.decode(prompts(llm, kind, 1)[0])
+        off = lookup_decode(Path(gguf), text, args.max_tokens, threads, 0)
+        on = lookup_decode(Path(gguf), text, args.max_tokens, threads, args.num_draft_tokens - 1)
+        steps = on.decoded - on.accepted
+        per_step = f"{on.decoded / steps:.2f}" if steps > 0 else "-"
+        kept = f"{on.accepted / on.drafted:.0%}" if on.drafted else "-"
+        print(
+            f"| {kind} | {off.tokens_per_s:.1f} | {on.tokens_per_s:.1f} | "
+            f"{on.tokens_per_s / off.tokens_per_s:.2f}x | {per_step} | {kept} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-bench` as a benchmark peer for quantized (GGUF) decode, in
+# Build llama.cpp's `llama-bench` (quantized GGUF decode and prefill) and `llama-lookup` (its
+# prompt lookup decoding, benchmark/speculative.py's peer) as benchmark peers, in
 # .peers/llamacpp (recipe: shared/PEERS.md). Safe to run repeatedly: the download, the unpacked
 # source and the build are each kept, and the build is skipped when the binary exists for the
 # same CPU flags. Needs ~300 MB of disk and a few minutes on 2 cores (niced, -j2).
 # Used by benchmark/runners/llamacpp.py.
 #
 # The source is the llama.cpp that llama-cpp-python 0.3.36's sdist vendors (vendor/llama.cpp),
-# the same llama.cpp PEERS.md's figures came from. Only the library and the llama-bench target
-# are built (MINISGL_LLAMACPP_TARGETS adds more, e.g. "llama-bench llama-quantize"); llama-cli
-# and llama-server sit behind LLAMA_BUILD_SERVER and the web UI here, so they are left out.
+# the same llama.cpp PEERS.md's figures came from. Only the library and these two targets are
+# built (MINISGL_LLAMACPP_TARGETS names others, e.g. "llama-bench llama-lookup llama-quantize";
+# the examples are configured so that their targets exist, but only the named ones build);
+# llama-cli and llama-server sit behind LLAMA_BUILD_SERVER and the web UI here, so they are left
+# out.
 #
 # CPU flags: GGML_NATIVE=OFF with explicit GGML_* flags for what /proc/cpuinfo lists, and never
 # AMX. PEERS.md: the GGML_NATIVE=ON build segfaults at the first decode on the Intel Xeon AMX
@@ -26,7 +29,7 @@ venv="$peer"                     # its venv (pip, and cmake/ninja when the syste
 version=0.3.36
 src="$peer/llama.cpp"
 build="$peer/build"
-targets="${MINISGL_LLAMACPP_TARGETS:-llama-bench}"
+targets="${MINISGL_LLAMACPP_TARGETS:-llama-bench llama-lookup}"
 pip_flags=(--quiet --disable-pip-version-check)
 # pip's "WARNING: Location ... is ignored" lines (local index mirrors) are noise here.
 quiet_pip() { "$venv/bin/pip" "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
@@ -110,7 +113,7 @@ cmake_args=(
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
   "${ggml_flags[@]}"
   -DGGML_CCACHE=OFF -DGGML_OPENMP=ON
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
 )
 key="llama.cpp@llama-cpp-python-$version ${cmake_args[*]} targets: $targets"

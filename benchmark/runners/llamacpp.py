@@ -1,5 +1,7 @@
 """llama.cpp as a peer for quantized (GGUF) decode: its `llama-bench` tool, built into
-`.peers/llamacpp` by scripts/setup_llamacpp.sh, run on a GGUF file in a subprocess.
+`.peers/llamacpp` by scripts/setup_llamacpp.sh, run on a GGUF file in a subprocess; and its
+`llama-lookup` example (prompt lookup decoding: n-gram drafts from the prompt and output,
+verified several per step) for speculative decoding (`lookup_decode`).
 
 `decode_tokens_per_s` is llama-bench's tg test (`-p 0 -n N`: N tokens generated one at a time
 after an empty prompt, i.e. batch 1 decode); `prefill_tokens_per_s` its pp test (`-p P -n 0`: one
@@ -14,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,18 +36,22 @@ class LlamaCppMissing(FileNotFoundError):
     """The llama-bench binary is not built (scripts/setup_llamacpp.sh builds it)."""
 
 
+def llama_binary(name: str) -> Path | None:
+    """One of the tools setup_llamacpp.sh built (`llama-bench`, `llama-lookup`), if there."""
+    candidates = [
+        PEERS_DIR / "llamacpp" / "bin" / name,
+        PEERS_DIR / "llamacpp" / "build" / "bin" / name,
+    ]
+    return next((p for p in candidates if p.is_file() and os.access(p, os.X_OK)), None)
+
+
 def llama_bench_binary() -> Path | None:
     """The llama-bench binary: $MINISGL_LLAMA_BENCH, else the one setup_llamacpp.sh built."""
     override = os.environ.get(BINARY_ENV)
-    candidates = (
-        [Path(override)]
-        if override
-        else [
-            PEERS_DIR / "llamacpp" / "bin" / "llama-bench",
-            PEERS_DIR / "llamacpp" / "build" / "bin" / "llama-bench",
-        ]
-    )
-    return next((p for p in candidates if p.is_file() and os.access(p, os.X_OK)), None)
+    if override:
+        path = Path(override)
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+    return llama_binary("llama-bench")
 
 
 def require_llama_bench() -> Path:
@@ -170,6 +178,68 @@ def prefill_tokens_per_s(
 ) -> float:
     """Prompt-processing speed (llama-bench pp`n_prompt`): median tokens per second."""
     return run_llama_bench(model, threads, n_prompt, 0, repetitions).tokens_per_s
+
+
+@dataclass(frozen=True)
+class LookupRun:
+    """One llama-lookup generation: decode speed (the prompt's processing not counted) and its
+    drafts."""
+
+    tokens_per_s: float
+    decoded: int
+    drafted: int
+    accepted: int
+
+
+_LOOKUP_FIGURES = {
+    "decoded": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+}
+
+
+def lookup_decode(
+    model: Path,
+    prompt: str,
+    max_tokens: int,
+    threads: int,
+    draft_max: int,
+    context: int = 4096,
+    timeout_s: float = 600.0,
+) -> LookupRun:
+    """Greedy generation of up to `max_tokens` after `prompt` (text; special tokens parsed, as
+    a chat template renders them) by llama.cpp's prompt lookup decoding with at most
+    `draft_max` drafts a step (0: one token a step, its baseline in the same loop)."""
+    binary = llama_binary("llama-lookup")
+    if binary is None:
+        raise LlamaCppMissing(f"llama.cpp's llama-lookup not built; run {SETUP_SCRIPT}")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+        prompt_file = f.name
+    cmd = [
+        str(binary), "-m", str(model), "-f", prompt_file, "-n", str(max_tokens),
+        "-t", str(threads), "-c", str(context), "--temp", "0",
+        "--spec-draft-n-max", str(draft_max),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"llama-lookup ran past {timeout_s:.0f} s: {' '.join(cmd)}") from e
+    finally:
+        os.unlink(prompt_file)
+    log = proc.stdout + proc.stderr
+    found = {name: pattern.search(log) for name, pattern in _LOOKUP_FIGURES.items()}
+    if proc.returncode != 0 or not all(found.values()):
+        tail = "\n".join(log.strip().splitlines()[-15:])
+        raise RuntimeError(f"llama-lookup failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    decoded = int(found["decoded"].group(1))  # type: ignore[union-attr]
+    seconds = float(found["decoded"].group(2))  # type: ignore[union-attr]
+    return LookupRun(
+        tokens_per_s=decoded / seconds if seconds > 0 else 0.0,
+        decoded=decoded,
+        drafted=int(found["drafted"].group(1)),  # type: ignore[union-attr]
+        accepted=int(found["accepted"].group(1)),  # type: ignore[union-attr]
+    )
 
 
 def _main() -> None:
