@@ -119,6 +119,12 @@ _WIDTHS_32_MOD_64 = dict(
     head_dim=32,
 )
 TINY_CONFIGS["qwen3-w96"] = ("Qwen3Config", dict(_WIDTHS_32_MOD_64, tie_word_embeddings=True))
+# The tokenizer's vocabulary in 64 more rows (as a family's models pad theirs differently): a
+# draft model for qwen3, and a target whose tokens past 49,152 qwen3 has no row for.
+TINY_CONFIGS["qwen3-pad"] = (
+    "Qwen3Config",
+    dict(head_dim=64, tie_word_embeddings=True, vocab_size=49152 + 64),
+)
 TINY_CONFIGS["qwen3-moe-w96"] = (
     "Qwen3MoeConfig",
     dict(_TINY_MOE, **_WIDTHS_32_MOD_64, num_experts_per_tok=2, moe_intermediate_size=96),

@@ -42,14 +42,19 @@ def every_draft(request, monkeypatch):
 
 
 def generate(llm: LLM, prompts: list, params: list[SamplingParams] | SamplingParams) -> list[dict]:
+    """The outputs, every page of the target's pool (and a draft model's) free or cached after."""
     outputs = llm.generate(prompts, params)
     assert_all_pages_free(llm)
+    if llm.speculator is not None:
+        llm.speculator.check_integrity()  # no draft KV kept, every draft page free
     return outputs
 
 
-def spec_and_plain(name: str, prompts: list, params, **kw) -> tuple[list[dict], list[dict], LLM]:
+def spec_and_plain(
+    name: str, prompts: list, params, speculation: dict = NGRAM, **kw
+) -> tuple[list[dict], list[dict], LLM]:
     """The outputs with speculation and without it (and the speculating LLM, shut down)."""
-    llm = build_llm(name, **NGRAM, **kw)
+    llm = build_llm(name, **speculation, **kw)
     try:
         spec = generate(llm, prompts, params)
     finally:
@@ -152,20 +157,61 @@ def test_logprobs_penalties_bias_and_min_tokens_as_decoded_one_by_one() -> None:
             assert [t for t, _ in got_top] == [t for t, _ in want_top]
 
 
-def test_structured_output_with_speculation_is_valid_and_equal() -> None:
+def test_constrained_requests_verify_the_drafts_their_grammar_takes(monkeypatch) -> None:
+    """Structured output with drafts: a constrained request's drafts are cut to what its grammar
+    takes, each verify position is masked by the grammar after the drafts before it, and the
+    output equals decoding without speculation. The drafts are an oracle's (the plain run's next
+    tokens, then a wrong one), so they reach verification whatever the CPU class's numerics."""
+    from minisgl.scheduler.speculative import Speculator
+
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "boolean"}},
         "required": ["name", "n"],
     }
-    structured = StructuredOutput("json", json.dumps(schema))
-    params = [greedy(200, structured=structured), greedy(30), greedy(30)]
-    prompts = ["Give me JSON:", REPEATS, [7, 8, 9, 7, 8, 9, 7, 8]]
-    spec, plain, _ = spec_and_plain("qwen3", prompts, params)
+    json_output = StructuredOutput("json", json.dumps(schema))
+    choice = StructuredOutput("choice", json.dumps(["one two three four five", "six seven"]))
+    params = [greedy(200, structured=json_output), greedy(60, structured=choice), greedy(30)]
+    prompts: list = ["Give me JSON:", REPEATS, [7, 8, 9, 7, 8, 9, 7, 8]]
+    plain_llm = build_llm("qwen3")
+    try:
+        plain = generate(plain_llm, prompts, params)
+        keys = [tuple(plain_llm._encode(p)) for p in prompts]
+    finally:
+        plain_llm.shutdown()
+    reference = {key: out["token_ids"] for key, out in zip(keys, plain)}
+
+    def oracle(self, req, limit):
+        done = req.input_ids[req.prompt_len :].tolist()
+        want = reference[tuple(req.input_ids[: req.prompt_len].tolist())]
+        if limit <= 0 or want[: len(done)] != done or len(done) >= len(want):
+            return [], 0.0
+        right = want[len(done) : len(done) + limit - 1]
+        after = len(done) + len(right)
+        wrong = [want[after] ^ 1] if after < len(want) else []
+        return [*right, *wrong][:limit], 0.9
+
+    verified: dict[int, list[int]] = {}
+    record = Speculator.record
+
+    def spy(self, req, drafted, accepted):
+        if req.grammar is not None:
+            verified.setdefault(req.uid, []).append(accepted)
+        record(self, req, drafted, accepted)
+
+    monkeypatch.setattr(Speculator, "_ngram_guess", oracle)
+    monkeypatch.setattr(Speculator, "record", spy)
+    llm = build_llm("qwen3", **NGRAM)
+    try:
+        spec = generate(llm, prompts, params)
+    finally:
+        llm.shutdown()
     assert token_ids(spec) == token_ids(plain)
-    assert spec[0]["finish_reason"] == "stop", spec[0]["text"]
-    parsed = json.loads(spec[0]["text"])
-    assert set(parsed) == {"name", "n"}
+    assert [o["finish_reason"] for o in spec] == [o["finish_reason"] for o in plain]
+    assert set(json.loads(spec[0]["text"])) == {"name", "n"}
+    assert spec[1]["text"] in ("one two three four five", "six seven")
+    # Both constrained requests verified drafts, and kept some.
+    assert len(verified) == 2 and all(sum(kept) > 0 for kept in verified.values()), verified
 
 
 def test_tensor_parallel_verify_steps_replay() -> None:

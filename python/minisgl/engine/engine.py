@@ -82,14 +82,25 @@ def flag_non_finite(
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's model, KV pool, page table, attention backend and sampler."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        extra_kv_bytes_per_slot: int = 0,
+        cpu_threads: CpuThreads | None = None,
+    ) -> None:
+        """extra_kv_bytes_per_slot: the KV bytes per token slot of another pool with as many
+        pages as this one's (a draft model's), paid from the same memory budget; cpu_threads:
+        those of an engine this one runs beside in the same thread (a draft model's target)."""
         self.config = config
+        self.extra_kv_bytes_per_slot = extra_kv_bytes_per_slot
         self.device = config.device
         if self.device.type == "cuda" and config.tp_size > 1:
             self.device = torch.device("cuda", config.tp_rank)  # one GPU per rank
         self.tp = TPGroup(config.tp_rank, config.tp_size, self.device)
-        self.cpu_threads: CpuThreads | None = None
-        if self.device.type == "cpu":
+        self.cpu_threads: CpuThreads | None = cpu_threads
+        if self.device.type == "cpu" and cpu_threads is None:
             # At most one thread per available core (MINISGL_NUM_THREADS: at most that many),
             # fewer while other processes keep cores busy (MINISGL_ADAPTIVE_THREADS=0: never);
             # tensor-parallel ranks on one machine split them (and MINISGL_NUM_THREADS).
@@ -158,7 +169,7 @@ class Engine:
 
     def _pages_from_memory_budget(self) -> int:
         mc = self.model_config
-        per_token = MHAKVCache.bytes_per_slot(
+        per_token = self.extra_kv_bytes_per_slot + MHAKVCache.bytes_per_slot(
             mc.num_layers, self.num_kv_heads, mc.head_dim, self.config.dtype
         )
         if self.device.type == "cuda":

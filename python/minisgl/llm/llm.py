@@ -61,13 +61,16 @@ class LLM(Scheduler):
         kv_cache_dir: str | os.PathLike | None = None,
         kv_cache_disk_gb: float = 16.0,
         speculative_algorithm: str | None = None,
-        speculative_num_draft_tokens: int = 8,
+        speculative_num_draft_tokens: int | None = None,
+        speculative_draft_model_path: str | os.PathLike | None = None,
+        speculative_num_steps: int | None = None,
         **speculative: int,
     ) -> None:
         """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others).
         kv_cache_dir: a disk KV tier there (bounded by kv_cache_disk_gb), reused across runs;
-        `shutdown()` writes the cache's KV to it. speculative_algorithm "NGRAM": speculative
-        decoding (SGLang's names; `speculative_ngram_*` settings as SchedulerConfig's)."""
+        `shutdown()` writes the cache's KV to it. speculative_algorithm "NGRAM" or "STANDALONE"
+        (with speculative_draft_model_path): speculative decoding (SGLang's names;
+        `speculative_ngram_*` settings as SchedulerConfig's)."""
         unknown = [k for k in speculative if not k.startswith("speculative_ngram_")]
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
@@ -107,6 +110,10 @@ class LLM(Scheduler):
             kv_cache_disk_gb=kv_cache_disk_gb,
             speculative_algorithm=speculative_algorithm,
             speculative_num_draft_tokens=speculative_num_draft_tokens,
+            speculative_draft_model_path=None
+            if speculative_draft_model_path is None
+            else os.fspath(speculative_draft_model_path),
+            speculative_num_steps=speculative_num_steps,
             **speculative,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)

@@ -10,6 +10,8 @@ from minisgl.kvcache import EVICTION_POLICIES, PREFIX_CACHES
 # Chosen by measurement (benchmark/overlap.py, docs/cpu-fast-path.md): on a 2-core CPU the
 # worker thread competes with the forward for the cores and W1 ran ~20% slower with overlap.
 OVERLAP_DEFAULT = {"cpu": False, "cuda": True}
+# Speculative decoding's draft sources (SGLang's names): n-grams, a draft model.
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 @dataclass
@@ -31,11 +33,16 @@ class SchedulerConfig(EngineConfig):
     # request fails; None or <= 0: no limit (the offline LLM's default; the server's is 10).
     grammar_compile_timeout_s: float | None = None
     # Speculative decoding (scheduler/speculative.py), SGLang's flags: "NGRAM" drafts from the
-    # request's own tokens and recent requests' (None: off); the most positions a request
-    # verifies per step, its last token included; the n-gram lengths matched (longest first),
-    # the tokens the shared cache keeps after each n-gram, and its size in n-grams.
+    # request's own tokens and recent requests', "STANDALONE" from a small model of the same
+    # vocabulary (None: off); the most positions a request verifies per step, its last token
+    # included (None: 8, or speculative_num_steps + 1); the draft model's folder or .gguf, and
+    # its steps (draft tokens) per verify step (None: speculative_num_draft_tokens - 1); the
+    # n-gram lengths matched (longest first), the tokens the shared cache keeps after each
+    # n-gram, and its size in n-grams.
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 8
+    speculative_num_draft_tokens: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 6
     speculative_ngram_branch_length: int = 12
@@ -77,16 +84,38 @@ class SchedulerConfig(EngineConfig):
                 raise ValueError(f"kv_cache_dir is not supported with tp_size > 1 ({self.tp_size})")
 
     def _check_speculative(self) -> None:
-        from .speculative import ALGORITHMS
-
         algorithm = self.speculative_algorithm
-        if algorithm is not None and algorithm.upper() not in ALGORITHMS:
+        if algorithm is not None and algorithm.upper() not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
-                f"unknown speculative_algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}"
+                f"unknown speculative_algorithm {algorithm!r}; choose one of "
+                f"{list(SPECULATIVE_ALGORITHMS)}"
             )
-        self.speculative_algorithm = None if algorithm is None else algorithm.upper()
+        self.speculative_algorithm = algorithm = None if algorithm is None else algorithm.upper()
+        draft = self.speculative_draft_model_path
+        if algorithm == "STANDALONE" and draft is None:
+            raise ValueError(
+                "speculative_algorithm STANDALONE needs speculative_draft_model_path (the draft "
+                "model's folder or .gguf)"
+            )
+        if algorithm != "STANDALONE" and draft is not None:
+            raise ValueError(
+                f"speculative_draft_model_path={str(draft)!r} is used by speculative_algorithm "
+                f"STANDALONE only, got speculative_algorithm={algorithm!r}"
+            )
+        self.speculative_draft_model_path = None if draft is None else str(draft)
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if tokens is not None and tokens < 2:
+            raise ValueError(f"invalid speculative_num_draft_tokens={tokens!r}: at least 2")
+        if steps is not None and steps < 1:
+            raise ValueError(f"invalid speculative_num_steps={steps!r}: at least 1")
+        tokens = self.speculative_num_draft_tokens = tokens or (8 if steps is None else steps + 1)
+        steps = self.speculative_num_steps = steps or tokens - 1
+        if steps > tokens - 1:
+            raise ValueError(
+                f"invalid speculative_num_steps={steps}: more draft tokens than "
+                f"speculative_num_draft_tokens={tokens} verifies (its last token included)"
+            )
         checks = [
-            ("speculative_num_draft_tokens", self.speculative_num_draft_tokens >= 2),
             (
                 "speculative_ngram_min_match_window_size",
                 self.speculative_ngram_min_match_window_size >= 1,

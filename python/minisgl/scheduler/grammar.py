@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import Req, RequestError, StructuredOutput
+from minisgl.core import GrammarState, Req, RequestError, StructuredOutput
 from minisgl.utils import init_logger
 from minisgl.utils.faults import stall as stall_fault
 
@@ -303,9 +303,13 @@ class GrammarQueue:
             "(try again later)"
         )
 
-    def bitmask(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def bitmask(
+        self, reqs: list[Req], prefixes: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of reqs with a grammar, int32 bitmask [rows, ceil(vocab / 32)] of the tokens
-        each may take next), or None when no request of the batch is constrained."""
+        each may take next), or None when no request of the batch is constrained. prefixes[i]:
+        tokens row i follows beyond its request's (a verify step's drafts before its position,
+        which `allowed_prefix` checked), its mask the grammar's after them."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
@@ -313,8 +317,32 @@ class GrammarQueue:
         for j, i in enumerate(rows):
             grammar = reqs[i].grammar
             assert grammar is not None
-            grammar.fill_next_token_bitmask(bitmask, j)
+            # (A prefix the grammar refuses part of cannot happen; were it to, the rows past the
+            # refusal could not be reached: their draft differs from any token the mask allows.
+            # Nor can a row after its stop token, where the request ends: its mask stays full.)
+            taken = 0
+            for token in prefixes[i] if prefixes is not None else []:
+                if grammar.is_terminated() or not grammar.accept_token(token):
+                    break
+                taken += 1
+            if not grammar.is_terminated():
+                grammar.fill_next_token_bitmask(bitmask, j)
+            if taken:
+                grammar.rollback(taken)
         return torch.tensor(rows, dtype=torch.int64), bitmask
 
     def close(self) -> None:
         self._pool.close()
+
+
+def allowed_prefix(grammar: GrammarState, draft: list[int]) -> int:
+    """How many of `draft`'s tokens, in order, the grammar takes (it is left as it was): a
+    constrained request verifies only drafts its output could hold."""
+    taken = 0
+    for token in draft:
+        if grammar.is_terminated() or not grammar.accept_token(token):
+            break
+        taken += 1
+    if taken:
+        grammar.rollback(taken)
+    return taken

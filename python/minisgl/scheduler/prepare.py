@@ -63,11 +63,13 @@ def prepare_forward_input(
     grammars: GrammarQueue | None = None,
     plan: LogprobPlan | None = None,
     sampled: list[Req] | None = None,
+    prefixes: list[list[int]] | None = None,
 ) -> ForwardInput:
     """Positions, KV slots, logits rows, attention metadata and sampling args of a batch
     (`eos_ids`: the tokens min_tokens keeps from being drawn; `grammars`: the constrained
     requests' token masks; `plan`: the rows that get log-probabilities; `sampled`: one request
-    per logits row, by default every request that produces a token, see verify_rows)."""
+    per logits row, by default every request that produces a token, see verify_rows;
+    `prefixes`: per row, the drafts its grammar mask follows, see verify_prefixes)."""
     reqs, device = batch.reqs, engine.device
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
     if batch.is_decode and batch.drafts is None:
@@ -96,7 +98,7 @@ def prepare_forward_input(
     plan = plan if plan is not None else logprob_plan(batch, sampled)
     sample_args = engine.sampler.prepare(sampled, eos_ids)
     if grammars is not None:
-        sample_args.allowed = grammars.bitmask(sampled)
+        sample_args.allowed = grammars.bitmask(sampled, prefixes)
     prompt_rows = plan.prompt_rows(reqs, device)
     tp_message = None
     if engine.tp.sharded:  # described now: with overlap the requests move on before it runs

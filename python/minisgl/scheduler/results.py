@@ -140,8 +140,8 @@ class ResultsMixin:
             self.running.remove(req)
 
     def _release(self, req: Req) -> None:
-        if self.speculator is not None and req.finish_reason is not None:
-            self.speculator.learn(req)  # (not a retraction: the request comes back)
+        if self.speculator is not None:
+            self.speculator.release(req)
         if req.finish_reason == "error":  # what it computed last may be what went wrong
             self.cache_manager.release_uncached(req)
         else:

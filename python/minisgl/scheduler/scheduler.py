@@ -20,6 +20,7 @@ from minisgl.utils import init_logger
 from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
+from .draft_model import DraftModelPlan
 from .grammar import GrammarQueue
 from .logprobs import logprob_plan
 from .output import InFlight, SchedulerStats, TokenOutput
@@ -27,7 +28,7 @@ from .policy import SCHEDULE_POLICIES
 from .preemption import PreemptionMixin
 from .prepare import prepare_forward_input, validate_request
 from .results import ResultsMixin
-from .speculative import Speculator, verify_rows
+from .speculative import Speculator, verify_prefixes, verify_rows
 from .table import TableManager
 from .tier import open_disk_tier
 
@@ -47,7 +48,10 @@ class Scheduler(PreemptionMixin, ResultsMixin):
     ) -> None:
         """tokenizer: the model's (HF); without it structured output is refused."""
         self.config = config
-        self.engine = Engine(config)
+        # A draft model (STANDALONE) is checked first and its KV paid from the target's budget.
+        draft = DraftModelPlan.from_config(config) if config.speculative_draft_model_path else None
+        extra_kv = 0 if draft is None else draft.kv_bytes_per_slot
+        self.engine = Engine(config, extra_kv_bytes_per_slot=extra_kv)
         # Rank 0 of a tensor-parallel engine: the other ranks replay its steps on their shards.
         self.tp_workers = TPWorkers.start(config, self.engine) if config.tp_size > 1 else None
         self.device = self.engine.device
@@ -78,13 +82,9 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         self._tokenizer = tokenizer
         self.speculator: Speculator | None = None
         if config.speculative_algorithm is not None:
-            self.speculator = Speculator(
-                config.speculative_num_draft_tokens,
-                config.speculative_ngram_min_match_window_size,
-                config.speculative_ngram_max_match_window_size,
-                config.speculative_ngram_branch_length,
-                config.speculative_ngram_capacity,
-            )
+            assert config.max_prefill_length is not None
+            drafter = None if draft is None else draft.build(self.engine, config.max_prefill_length)
+            self.speculator = Speculator.from_config(config, drafter)
 
     @property
     def overlap(self) -> bool:
@@ -179,6 +179,8 @@ class Scheduler(PreemptionMixin, ResultsMixin):
                 self._fail(head, "the request could not be scheduled (internal error)")
             else:
                 self.cache_manager.check_integrity()
+                if self.speculator is not None:
+                    self.speculator.check_integrity()
         outputs, self._outbox = self._outbox, []
         return outputs
 
@@ -205,10 +207,12 @@ class Scheduler(PreemptionMixin, ResultsMixin):
     def _launch(self, batch: Batch) -> InFlight:
         sampled = [r for r in batch.reqs if not r.is_chunked]
         # A verify step samples every query position (before the step moves cached_len).
-        rows = sampled if batch.drafts is None else verify_rows(sampled, batch.drafts)
+        rows, prefixes = sampled, None
+        if batch.drafts is not None:
+            rows, prefixes = verify_rows(sampled, batch.drafts), verify_prefixes(batch.drafts)
         plan = logprob_plan(batch, rows)
         forward_input = prepare_forward_input(
-            batch, self.engine, self.eos_ids, self.grammars, plan, rows
+            batch, self.engine, self.eos_ids, self.grammars, plan, rows, prefixes
         )
         result: ForwardOutput | Future[ForwardOutput]
         if self.overlap and self.device.type == "cpu":
@@ -384,6 +388,8 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             self._executor.shutdown(wait=True)
             self._executor = None
         self.cache_manager.close()  # the tree's KV to the disk tier, if there is one
+        if self.speculator is not None:
+            self.speculator.close()
         if self.tp_workers is not None:
             self.tp_workers.shutdown(self.engine)
             self.tp_workers = None

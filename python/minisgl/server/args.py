@@ -61,7 +61,9 @@ class ServerArgs:
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS
     grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 8
+    speculative_num_draft_tokens: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 6
     speculative_ngram_branch_length: int = 12

@@ -82,6 +82,8 @@ def server_info(args: ServerArgs, config: Any, info: dict[str, Any]) -> dict[str
         dtype=str(config.dtype).removeprefix("torch."),
         device=str(config.device),
         api_key_required=args.api_key is not None,
+        speculative_num_draft_tokens=config.speculative_num_draft_tokens,
+        speculative_num_steps=config.speculative_num_steps,
         **info,
     )
     # SGLang's name for the KV pool's size in tokens.

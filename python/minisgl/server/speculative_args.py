@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from minisgl.scheduler.speculative import ALGORITHMS
+from minisgl.scheduler.config import SPECULATIVE_ALGORITHMS
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,18 +13,37 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-algorithm",
         default=None,
         type=str.upper,
-        choices=list(ALGORITHMS),
+        choices=list(SPECULATIVE_ALGORITHMS),
         help="NGRAM: draft tokens from what followed the same recent tokens in the request's "
-        "own prompt and output and in recent requests, verified several per step (off by "
-        "default; lossless: the output is what decoding without it gives)",
+        "own prompt and output and in recent requests; STANDALONE: from a small draft model of "
+        "the same vocabulary (--speculative-draft-model-path), a draft-model step per draft "
+        "token. Drafts are verified several per step (off by default; lossless: the output is "
+        "what decoding without it gives)",
+    )
+    group.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        metavar="PATH",
+        help="STANDALONE's draft model: an HF folder, .gguf file or hub id with the target's "
+        "vocabulary, run beside the target (rank 0 only under --tp) with a KV pool of as many "
+        "pages as the target's, paid from the same KV budget",
+    )
+    group.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="STANDALONE: the most draft-model steps (draft tokens) per request and verify step "
+        "(default: --speculative-num-draft-tokens - 1)",
     )
     group.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
-        default=8,
+        default=None,
         metavar="N",
         help="the most positions a request verifies in one step, its last token included "
-        "(default 8); fewer are drafted where the measured cost says they do not pay",
+        "(default 8, or --speculative-num-steps + 1); fewer are drafted where the measured cost "
+        "says they do not pay",
     )
     group.add_argument(
         "--speculative-ngram-min-match-window-size",

@@ -1,0 +1,330 @@
+"""Drafting with a small model of the target's vocabulary (SGLang's STANDALONE speculative
+algorithm): a second Engine in the scheduler's process decodes each request's next tokens
+greedily, all of a step's requests batched; the target verifies them as it does n-gram drafts.
+
+The draft keeps a KV pool and page table of its own, a request on its target row: KV for
+positions [0, kv_len) of the request's tokens, no prefix cache. A step first catches every
+drafting request's draft KV up to its last token (one extend forward, whose logits give the first
+draft), then runs one decode forward per further draft. The drafts fed back are checked at the
+next step: the draft's KV at a position stays only where the token fed there was kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.engine import Engine, EngineConfig
+from minisgl.kvcache import MHAKVCache, create_prefix_cache
+from minisgl.layers.quantized import LOAD_QUANTIZATIONS
+from minisgl.models import load_model_config
+from minisgl.utils import div_ceil
+from minisgl.utils.hf import gguf_source, resolve_model_path
+
+from .cache import CacheManager
+from .config import SchedulerConfig
+from .prepare import prepare_forward_input
+
+# Drafts are the draft model's argmax: the target keeps a draft only where it equals the token
+# it samples there, which is exact for sampled requests too (a point-mass proposal).
+ARGMAX = SamplingParams(temperature=0.0, max_tokens=None)
+# The files a tokenizer is read from; identical ones spare loading both tokenizers.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def check_same_vocabulary(target_dir: Path, draft_dir: Path, target_vocab: int, vocab: int) -> None:
+    """ValueError naming speculative_draft_model_path where the draft's token ids would not mean
+    the target's: where both folders hold a tokenizer, another vocabulary or EOS token; another
+    vocab_size, unless both tokenizers are the same and both sizes hold all its tokens (a
+    family's models padded differently: Qwen2.5-0.5B's 151,936 rows against 7B's 152,064)."""
+    where = f"speculative_draft_model_path={str(draft_dir)!r}"
+    differs = (
+        f"{where}: the draft model's vocab_size {vocab} differs from the target's "
+        f"{target_vocab}; a draft model must share the target's vocabulary"
+    )
+    if not all(any((d / f).exists() for f in TOKENIZER_FILES[:3]) for d in (target_dir, draft_dir)):
+        if vocab != target_vocab:
+            raise ValueError(differs)
+        return
+    names = [f for f in TOKENIZER_FILES if (target_dir / f).exists() or (draft_dir / f).exists()]
+    same_files = all(
+        (target_dir / f).exists()
+        and (draft_dir / f).exists()
+        and (target_dir / f).read_bytes() == (draft_dir / f).read_bytes()
+        for f in names
+    )
+    if same_files and vocab == target_vocab:
+        return
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(str(target_dir))
+    theirs = ours if same_files else AutoTokenizer.from_pretrained(str(draft_dir))
+    if (len(ours), ours.eos_token_id) != (len(theirs), theirs.eos_token_id) or (
+        ours.get_vocab() != theirs.get_vocab()
+    ):
+        raise ValueError(
+            f"{where}: the draft's tokenizer differs from the target's ({len(theirs)} tokens, "
+            f"EOS id {theirs.eos_token_id}, against {len(ours)} and {ours.eos_token_id}, or "
+            "other token strings)"
+        )
+    if min(vocab, target_vocab) < len(ours):
+        raise ValueError(f"{differs} and does not hold all {len(ours)} of its tokenizer's tokens")
+
+
+@dataclass
+class DraftModelPlan:
+    """The draft engine's settings, checked against the target's, and its KV bytes per token
+    slot (which the target's KV budget pays: the draft gets as many pages as the target)."""
+
+    engine_config: EngineConfig
+    kv_bytes_per_slot: int
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> DraftModelPlan:
+        source = config.speculative_draft_model_path
+        assert source is not None
+        path = resolve_model_path(source)
+        gguf = gguf_source(source)
+        draft, target = load_model_config(path), load_model_config(config.model_path)
+        check_same_vocabulary(Path(config.model_path), path, target.vocab_size, draft.vocab_size)
+        # Quantized at load like the target; a checkpoint's own format (GGUF) as it comes.
+        quantization = config.quantization
+        if quantization not in (*LOAD_QUANTIZATIONS, "none"):
+            quantization = None
+        engine_config = EngineConfig(
+            model_path=str(path),
+            dtype=config.dtype,
+            device=config.device,
+            page_size=config.page_size,
+            max_running_req=config.max_running_req,
+            attention_backend=config.attention_backend,
+            quantization=quantization,
+            gguf_path=None if gguf is None else str(gguf),
+        )
+        kv_bytes = MHAKVCache.bytes_per_slot(
+            draft.num_layers, draft.num_kv_heads, draft.head_dim, config.dtype
+        )
+        return cls(engine_config, kv_bytes)
+
+    def build(self, target: Engine, max_catch_up: int) -> DraftModelProposer:
+        """The draft engine beside `target` (rank 0's under tensor parallelism): as many pages
+        and rows as the target's, its context length, and its CPU threads."""
+        config = dataclasses.replace(
+            self.engine_config,
+            device=target.device,
+            num_page_override=target.num_pages,
+            max_seq_len_override=target.max_seq_len,
+        )
+        engine = Engine(config, cpu_threads=target.cpu_threads)
+        set_global_ctx(target.ctx)  # the target's between steps, as without a draft
+        return DraftModelProposer(engine, target.ctx, max_catch_up, target.model_config.vocab_size)
+
+
+@dataclass
+class DraftSeq:
+    """One request's draft KV: its row, the positions with KV slots [0, slots_len) and with KV
+    computed [0, kv_len), whose last len(fed) were fed draft tokens (valid where kept)."""
+
+    row: int
+    slots_len: int = 0
+    kv_len: int = 0
+    fed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Planned:
+    """A request's part in one proposal: the tokens its catch-up computes, its drafts (0: the
+    catch-up stops short of its last token) and the positions that then need KV slots."""
+
+    index: int
+    req: Req
+    seq: DraftSeq
+    take: int
+    steps: int
+    slots_len: int
+
+
+class DraftModelProposer:
+    """Greedy drafts of a draft model for a step's decode requests, batched: one catch-up
+    forward, then a decode forward per further draft token."""
+
+    def __init__(
+        self, engine: Engine, target_ctx: Context, max_catch_up: int, target_vocab: int
+    ) -> None:
+        """max_catch_up: the most tokens one catch-up forward computes (the prefill budget);
+        target_vocab: the target's vocab_size (the draft's may be padded to another)."""
+        self.engine = engine
+        self.vocab = engine.model_config.vocab_size
+        self.target_vocab = target_vocab
+        self.pool = CacheManager(
+            engine.num_pages,
+            engine.page_size,
+            engine.page_table,
+            create_prefix_cache("naive", engine.device),
+        )
+        self.max_catch_up = max_catch_up
+        self._target_ctx = target_ctx
+        self._no_prefix = self.pool.prefix_cache.match_prefix(torch.empty(0)).cuda_handle
+        self._seqs: dict[Req, DraftSeq] = {}
+        self.caught_up = 0  # tokens the last proposal's catch-up computed
+
+    def propose(self, reqs: list[Req], counts: list[int]) -> list[list[int]]:
+        """Up to counts[i] drafts for reqs[i], each caught up to its last token (device_len =
+        len(input_ids) - 1); fewer where the draft's context ends, none where its pool is
+        short or its catch-up needs more than this step's budget."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        plans = self._plan(reqs, counts)
+        self.caught_up = sum(p.take for p in plans)
+        if not plans:
+            return drafts
+        self.pool.allocate(
+            [self._shadow(p.req, p.seq.row, 0, p.seq.slots_len) for p in plans],
+            [p.slots_len for p in plans],
+        )
+        for p in plans:
+            p.seq.slots_len = p.slots_len
+        try:
+            self._catch_up(plans)
+            for step in range(1, max(p.steps for p in plans)):
+                active = [p for p in plans if p.steps > step]
+                shadows = [
+                    self._shadow(p.req, p.seq.row, len(p.req.input_ids) + step - 1) for p in active
+                ]
+                self._forward(Batch(shadows, "decode"))
+        finally:
+            set_global_ctx(self._target_ctx)
+        for p, tokens in self._read_drafts(plans):
+            # A draft past the target's rows (the draft's padding) ends the draft.
+            drafts[p.index] = next(
+                (tokens[:i] for i, t in enumerate(tokens) if t >= self.target_vocab), tokens
+            )
+            p.seq.kv_len = len(p.req.input_ids) + p.steps - 1
+            p.seq.fed = tokens[:-1]
+        return drafts
+
+    def release(self, req: Req) -> None:
+        """`req` finished, aborted or was retracted: its draft pages go back (a retracted
+        request catches up again)."""
+        seq = self._seqs.pop(req, None)
+        if seq is None:
+            return
+        shadow = self._shadow(req, seq.row, 0, seq.slots_len)
+        shadow.cache_handle = self._no_prefix
+        self.pool.release_uncached(shadow)
+
+    def check_integrity(self) -> None:
+        """With no request running: every draft page free."""
+        assert not self._seqs, f"draft KV of {len(self._seqs)} released requests kept"
+        self.pool.check_integrity()
+
+    def close(self) -> None:
+        """Let go of the draft engine's memory; unusable afterwards."""
+        del self.engine
+
+    def _sync(self, req: Req) -> DraftSeq:
+        """The request's draft KV, cut to the positions whose fed token was kept; its last token
+        is always computed again, for the logits of the first draft."""
+        seq = self._seqs.get(req)
+        if seq is None:
+            seq = self._seqs[req] = DraftSeq(req.table_idx)
+        assert seq.row == req.table_idx, f"{req} moved rows without releasing its draft KV"
+        if seq.fed:
+            start = seq.kv_len - len(seq.fed)
+            kept = req.input_ids[start : start + len(seq.fed)].tolist()
+            same = 0
+            while same < len(kept) and kept[same] == seq.fed[same]:
+                same += 1
+            seq.kv_len, seq.fed = start + same, []
+        seq.kv_len = min(seq.kv_len, len(req.input_ids) - 1)
+        return seq
+
+    def _plan(self, reqs: list[Req], counts: list[int]) -> list[_Planned]:
+        """Who drafts how much: the catch-up within its token budget, pages from the free ones
+        (a request they do not fit skips this step)."""
+        plans: list[_Planned] = []
+        budget, free, page = self.max_catch_up, self.pool.num_free_pages, self.engine.page_size
+        for i, (req, count) in enumerate(zip(reqs, counts)):
+            length = len(req.input_ids)
+            # The last draft's token is written at length + count - 1, inside the draft's row.
+            count = min(count, self.engine.max_model_len - length)
+            if count <= 0 or budget <= 0:
+                continue
+            seq = self._sync(req)
+            take = min(length - seq.kv_len, budget)
+            if self.vocab < self.target_vocab and take > 0:
+                # A token the draft has no row for (the target's padding): no drafts then.
+                if int(req.input_ids[seq.kv_len : seq.kv_len + take].max()) >= self.vocab:
+                    continue
+            steps = count if seq.kv_len + take == length else 0
+            end = max(seq.slots_len, length + steps - 1 if steps else seq.kv_len + take)
+            grow = div_ceil(end, page) - div_ceil(seq.slots_len, page)
+            if grow > free:
+                continue
+            free, budget = free - grow, budget - take
+            plans.append(_Planned(i, req, seq, take, steps, end))
+        return plans
+
+    def _catch_up(self, plans: list[_Planned]) -> None:
+        """One extend forward over each request's tokens not yet in its draft KV; a request
+        caught up to its last token samples its first draft."""
+        device = self.engine.device
+        rows = torch.tensor([p.seq.row for p in plans], dtype=torch.int64)
+        takes = torch.tensor([p.take for p in plans], dtype=torch.int64)
+        cols = torch.cat([torch.arange(p.seq.kv_len, p.seq.kv_len + p.take) for p in plans])
+        ids = torch.cat([p.req.input_ids[p.seq.kv_len : p.seq.kv_len + p.take] for p in plans])
+        pool_rows = rows.repeat_interleave(takes).to(device)
+        self.engine.token_pool[pool_rows, cols.to(device)] = ids.to(device, torch.int32)
+        shadows = [
+            self._shadow(p.req, p.seq.row, p.seq.kv_len, p.seq.kv_len + p.take) for p in plans
+        ]
+        self._forward(Batch(shadows, "prefill"))
+        for p in plans:
+            p.seq.kv_len += p.take
+
+    def _read_drafts(self, plans: list[_Planned]) -> list[tuple[_Planned, list[int]]]:
+        """Each drafting request's tokens, from the draft's token pool (one copy to the CPU)."""
+        drafting = [p for p in plans if p.steps > 0]
+        if not drafting:
+            return []
+        device = self.engine.device
+        rows = torch.tensor([p.seq.row for p in drafting], dtype=torch.int64)
+        steps = torch.tensor([p.steps for p in drafting], dtype=torch.int64)
+        starts = [len(p.req.input_ids) for p in drafting]
+        cols = torch.cat([torch.arange(s, s + p.steps) for s, p in zip(starts, drafting)])
+        tokens = self.engine.token_pool[rows.repeat_interleave(steps).to(device), cols.to(device)]
+        flat = tokens.tolist()
+        out: list[tuple[_Planned, list[int]]] = []
+        start = 0
+        for p in drafting:
+            out.append((p, flat[start : start + p.steps]))
+            start += p.steps
+        return out
+
+    def _forward(self, batch: Batch) -> None:
+        # The sampled token lands in the draft's token pool, where the next step reads its input.
+        self.engine.forward(prepare_forward_input(batch, self.engine))
+
+    @staticmethod
+    def _shadow(req: Req, row: int, cached_len: int, device_len: int | None = None) -> Req:
+        """The draft side of `req`: its tokens, the draft's row and lengths, argmax sampling."""
+        return Req(
+            req.uid,
+            req.input_ids,
+            ARGMAX,
+            prompt_len=len(req.input_ids),
+            max_device_len=req.max_device_len,
+            table_idx=row,
+            cached_len=cached_len,
+            device_len=cached_len + 1 if device_len is None else device_len,
+        )
