@@ -8,13 +8,15 @@ decode: output tokens / seconds, speculation off and on, in one invocation with 
 engine settings. Acceptance: mean tokens per verify step and the share of drafts kept.
 Figures only: nothing is asserted.
 
-With `--peer llamacpp` (scripts/setup_llamacpp.sh builds it), llama.cpp's prompt lookup decoding
+With `--draft-model PATH` a draft model of the same vocabulary (STANDALONE) runs too, its
+columns beside n-gram's. With `--peer llamacpp` (scripts/setup_llamacpp.sh builds it), llama.cpp's prompt lookup decoding
 (`llama-lookup`, one sequence) generates from the same GGUF file and the same chat-templated
 prompt of each kind, without drafts and with as many as ours, for a second table (batch 1).
 
     python benchmark/speculative.py                       # default model, batch 1, 4, 16
     python benchmark/speculative.py --batch-sizes 1 --kinds edit,chat --max-tokens 64
     python benchmark/speculative.py --batch-sizes 1 --peer llamacpp
+    python benchmark/speculative.py --model qwen3-0.6b-random --draft-model DRAFT_DIR
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--peer", choices=["llamacpp"], default=None)
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft model of the model's vocabulary: STANDALONE's columns beside NGRAM's",
+    )
     args = parser.parse_args()
     set_threads(args.threads)
     # The default model as LLM() serves it (its GGUF, quantized, where one is prepared).
@@ -133,40 +140,62 @@ def main() -> None:
         speculative_num_draft_tokens=args.num_draft_tokens,
         **common,
     )
-    for llm in (plain, spec):  # warm-up: kernels, buffers, the cost model's first steps
+    drafting = None
+    if args.draft_model:
+        drafting = LLM(
+            model,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(resolve_bench_model(args.draft_model)),
+            speculative_num_draft_tokens=args.num_draft_tokens,
+            **common,
+        )
+    engines = [plain, spec] + ([drafting] if drafting is not None else [])
+    for llm in engines:  # warm-up: kernels, buffers, the cost model's first steps
         llm.generate(prompts(llm, "chat", 2), SamplingParams(max_tokens=16), use_tqdm=False)
     label = model_label(plain.model_path) + (" (GGUF)" if plain.config.gguf_path else "")
     print(
         f"# speculative decoding: {label}, {plain.config.quantization or args.dtype}, greedy, "
         f"{args.max_tokens} new tokens; {machine_note()}"
     )
-    print(
+    header = (
         "| kind | batch | off tok/s | ngram tok/s | ratio | tokens/verify | drafts kept | equal |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    if drafting is not None:
+        header += " draft model tok/s | ratio | tokens/verify | drafts kept | equal |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
     for kind in kinds:
         for batch in batch_sizes:
             ids = prompts(plain, kind, batch)
             off_rate, off_tokens = decode_run(plain, ids, args.max_tokens)
-            assert spec.speculator is not None
-            before = dict(vars(spec.speculator.stats))
-            on_rate, on_tokens = decode_run(spec, ids, args.max_tokens)
-            after = vars(spec.speculator.stats)
-            steps = after["verify_steps"] - before["verify_steps"]
-            drafted = after["draft_tokens"] - before["draft_tokens"]
-            accepted = after["accepted_tokens"] - before["accepted_tokens"]
-            per_step = f"{1 + accepted / steps:.2f}" if steps else "-"
-            kept = f"{accepted / drafted:.0%}" if drafted else "-"
-            equal = "yes" if on_tokens == off_tokens else "no"
-            print(
-                f"| {kind} | {batch} | {off_rate:.1f} | {on_rate:.1f} | "
-                f"{on_rate / off_rate:.2f}x | {per_step} | {kept} | {equal} |",
-                flush=True,
-            )
+            cells = [kind, str(batch), f"{off_rate:.1f}"]
+            for llm in engines[1:]:
+                cells += speculating_cells(llm, ids, args.max_tokens, off_rate, off_tokens)
+            print("| " + " | ".join(cells) + " |", flush=True)
     if args.peer == "llamacpp":
         llamacpp_table(plain, kinds, args)
-    plain.shutdown()
-    spec.shutdown()
+    for llm in engines:
+        llm.shutdown()
+
+
+def speculating_cells(
+    llm: LLM, ids: list[list[int]], max_tokens: int, off_rate: float, off_tokens: list[list[int]]
+) -> list[str]:
+    """tok/s, ratio to off, tokens per verify step, drafts kept and equality of one run."""
+    assert llm.speculator is not None
+    before = dict(vars(llm.speculator.stats))
+    rate, tokens = decode_run(llm, ids, max_tokens)
+    after = vars(llm.speculator.stats)
+    steps = after["verify_steps"] - before["verify_steps"]
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    return [
+        f"{rate:.1f}",
+        f"{rate / off_rate:.2f}x",
+        f"{1 + accepted / steps:.2f}" if steps else "-",
+        f"{accepted / drafted:.0%}" if drafted else "-",
+        "yes" if tokens == off_tokens else "no",
+    ]
 
 
 def llamacpp_table(llm: LLM, kinds: list[str], args: argparse.Namespace) -> None:
