@@ -193,6 +193,28 @@ def test_quantized_products_in_every_form(kernels, bits):
         assert torch.equal(all_rows, qweight.dequantize()), tiled
 
 
+@pytest.mark.skipif("x86-64-v3" not in RUNNABLE, reason="needs AVX2")
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 576)])
+def test_avx2_int16_rows_are_the_same_bits_whatever_the_batch(bits, group):
+    """The AVX2 form's bf16 rows as int16 (up to AVX2_ROWS_MAX rows): a row's output does not
+    depend on the rows beside it (batch 1's four-weight-rows kernel and the few-rows kernel sum
+    in one order), so a speculative verify step's rows give what decoding one by one gives.
+    43 weight rows: batch 1's kernel leaves a tail of 3; 576 columns: 18 groups of 32, the
+    offsets' sums end in a partial vector."""
+    kernels = variant("x86-64-v3")
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(43, 576, generator=gen)
+    qweight = quantize_int4(weight, group) if bits == 4 else quantize_int8(weight, group)
+    # float32 outputs: every bit of the sums shows (bf16 outputs would hide most differences)
+    projection = QuantizedProjection(qweight, kernels, float_out=True)
+    x = torch.randn(8, 576, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([projection(x[i : i + 1], torch.empty(0), None) for i in range(8)])
+    for rows in (2, 3, 5, 8):
+        together = projection(x[:rows], torch.empty(0), None)
+        assert torch.equal(together, alone[:rows]), (rows, (together - alone[:rows]).abs().max())
+    assert kernels.quantized_path(projection.params, 8, 576, torch.bfloat16) == "avx2-int16"
+
+
 # ----------------------------------------------------------------------- elementwise kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [40, 576, 8200])  # scalar tail, a model row, past 8192

@@ -255,6 +255,12 @@ static inline FORM_INLINE void row_sums_int8_i16(
     }
 }
 
+// Lane j: the sum of v[j]'s lanes.
+static inline __m128 hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
 // 4 bits against int16 x (M rows, a constant where inlined): a 64-column block's 32 bytes as
 // two vectors of 16 bytes widened to 16 bits (low nibbles: columns 0..15 and 16..31, high:
 // 32..47 and 48..63), two vpmaddwd a half and row, each half scaled by its group's scale times
@@ -292,8 +298,12 @@ static inline FORM_INLINE void row_sums_int4_i16(
         }
         next_block_group(group, &g_lo, &blocks_left);
     }
+    // The lanes summed as batch1_sums sums them, then the offsets: a row's output is the same
+    // bits alone (batch 1) or among others (a verify step's rows, a decode batch). (Folding the
+    // offsets into the lanes, as batch 1 had, slowed this loop 1.6x at four rows on Zen 2.)
     for (int r = 0; r < M; r++) {
-        sums[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+        const __m256 total = _mm256_add_ps(acc[r][0], acc[r][1]);
+        sums[r] = _mm_cvtss_f32(hsum4x8(total, total, total, total));
         if (mins) sums[r] += dot_floats(mins, xsums + r * groups, groups);
     }
 }
@@ -301,40 +311,18 @@ static inline FORM_INLINE void row_sums_int4_i16(
 // Batch 1 (one int16 x row), 4 bits: BATCH1_ROWS weight rows n.. at a time, each x block loaded
 // once for all of them, their chains overlapping; a row of K 576 had spent 40% of its time
 // outside its blocks, which the rows now share: their scales converted in one pass (row j's at
-// scales + j * groups), the offsets' dot products folded into the accumulators and one
-// horizontal sum for the four.
+// scales + j * groups) and one horizontal sum for the four.
 #define BATCH1_ROWS 4
 
-// Lane j: the sum of v[j]'s lanes.
-static inline __m128 hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
-    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-}
-
-// acc + a[0..count) * b[0..count) lane by lane (the offsets' part of a row's sum, summed with
-// the rest at the end).
-static inline __m256 fold_dot(__m256 acc, const float* a, const float* b, int64_t count) {
-    static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t g = 0;
-    for (; g + 8 <= count; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
-    if (g < count) {
-        const __m256i mask = _mm256_loadu_si256((const __m256i*)(lanes + 8 - (count - g)));
-        acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + g, mask), _mm256_maskload_ps(b + g, mask),
-                              acc);
-    }
-    return acc;
-}
-
-// The rows' sums from their accumulators (two a row) plus their offsets' dot products.
+// The rows' sums from their accumulators (two a row) plus their offsets' dot products, each
+// row's in the order row_sums_int4_i16 sums a row (the same bits at every batch size).
 static inline void batch1_sums(__m256 acc[BATCH1_ROWS][2], const float* mins, const float* xsums,
                                int64_t groups, float sums[BATCH1_ROWS]) {
     __m256 total[BATCH1_ROWS];
-    for (int j = 0; j < BATCH1_ROWS; j++) {
-        total[j] = _mm256_add_ps(acc[j][0], acc[j][1]);
-        if (mins) total[j] = fold_dot(total[j], mins + j * groups, xsums, groups);
-    }
+    for (int j = 0; j < BATCH1_ROWS; j++) total[j] = _mm256_add_ps(acc[j][0], acc[j][1]);
     _mm_storeu_ps(sums, hsum4x8(total[0], total[1], total[2], total[3]));
+    for (int j = 0; j < (mins ? BATCH1_ROWS : 0); j++)
+        sums[j] += dot_floats(mins + j * groups, xsums, groups);
 }
 
 static void batch1_int4_i16(const int16_t* x16, const float* xscale, const float* xsums,
