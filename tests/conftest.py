@@ -71,7 +71,7 @@ def tiny_qwen3_server(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
     args = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len", "256"]
-    args += ["--max-prefill-length", "16"]
+    args += ["--max-prefill-length", "16", "--reasoning-parser", "qwen3"]
     yield from _shared(lambda: spawn_server(tiny_model("qwen3"), args, log))
 
 

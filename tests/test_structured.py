@@ -95,6 +95,45 @@ def test_openai_and_vllm_fields_over_http(client, model) -> None:
         assert isinstance(json.loads(choice.text), dict)
 
 
+def test_reasoning_parser_splits_thinking_from_content(client, model) -> None:
+    """--reasoning-parser qwen3 (the shared server's): an output opening with <think> (here held
+    to it by a regex) comes back as reasoning_content and content, streamed as their own
+    deltas; separate_reasoning false keeps it whole; a thinking-free output is content alone."""
+    think = r"<think>\n[a-z]{3,8}( [a-z]{3,8}){0,3}\n</think>\n\n[A-Z][a-z]{2,8}"
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        max_tokens=48,
+        temperature=0.0,
+    )
+    message = client.chat.completions.create(**kw, extra_body={"guided_regex": think})
+    reasoning = message.choices[0].message.model_extra["reasoning_content"]
+    content = message.choices[0].message.content
+    assert re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){0,3}\n", reasoning), reasoning
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}", content), content
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(
+        **kw, stream=True, extra_body={"guided_regex": think}
+    ):
+        for choice in chunk.choices:
+            streamed["content"] += choice.delta.content or ""
+            streamed["reasoning_content"] += (choice.delta.model_extra or {}).get(
+                "reasoning_content"
+            ) or ""
+    assert streamed == {"reasoning_content": reasoning, "content": content}
+    whole = (
+        client.chat.completions.create(
+            **kw, extra_body={"guided_regex": think, "separate_reasoning": False}
+        )
+        .choices[0]
+        .message
+    )
+    assert whole.content == f"<think>\n{reasoning}</think>\n\n{content}"
+    plain = client.chat.completions.create(**kw, extra_body={"guided_regex": "[A-Z][a-z]{2,8}"})
+    assert plain.choices[0].message.model_extra["reasoning_content"] is None
+    assert re.fullmatch("[A-Z][a-z]{2,8}", plain.choices[0].message.content)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

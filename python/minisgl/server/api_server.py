@@ -25,6 +25,7 @@ from .generation import collect_outputs, start_group
 from .logprobs import ChoiceLogprobs
 from .native_api import register_native_routes
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from .responses import APIError, ResponseFormatter, new_id, now, total_usage, usage
 from .sampling import sample_seed
 from .state import OPEN_PATHS, ServerState
@@ -155,7 +156,11 @@ def create_app(state: ServerState) -> FastAPI:
         prompt = {"messages": messages, **req.template_fields(), "tools": template_tools(tools)}
         logprobs = ChoiceLogprobs(True, req.n, False, False) if req.logprobs else None
         calls = ToolCalls(tools, state.tool_parser) if tools.active else None
-        return await serve(request, req, endpoint, [prompt], sp, names, logprobs, None, calls)
+        parser = state.reasoning_parser if req.separate_reasoning else None
+        thinking = None if parser is None else REASONING_PARSERS[parser]
+        return await serve(
+            request, req, endpoint, [prompt], sp, names, logprobs, None, calls, thinking
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -189,10 +194,12 @@ def create_app(state: ServerState) -> FastAPI:
         logprobs: ChoiceLogprobs | None = None,
         echo: list[str | None] | None = None,
         calls: ToolCalls | None = None,
+        thinking: bool | None = None,
     ) -> Response:
         """Run the request's prompts x n; logprobs: where asked, their bodies per choice;
         echo: per prompt its text (None: the detokenizer's decode) put before the output;
-        calls: where tools are on, how the output becomes tool calls."""
+        calls: where tools are on, how the output becomes tool calls; thinking: where a
+        reasoning parser splits the output, whether it starts thinking (reasoning.py)."""
         text_options = {
             "skip_special_tokens": req.skip_special_tokens,
             "spaces_between_special_tokens": req.spaces_between_special_tokens,
@@ -211,11 +218,16 @@ def create_app(state: ServerState) -> FastAPI:
             ]
         if req.stream:
             include_usage, continuous = req.usage_options
+            thoughts = None
+            if thinking is not None:
+                thoughts = [ReasoningStream(thinking) for _ in group.rids]
             return StreamingResponse(
-                stream(group, endpoint, include_usage, continuous, logprobs, prefixes, calls),
+                stream(
+                    group, endpoint, include_usage, continuous, logprobs, prefixes, calls, thoughts
+                ),
                 media_type="text/event-stream",
             )
-        return await collect(request, group, endpoint, logprobs, prefixes, calls)
+        return await collect(request, group, endpoint, logprobs, prefixes, calls, thinking)
 
     async def stream(
         group: RequestGroup,
@@ -225,6 +237,7 @@ def create_app(state: ServerState) -> FastAPI:
         logprobs: ChoiceLogprobs | None,
         prefixes: list[str | None] | None,
         calls: ToolCalls | None,
+        thoughts: list[ReasoningStream] | None = None,
     ) -> AsyncIterator[str]:
         k = len(group.rids)
         completion, cached = [0] * k, [0] * k
@@ -243,10 +256,18 @@ def create_app(state: ServerState) -> FastAPI:
                 if prefixes is not None:  # echo: the prompt's text comes first
                     text, prefixes[i] = (prefixes[i] or "") + text, None
                 body, prompt_body = logprobs.piece(i, out) if logprobs else (None, None)
+                thought = ""
+                if thoughts is not None:  # thinking goes out as reasoning_content
+                    thought, text = thoughts[i].feed(text)
+                    if out.finish_reason is not None:
+                        more_thought, more_text = thoughts[i].finish()
+                        thought, text = thought + more_thought, text + more_text
                 if calls is not None:  # content goes out until a call may be starting
                     text = calls.feed(i, text)
-                if text or body is not None or prompt_body is not None:
-                    yield endpoint.chunk(i, text, None, False, body, prompt_body, so_far(i))
+                if text or thought or body is not None or prompt_body is not None:
+                    yield endpoint.chunk(
+                        i, text, None, False, body, prompt_body, so_far(i), thought or None
+                    )
                 if calls is not None and out.finish_reason is not None:
                     content, found = calls.finish(i)
                     if content:
@@ -279,6 +300,7 @@ def create_app(state: ServerState) -> FastAPI:
         logprobs: ChoiceLogprobs | None,
         prefixes: list[str | None] | None,
         calls: ToolCalls | None,
+        thinking: bool | None = None,
     ) -> Response:
         outputs = await collect_outputs(request, group, logprobs.piece if logprobs else None)
         if outputs is None:
@@ -289,11 +311,15 @@ def create_app(state: ServerState) -> FastAPI:
         finish = [o.finish_reason for o in outputs]
         if prefixes is not None:
             texts = [(prefix or "") + (text or "") for prefix, text in zip(prefixes, texts)]
+        reasoning = None
+        if thinking is not None:
+            split = [split_reasoning(text or "", thinking) for text in texts]
+            reasoning, texts = [r for r, _ in split], [t for _, t in split]
         found = None
         if calls is not None:
             found = []
-            for i, o in enumerate(outputs):
-                calls.texts[i].append(o.text)
+            for i in range(len(outputs)):
+                calls.texts[i].append(texts[i] or "")
                 texts[i], choice_calls = calls.parse(i)
                 found.append(choice_calls)
                 if choice_calls:
@@ -304,6 +330,7 @@ def create_app(state: ServerState) -> FastAPI:
             total_usage(group.prompt_tokens, endpoint.n, completion, cached),
             None if logprobs is None else [logprobs.whole(i) for i in range(len(outputs))],
             found,
+            reasoning,
         )
         return JSONResponse(body)
 

@@ -11,6 +11,7 @@ from minisgl.engine.config import LOGPROBS_MODES
 from minisgl.kvcache import EVICTION_POLICIES
 from minisgl.layers.quantized import QUANTIZATIONS
 
+from .reasoning import REASONING_PARSERS
 from .speculative_args import add_speculative_arguments
 from .tools import TOOL_CALL_PARSERS
 from .validation import MAX_BATCH_PROMPTS
@@ -45,6 +46,7 @@ class ServerArgs:
     overlap_schedule: bool | None = None
     log_level: str = "info"
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
     shell: bool = False
@@ -299,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", *TOOL_CALL_PARSERS],
         help="how tool calls are read from the model's output: hermes (<tool_call> JSON "
         "blocks, Qwen's), llama3_json (bare JSON); auto: from the chat template",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=list(REASONING_PARSERS),
+        help="a reasoning model's thinking (<think>...</think>) as the chat message's "
+        "reasoning_content, apart from its content: qwen3 (where the output opens with "
+        "<think>), qwen3-thinking and deepseek-r1 (their templates open it); default: none",
     )
     p.add_argument(
         "--shell",

@@ -187,6 +187,7 @@ def launch_server(args: ServerArgs) -> int:
             vocab_size=info.get("vocab_size"),
             server_info=server_info(args, config, info),
             tool_parser=tool_parser_for(args.tool_call_parser, path),
+            reasoning_parser=args.reasoning_parser,
             max_batch_prompts=args.max_batch_prompts,
         )
         server = uvicorn.Server(

@@ -248,6 +248,8 @@ class ChatCompletionRequest(ChatTemplateOptions, GenerateRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call where it is forced
+    # SGLang's: false keeps the thinking in the content where a --reasoning-parser is set
+    separate_reasoning: bool = True
 
     def tool_choice_spec(self) -> ToolChoice:
         """The request's tools and tool_choice, checked."""

@@ -92,11 +92,13 @@ class ResponseFormatter:
         logprobs: dict[str, Any] | None = None,
         prompt_logprobs: list[Any] | None = None,
         usage_body: dict[str, Any] | None = None,
+        reasoning: str | None = None,
     ) -> str:
         """One SSE event: a choice's new text (with its tokens' logprobs where asked), its role
         (chat's first event) or its finish; with `usage_body`, the usage so far too (vLLM's
-        continuous_usage_stats)."""
+        continuous_usage_stats); `reasoning`: new thinking, as delta.reasoning_content."""
         plain = logprobs is None and prompt_logprobs is None and usage_body is None
+        plain = plain and not reasoning
         if text and finish is None and not role and plain:
             return (
                 f'{self._text_head}[{{"index": {index}, {self._text_key}'
@@ -106,6 +108,8 @@ class ResponseFormatter:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
@@ -135,13 +139,17 @@ class ResponseFormatter:
         usage_body: dict[str, Any],
         logprobs: list[tuple[dict[str, Any], Any]] | None = None,
         tool_calls: list[list[dict[str, Any]]] | None = None,
+        reasoning: list[str | None] | None = None,
     ) -> dict[str, Any]:
         """The whole completion; logprobs: each choice's (`logprobs`, `prompt_logprobs` or
-        None) where the request asked for them; tool_calls: each chat choice's calls."""
+        None) where the request asked for them; tool_calls: each chat choice's calls;
+        reasoning: each chat choice's thinking (a reasoning parser's reasoning_content)."""
         choices = []
         for i, (text, reason) in enumerate(zip(texts, finish)):
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning[i]
                 if tool_calls is not None and tool_calls[i]:
                     message["tool_calls"] = tool_calls[i]
                 choice: dict[str, Any] = {"index": i, "message": message}

@@ -27,6 +27,7 @@ class ServerState:
     # /get_server_info: the launch arguments and the engine's limits.
     server_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     tool_parser: str = "hermes"  # how tool calls are read from the output (server/tools.py)
+    reasoning_parser: str | None = None  # how thinking is told from content (server/reasoning.py)
     # The most sub-requests (prompts x n) one HTTP request may make (--max-batch-prompts).
     max_batch_prompts: int = MAX_BATCH_PROMPTS
 

@@ -22,11 +22,10 @@ MAX_BATCH_PROMPTS = 1024
 
 
 # SGLang request fields and the value at which this server already behaves as they ask (stop
-# strings trimmed, no hidden states, no reasoning parser to separate or stream).
+# strings trimmed, no hidden states, reasoning streamed as it comes).
 SGLANG_DEFAULTS: dict[str, Any] = {
     "no_stop_trim": False,
     "return_hidden_states": False,
-    "separate_reasoning": True,
     "stream_reasoning": True,
 }
 
