@@ -17,10 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl import __version__
 from minisgl.core import SamplingParams
-from minisgl.message import TokenizeMsg
+from minisgl.message import EncodeMsg, ErrorMsg, TokenizeMsg
 from minisgl.utils import init_logger
 
-from .frontend import RequestGroup
+from .anthropic import ChatJob, anthropic_error, register_anthropic_routes
+from .frontend import RequestGroup, api_error
 from .generation import collect_outputs, start_group
 from .logprobs import ChoiceLogprobs
 from .native_api import register_native_routes
@@ -35,6 +36,18 @@ from .validation import check_batch_size, parse_request
 logger = init_logger(__name__)
 
 
+@dataclasses.dataclass
+class ChatParts:
+    """A checked chat request's prompt (TokenizeMsg fields), sampling parameters, the names its
+    parameters go by in errors, its tool calls' reader and its reasoning split (None: none)."""
+
+    prompt: dict[str, Any]
+    sampling: SamplingParams
+    names: dict[str, str]
+    calls: ToolCalls | None
+    thinking: bool | None
+
+
 class _APIKeyMiddleware:
     """Require `Authorization: Bearer <key>` everywhere but OPEN_PATHS (health, metrics).
 
@@ -45,17 +58,25 @@ class _APIKeyMiddleware:
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()  # Anthropic's x-api-key header
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not (
+                hmac.compare_digest(given, self.expected)
+                or hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+            ):
                 error = APIError(
-                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    "invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                    "'x-api-key: <key>')",
                     status=401,
                     code="invalid_api_key",
                 )
-                await error.response()(scope, receive, send)
+                anthropic = scope["path"].startswith("/v1/messages")
+                response = anthropic_error(error) if anthropic else error.response()
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -74,20 +95,26 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="minisgl", version=__version__, lifespan=lifespan)
     app.state.minisgl = state
 
+    def error_response(request: Request, exc: APIError) -> JSONResponse:
+        """OpenAI's error body, or Anthropic's on its Messages routes."""
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error(exc)
+        return exc.response()
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status != 401:
             state.metrics.errors.labels(str(exc.status)).inc()
-        return exc.response()
+        return error_response(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(str(exc.detail), status=exc.status_code, code=code).response()
+        return error_response(request, APIError(str(exc.detail), exc.status_code, code=code))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return APIError(str(exc), code="invalid_value").response()
+        return error_response(request, APIError(str(exc), code="invalid_value"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -137,9 +164,9 @@ def create_app(state: ServerState) -> FastAPI:
                 code="model_not_found",
             )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+    def chat_parts(req: ChatCompletionRequest) -> ChatParts:
+        """A chat request checked and turned into its prompt, sampling parameters, the names
+        its parameters go by, its tool calls' reader and its reasoning split."""
         check_model(req.model)
         req.check_unsupported()
         check_batch_size(1, req.n, state.max_batch_prompts, "messages")
@@ -150,17 +177,50 @@ def create_app(state: ServerState) -> FastAPI:
             max_tokens, param = req.max_tokens, "max_tokens"
         # None (no limit given): what the context leaves after the prompt.
         sp = req.sampling_params(max_tokens, param, state.max_model_len, state.vocab_size)
-        endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
-        names = {"prompt": "messages", "max_tokens": param}
         tools = req.tool_choice_spec()
         prompt = {"messages": messages, **req.template_fields(), "tools": template_tools(tools)}
-        logprobs = ChoiceLogprobs(True, req.n, False, False) if req.logprobs else None
         calls = ToolCalls(tools, state.tool_parser) if tools.active else None
         parser = state.reasoning_parser if req.separate_reasoning else None
         thinking = None if parser is None else REASONING_PARSERS[parser]
+        names = {"prompt": "messages", "max_tokens": param}
+        return ChatParts(prompt, sp, names, calls, thinking)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        parts = chat_parts(req)
+        endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
+        logprobs = ChoiceLogprobs(True, req.n, False, False) if req.logprobs else None
         return await serve(
-            request, req, endpoint, [prompt], sp, names, logprobs, None, calls, thinking
+            request,
+            req,
+            endpoint,
+            [parts.prompt],
+            parts.sampling,
+            parts.names,
+            logprobs,
+            None,
+            parts.calls,
+            parts.thinking,
         )
+
+    async def start_messages(request: Request, body: dict[str, Any]) -> ChatJob:
+        """An Anthropic Messages request's chat body, started (anthropic.py)."""
+        req = parse_request(ChatCompletionRequest, json.dumps(body).encode())
+        parts = chat_parts(req)
+        msg = TokenizeMsg(state.frontend.new_rid(), parts.sampling, **parts.prompt)
+        group = await start_group(state.frontend, [msg], parts.names)
+        return ChatJob(group, state.model_name, parts.calls, parts.thinking)
+
+    async def count_message_tokens(body: dict[str, Any]) -> int:
+        req = parse_request(ChatCompletionRequest, json.dumps(body).encode())
+        prompt = chat_parts(req).prompt
+        reply = await state.frontend.call(EncodeMsg(state.frontend.new_rid(), **prompt))
+        if isinstance(reply, ErrorMsg):
+            raise api_error(reply, {"prompt": "messages"})
+        return len(reply.tokens)
+
+    register_anthropic_routes(app, start_messages, count_message_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
