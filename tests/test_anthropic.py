@@ -93,11 +93,13 @@ def test_a_message_is_the_chat_request_it_means_whole_and_streamed(url) -> None:
         stop = text[2:4]
         stopped = post(url, "/v1/messages", {**body, "stop_sequences": [stop]}).json()
         assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == stop
-        assert stopped["content"][0]["text"] == text[: text.index(stop)]
+        kept = "".join(b["text"] for b in stopped["content"] if b["type"] == "text")
+        assert kept == text[: text.index(stop)]
 
 
 def test_tools_give_tool_use_blocks_and_take_tool_results(url) -> None:
-    body = {**ASK, "max_tokens": 96, "tools": [WEATHER], "tool_choice": {"type": "any"}}
+    # Room for the call spelled a character (or an escape) a token, as a random model may.
+    body = {**ASK, "max_tokens": 200, "tools": [WEATHER], "tool_choice": {"type": "any"}}
     message = post(url, "/v1/messages", body).json()
     assert message["stop_reason"] == "tool_use", message
     use = [b for b in message["content"] if b["type"] == "tool_use"]
