@@ -320,11 +320,7 @@ class GrammarQueue:
             # (A prefix the grammar refuses part of cannot happen; were it to, the rows past the
             # refusal could not be reached: their draft differs from any token the mask allows.
             # Nor can a row after its stop token, where the request ends: its mask stays full.)
-            taken = 0
-            for token in prefixes[i] if prefixes is not None else []:
-                if grammar.is_terminated() or not grammar.accept_token(token):
-                    break
-                taken += 1
+            taken = _advance(grammar, prefixes[i] if prefixes is not None else [])
             if not grammar.is_terminated():
                 grammar.fill_next_token_bitmask(bitmask, j)
             if taken:
@@ -335,14 +331,20 @@ class GrammarQueue:
         self._pool.close()
 
 
-def allowed_prefix(grammar: GrammarState, draft: list[int]) -> int:
-    """How many of `draft`'s tokens, in order, the grammar takes (it is left as it was): a
-    constrained request verifies only drafts its output could hold."""
+def _advance(grammar: GrammarState, tokens: list[int]) -> int:
+    """Accept `tokens` in order up to the first the grammar refuses (or its end); how many."""
     taken = 0
-    for token in draft:
+    for token in tokens:
         if grammar.is_terminated() or not grammar.accept_token(token):
             break
         taken += 1
+    return taken
+
+
+def allowed_prefix(grammar: GrammarState, draft: list[int]) -> int:
+    """How many of `draft`'s tokens, in order, the grammar takes (it is left as it was): a
+    constrained request verifies only drafts its output could hold."""
+    taken = _advance(grammar, draft)
     if taken:
         grammar.rollback(taken)
     return taken

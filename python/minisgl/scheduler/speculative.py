@@ -177,18 +177,11 @@ class Speculator:
         ]
         if self.drafter is None:
             guesses = [self._ngram_guess(req, limit) for req, limit in zip(reqs, limits)]
-            guesses = [
-                (draft if req.grammar is None else draft[: allowed_prefix(req.grammar, draft)], a)
-                for req, (draft, a) in zip(reqs, guesses)
-            ]
-            drafts = self._worth_it(guesses, len(reqs))
+            drafts = within_grammar(reqs, [draft for draft, _ in guesses])
+            drafts = self._worth_it([(d, a) for d, (_, a) in zip(drafts, guesses)], len(reqs))
         else:
-            drafts = self._model_drafts(reqs, limits)
             # (a constrained request's drafts are cut after the draft model ran: it drafts free)
-            drafts = [
-                draft if req.grammar is None else draft[: allowed_prefix(req.grammar, draft)]
-                for req, draft in zip(reqs, drafts)
-            ]
+            drafts = within_grammar(reqs, self._model_drafts(reqs, limits))
         for req, draft in zip(reqs, drafts):
             if not draft:
                 self.skipped(req)
@@ -329,6 +322,14 @@ def verify_rows(reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
             row.device_len = req.cached_len + 1 + i
             rows.append(row)
     return rows
+
+
+def within_grammar(reqs: list[Req], drafts: list[list[int]]) -> list[list[int]]:
+    """Each constrained request's drafts cut to the run its grammar takes."""
+    return [
+        draft if req.grammar is None else draft[: allowed_prefix(req.grammar, draft)]
+        for req, draft in zip(reqs, drafts)
+    ]
 
 
 def verify_prefixes(drafts: list[list[int]]) -> list[list[int]]:

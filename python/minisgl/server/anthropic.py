@@ -325,10 +325,7 @@ async def _stream(job: ChatJob, message_id: str) -> AsyncIterator[str]:
             completion = out.completion_tokens
             thought, text = "", out.text or ""
             if thoughts is not None:
-                thought, text = thoughts.feed(text)
-                if out.finish_reason is not None:
-                    more_thought, more_text = thoughts.finish()
-                    thought, text = thought + more_thought, text + more_text
+                thought, text = thoughts.piece(text, out.finish_reason is not None)
             if thought:
                 yield events.thinking(thought)
             if job.calls is not None:

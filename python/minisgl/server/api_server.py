@@ -318,10 +318,7 @@ def create_app(state: ServerState) -> FastAPI:
                 body, prompt_body = logprobs.piece(i, out) if logprobs else (None, None)
                 thought = ""
                 if thoughts is not None:  # thinking goes out as reasoning_content
-                    thought, text = thoughts[i].feed(text)
-                    if out.finish_reason is not None:
-                        more_thought, more_text = thoughts[i].finish()
-                        thought, text = thought + more_thought, text + more_text
+                    thought, text = thoughts[i].piece(text, out.finish_reason is not None)
                 if calls is not None:  # content goes out until a call may be starting
                     text = calls.feed(i, text)
                 if text or thought or body is not None or prompt_body is not None:

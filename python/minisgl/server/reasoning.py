@@ -82,6 +82,14 @@ class ReasoningStream:
             break
         return "".join(reasoning), "".join(content)
 
+    def piece(self, text: str, last: bool) -> tuple[str, str]:
+        """`feed`, and with the output's last piece what waited (`finish`) too."""
+        reasoning, content = self.feed(text)
+        if last:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What waited at the end: thinking cut short stays thinking; anything else content."""
         rest, self.pending = self.pending, ""
@@ -92,9 +100,7 @@ def split_reasoning(text: str, starts_thinking: bool) -> tuple[str | None, str |
     """A whole output as (reasoning_content, content): None where the model did not think / said
     nothing after thinking."""
     stream = ReasoningStream(starts_thinking)
-    reasoning, content = stream.feed(text)
-    more_reasoning, more_content = stream.finish()
-    reasoning, content = reasoning + more_reasoning, content + more_content
+    reasoning, content = stream.piece(text, last=True)
     if not stream.thought:
         return None, text
     return reasoning, content or None
