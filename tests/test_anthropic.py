@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import jsonschema
 import pytest
@@ -161,3 +162,54 @@ def test_x_api_key_is_accepted_beside_bearer(smollm2_server) -> None:
     refused = post(server.url, "/v1/messages", body, **{"x-api-key": "wrong"})
     assert refused.status_code == 401
     assert refused.json()["error"]["type"] == "authentication_error"
+
+
+def test_the_official_client_works_unmodified(url) -> None:
+    """Anthropic's own client: create, stream (its event accumulation), count_tokens, a tool
+    round trip, thinking blocks (the output held to a thinking form by a regex) with a tool call
+    after them, and errors as its exception types."""
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    greedy = {"temperature": 0.0}  # (this client version sends no temperature of its own)
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    ask = dict(model=model, max_tokens=12, **ASK)
+    message = client.messages.create(**ask, extra_body=greedy)
+    whole = "".join(b.text for b in message.content if b.type == "text")
+    with client.messages.stream(**ask, extra_body=greedy) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == whole and final.stop_reason == message.stop_reason
+    count = client.messages.count_tokens(model=model, **ASK)
+    assert count.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+    think = r"<think>\n[a-z]{3,8}\n</think>\n\n"
+    call = think + (
+        r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,5}"\}\}'
+        r"\n</tool_call>"
+    )
+    used = client.messages.create(
+        **{**ask, "max_tokens": 160},
+        tools=[WEATHER],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={**greedy, "guided_regex": call},
+    )
+    assert [b.type for b in used.content] == ["thinking", "tool_use"], used.content
+    assert used.stop_reason == "tool_use" and used.content[1].name == "get_weather"
+    with client.messages.stream(
+        **{**ask, "max_tokens": 160}, tools=[WEATHER], extra_body={**greedy, "guided_regex": call}
+    ) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"]
+    assert final.content[1].input == used.content[1].input
+    result = {"type": "tool_result", "tool_use_id": used.content[1].id, "content": "sunny"}
+    turns = [
+        *ASK["messages"],
+        {"role": "assistant", "content": used.content},
+        {"role": "user", "content": [result]},
+    ]
+    follow = client.messages.create(
+        **{**ask, "max_tokens": 4, "messages": turns}, extra_body=greedy, tools=[WEATHER]
+    )
+    assert follow.content and follow.usage.cache_read_input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError) as error:
+        client.messages.create(**{**ask, "max_tokens": 0}, extra_body=greedy)
+    assert error.value.body["error"]["type"] == "invalid_request_error"

@@ -8,17 +8,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .frontend import RequestGroup
+from .chat_job import CHAT_EXTENSIONS, ChatJob, chat_pieces, chat_result
 from .generation import collect_outputs
-from .reasoning import ReasoningStream, split_reasoning
 from .responses import APIError
-from .tools import ToolCalls
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -135,7 +132,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise _invalid("max_tokens", f"is required, an integer >= 1; got {max_tokens!r}")
     chat: dict[str, Any] = {"messages": _messages(body), "max_tokens": max_tokens}
-    for name in ("model", "temperature", "top_p", "top_k", "stream"):
+    for name in ("model", "temperature", "top_p", "stream", *CHAT_EXTENSIONS):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("stop_sequences") is not None:
@@ -146,6 +143,11 @@ def chat_body(body: Any) -> dict[str, Any]:
         if kind not in ("enabled", "disabled"):
             raise _invalid("thinking.type", f"must be enabled or disabled, got {kind!r}")
         chat["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+    given = body.get("chat_template_kwargs")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise _invalid("chat_template_kwargs", "must be an object")
+        chat["chat_template_kwargs"] = {**chat.get("chat_template_kwargs", {}), **given}
     chat.update(_tools(body))
     return chat
 
@@ -173,16 +175,6 @@ def tool_use_blocks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {"type": "tool_use", "id": block_id, "name": call["function"]["name"], "input": parsed}
         )
     return blocks
-
-
-@dataclass
-class ChatJob:
-    """What the chat path prepared for a request: its group, tool calls and reasoning split."""
-
-    group: RequestGroup
-    model: str
-    calls: ToolCalls | None
-    thinking: bool | None
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, int]:
@@ -214,7 +206,7 @@ class MessageStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage_body(self.job.group.prompt_tokens[0], 0, 0),
+            "usage": usage_body(self.job.prompt_tokens, 0, 0),
         }
         return _event("message_start", {"message": message})
 
@@ -267,21 +259,13 @@ def register_anthropic_routes(
         outputs = await collect_outputs(request, job.group)
         if outputs is None:
             return Response(status_code=499)
-        out = outputs[0]
-        text = out.text or ""
+        result = chat_result(job, outputs[0])
+        out, calls = result.output, result.calls
         blocks: list[dict[str, Any]] = []
-        if job.thinking is not None:
-            thought, content = split_reasoning(text, job.thinking)
-            if thought is not None:
-                blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
-            text = content or ""
-        calls: list[dict[str, Any]] = []
-        if job.calls is not None:
-            job.calls.texts[0].append(text)
-            parsed, calls = job.calls.parse(0)
-            text = parsed or ""
-        if text:
-            blocks.append({"type": "text", "text": text})
+        if result.reasoning is not None:
+            blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+        if result.text:
+            blocks.append({"type": "text", "text": result.text})
         blocks += tool_use_blocks(calls)
         reason, sequence = stop_reason(out.finish_reason, out.matched_stop, bool(calls))
         return JSONResponse(
@@ -293,9 +277,7 @@ def register_anthropic_routes(
                 "content": blocks,
                 "stop_reason": reason,
                 "stop_sequence": sequence,
-                "usage": usage_body(
-                    job.group.prompt_tokens[0], out.completion_tokens, out.cached_tokens
-                ),
+                "usage": usage_body(job.prompt_tokens, out.completion_tokens, out.cached_tokens),
             }
         )
 
@@ -317,34 +299,23 @@ def _json(raw: bytes) -> Any:
 
 async def _stream(job: ChatJob, message_id: str) -> AsyncIterator[str]:
     events = MessageStream(job)
-    thoughts = None if job.thinking is None else ReasoningStream(job.thinking)
-    completion = 0
     try:
         yield events.start(message_id)
-        async for _, out in job.group.outputs():
-            completion = out.completion_tokens
-            thought, text = "", out.text or ""
-            if thoughts is not None:
-                thought, text = thoughts.piece(text, out.finish_reason is not None)
-            if thought:
-                yield events.thinking(thought)
-            if job.calls is not None:
-                text = job.calls.feed(0, text)
-            if text:
-                yield events.text(text)
-            if out.finish_reason is None:
+        async for piece in chat_pieces(job):
+            if piece.reasoning:
+                yield events.thinking(piece.reasoning)
+            if piece.text:
+                yield events.text(piece.text)
+            out = piece.finished
+            if out is None:
                 continue
-            calls: list[dict[str, Any]] = []
-            if job.calls is not None:
-                content, calls = job.calls.finish(0)
-                if content:
-                    yield events.text(content)
-            for block in tool_use_blocks(calls):
+            for block in tool_use_blocks(piece.calls):
                 yield events.tool_use(block)
             yield events.close()
-            reason, sequence = stop_reason(out.finish_reason, out.matched_stop, bool(calls))
+            reason, sequence = stop_reason(out.finish_reason, out.matched_stop, bool(piece.calls))
             delta = {"stop_reason": reason, "stop_sequence": sequence}
-            yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": completion}})
+            usage = {"output_tokens": piece.completion_tokens}
+            yield _event("message_delta", {"delta": delta, "usage": usage})
             yield _event("message_stop", {})
     except Exception as exc:  # headers are sent already: report in the stream
         error = exc if isinstance(exc, APIError) else APIError(f"internal error: {exc}", 500)

@@ -20,11 +20,13 @@ from minisgl.core import SamplingParams
 from minisgl.message import EncodeMsg, ErrorMsg, TokenizeMsg
 from minisgl.utils import init_logger
 
-from .anthropic import ChatJob, anthropic_error, register_anthropic_routes
+from .anthropic import anthropic_error, register_anthropic_routes
+from .chat_job import ChatJob
 from .frontend import RequestGroup, api_error
 from .generation import collect_outputs, start_group
 from .logprobs import ChoiceLogprobs
 from .native_api import register_native_routes
+from .openai_responses import register_responses_routes
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from .responses import APIError, ResponseFormatter, new_id, now, total_usage, usage
@@ -204,8 +206,9 @@ def create_app(state: ServerState) -> FastAPI:
             parts.thinking,
         )
 
-    async def start_messages(request: Request, body: dict[str, Any]) -> ChatJob:
-        """An Anthropic Messages request's chat body, started (anthropic.py)."""
+    async def start_chat_job(request: Request, body: dict[str, Any]) -> ChatJob:
+        """The chat body a Messages or Responses request means, started (anthropic.py,
+        openai_responses.py)."""
         req = parse_request(ChatCompletionRequest, json.dumps(body).encode())
         parts = chat_parts(req)
         msg = TokenizeMsg(state.frontend.new_rid(), parts.sampling, **parts.prompt)
@@ -220,7 +223,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise api_error(reply, {"prompt": "messages"})
         return len(reply.tokens)
 
-    register_anthropic_routes(app, start_messages, count_message_tokens)
+    register_anthropic_routes(app, start_chat_job, count_message_tokens)
+    register_responses_routes(app, start_chat_job, state.responses)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

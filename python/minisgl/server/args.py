@@ -47,6 +47,9 @@ class ServerArgs:
     log_level: str = "info"
     tool_call_parser: str = "auto"
     reasoning_parser: str | None = None
+    responses_max_stored: int = 1024
+    responses_max_stored_mb: float = 256.0
+    responses_store_dir: str | None = None
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
     shell: bool = False
@@ -309,6 +312,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="a reasoning model's thinking (<think>...</think>) as the chat message's "
         "reasoning_content, apart from its content: qwen3 (where the output opens with "
         "<think>), qwen3-thinking and deepseek-r1 (their templates open it); default: none",
+    )
+    p.add_argument(
+        "--responses-max-stored",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="the most stored /v1/responses results (store: true) kept for "
+        "previous_response_id and GET; the oldest dropped past it (default: 1024)",
+    )
+    p.add_argument(
+        "--responses-max-stored-mb",
+        type=_positive_float,
+        default=256.0,
+        metavar="MB",
+        help="the most megabytes of stored /v1/responses results (default: 256)",
+    )
+    p.add_argument(
+        "--responses-store-dir",
+        default=None,
+        metavar="DIR",
+        help="keep stored /v1/responses results in DIR too, so they outlive a restart "
+        "(default: in memory only)",
     )
     p.add_argument(
         "--shell",

@@ -164,6 +164,7 @@ def launch_server(args: ServerArgs) -> int:
     from .api_server import ServerState, create_app
     from .frontend import FrontendManager
     from .metrics import ServerMetrics
+    from .response_store import ResponseStore
 
     path = resolve_model_path(args.model_path)
     config = build_scheduler_config(args, str(path))
@@ -189,6 +190,11 @@ def launch_server(args: ServerArgs) -> int:
             tool_parser=tool_parser_for(args.tool_call_parser, path),
             reasoning_parser=args.reasoning_parser,
             max_batch_prompts=args.max_batch_prompts,
+            responses=ResponseStore(
+                args.responses_max_stored,
+                int(args.responses_max_stored_mb * (1 << 20)),
+                args.responses_store_dir,
+            ),
         )
         server = uvicorn.Server(
             uvicorn.Config(

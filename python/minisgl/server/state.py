@@ -8,6 +8,7 @@ from typing import Any
 
 from .frontend import FrontendManager
 from .metrics import ServerMetrics
+from .response_store import ResponseStore
 from .responses import now
 from .validation import MAX_BATCH_PROMPTS
 
@@ -30,6 +31,8 @@ class ServerState:
     reasoning_parser: str | None = None  # how thinking is told from content (server/reasoning.py)
     # The most sub-requests (prompts x n) one HTTP request may make (--max-batch-prompts).
     max_batch_prompts: int = MAX_BATCH_PROMPTS
+    # Stored Responses (`store: true`) that previous_response_id continues.
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)
 
 
 # Open without the API key (SGLang's rule): liveness, metrics and the version.
