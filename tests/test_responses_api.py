@@ -280,3 +280,40 @@ def test_store_keeps_its_bounds_and_its_directory(tmp_path) -> None:
     assert kept.delete("resp_y") and not kept.delete("resp_y")
     again = ResponseStore(max_count=10, directory=str(tmp_path))  # a restart
     assert again.get("resp_x") == {"n": 1} and again.get("resp_y") is None
+
+
+def test_chat_reads_a_call_after_reasoning_whole_and_streamed(client, model) -> None:
+    """The chat side of the same split: thinking as reasoning_content, the call after it as
+    tool_calls (finish_reason tool_calls), streamed as their own deltas."""
+    call = (
+        r'<think>\n[a-z]{3,8}\n</think>\n\n<tool_call>\n\{"name": "get_weather", '
+        r'"arguments": \{"city": "[A-Z][a-z]{2,5}"\}\}\n</tool_call>'
+    )
+    ask = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[CHAT_WEATHER],
+        max_tokens=160,
+        extra_body={"guided_regex": call},
+        **GREEDY,
+    )
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert re.fullmatch(r"[a-z]{3,8}\n", choice.message.model_extra["reasoning_content"])
+    (whole,) = choice.message.tool_calls
+    reasoning, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for delta_choice in chunk.choices:
+            delta = delta_choice.delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            calls += delta.tool_calls or []
+            finish = delta_choice.finish_reason or finish
+    assert reasoning == choice.message.model_extra["reasoning_content"]
+    assert [c.function.arguments for c in calls] == [whole.function.arguments]
+    assert finish == "tool_calls"
+
+
+def test_no_request_left_a_traceback(server) -> None:
+    """The bad requests above (and everything else this server took) were answered without an
+    exception reaching the log."""
+    assert "Traceback" not in server.log_text()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .chat_job import CHAT_EXTENSIONS, ChatJob, chat_pieces, chat_result
+from .chat_job import CHAT_EXTENSIONS, ChatJob, ChatPiece, chat_result, stream_events
 from .generation import collect_outputs
 from .responses import APIError
 
@@ -194,12 +194,12 @@ class MessageStream:
     """Anthropic's events for one streamed output: content blocks opened as their kind of
     text starts, closed when another starts or the message ends."""
 
-    def __init__(self, job: ChatJob) -> None:
-        self.job, self.index, self.open = job, -1, None
+    def __init__(self, job: ChatJob, message_id: str) -> None:
+        self.job, self.message_id, self.index, self.open = job, message_id, -1, None
 
-    def start(self, message_id: str) -> str:
+    def start(self) -> str:
         message = {
-            "id": message_id,
+            "id": self.message_id,
             "type": "message",
             "role": "assistant",
             "model": self.job.model,
@@ -221,7 +221,7 @@ class MessageStream:
         self.open = None
         return _event("content_block_stop", {"index": self.index})
 
-    def thinking(self, text: str) -> str:
+    def reasoning(self, text: str) -> str:
         events = (
             ""
             if self.open == "thinking"
@@ -240,6 +240,22 @@ class MessageStream:
         delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
         return events + _event("content_block_delta", {"index": self.index, "delta": delta})
 
+    def finish(self, piece: ChatPiece) -> str:
+        """The calls' blocks, then the stop reason and the message's end."""
+        out = piece.finished
+        assert out is not None
+        events = "".join(self.tool_use(block) for block in tool_use_blocks(piece.calls))
+        events += self.close()
+        reason, sequence = stop_reason(out.finish_reason, out.matched_stop, bool(piece.calls))
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        usage = {"output_tokens": piece.completion_tokens}
+        events += _event("message_delta", {"delta": delta, "usage": usage})
+        return events + _event("message_stop", {})
+
+    def error(self, exc: APIError) -> str:
+        body = json.loads(anthropic_error(exc).body)
+        return f"event: error\ndata: {json.dumps(body)}\n\n"
+
 
 def register_anthropic_routes(
     app: FastAPI,
@@ -255,7 +271,8 @@ def register_anthropic_routes(
         job: ChatJob = await prepare(request, body)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"  # Anthropic's form of an id
         if body.get("stream"):
-            return StreamingResponse(_stream(job, message_id), media_type="text/event-stream")
+            events = stream_events(job, MessageStream(job, message_id))
+            return StreamingResponse(events, media_type="text/event-stream")
         outputs = await collect_outputs(request, job.group)
         if outputs is None:
             return Response(status_code=499)
@@ -295,31 +312,3 @@ def _json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise _invalid("body", f"is not valid JSON: {exc}") from None
-
-
-async def _stream(job: ChatJob, message_id: str) -> AsyncIterator[str]:
-    events = MessageStream(job)
-    try:
-        yield events.start(message_id)
-        async for piece in chat_pieces(job):
-            if piece.reasoning:
-                yield events.thinking(piece.reasoning)
-            if piece.text:
-                yield events.text(piece.text)
-            out = piece.finished
-            if out is None:
-                continue
-            for block in tool_use_blocks(piece.calls):
-                yield events.tool_use(block)
-            yield events.close()
-            reason, sequence = stop_reason(out.finish_reason, out.matched_stop, bool(piece.calls))
-            delta = {"stop_reason": reason, "stop_sequence": sequence}
-            usage = {"output_tokens": piece.completion_tokens}
-            yield _event("message_delta", {"delta": delta, "usage": usage})
-            yield _event("message_stop", {})
-    except Exception as exc:  # headers are sent already: report in the stream
-        error = exc if isinstance(exc, APIError) else APIError(f"internal error: {exc}", 500)
-        body = json.loads(anthropic_error(error).body)
-        yield f"event: error\ndata: {json.dumps(body)}\n\n"
-    finally:  # (nothing left to abort at a normal end; else the client went away)
-        job.group.abort("client disconnected mid-stream")

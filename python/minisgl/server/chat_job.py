@@ -6,15 +6,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from minisgl.message import OutputMsg
+from minisgl.utils import init_logger
 
 from .frontend import RequestGroup
 from .generation import ChoiceOutput
 from .reasoning import ReasoningStream, split_reasoning
+from .responses import APIError
 from .structured import GUIDED_FIELDS
 from .tools import ToolCalls
+
+logger = init_logger(__name__)
 
 # Chat request fields the other APIs pass on as they are where a client sends them (through
 # extra_body): the sampling and structured-output extensions chat takes (vLLM's, SGLang's).
@@ -90,3 +94,34 @@ def chat_result(job: ChatJob, output: ChoiceOutput) -> ChatResult:
         parsed, calls = job.calls.parse(0)
         text = parsed or ""
     return ChatResult(reasoning, text, calls, output)
+
+
+class EventWriter(Protocol):
+    """An API's stream of events for one output (its SSE text per step)."""
+
+    def start(self) -> str: ...
+    def reasoning(self, text: str) -> str: ...
+    def text(self, text: str) -> str: ...
+    def finish(self, piece: ChatPiece) -> str: ...
+    def error(self, exc: APIError) -> str: ...
+
+
+async def stream_events(job: ChatJob, writer: EventWriter) -> AsyncIterator[str]:
+    """A one-choice job's output as `writer`'s events; an error after the headers went out
+    as its error event; the job aborted when the client goes away."""
+    try:
+        yield writer.start()
+        async for piece in chat_pieces(job):
+            if piece.reasoning:
+                yield writer.reasoning(piece.reasoning)
+            if piece.text:
+                yield writer.text(piece.text)
+            if piece.finished is not None:
+                yield writer.finish(piece)
+    except Exception as exc:  # headers are sent already: report in the stream
+        if not isinstance(exc, APIError):
+            logger.exception("streaming a response failed")
+            exc = APIError(f"internal error: {exc}", status=500, type="server_error")
+        yield writer.error(exc)
+    finally:  # (nothing left to abort at a normal end; else the client went away)
+        job.group.abort("client disconnected mid-stream")

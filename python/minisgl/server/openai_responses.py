@@ -8,7 +8,7 @@ the turns before it, so the radix cache serves their KV."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.utils import init_logger
 
-from .chat_job import ChatJob, ChatResult, chat_pieces, chat_result
+from .chat_job import ChatJob, ChatPiece, ChatResult, chat_result, stream_events
 from .generation import collect_outputs
 from .response_store import ResponseStore
 from .responses import APIError, now
@@ -142,7 +142,13 @@ class ResponseEvents:
     """The Responses stream of events of one output: an item opened as its kind of text
     starts (reasoning, then message), closed when another starts or the output ends."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        job: ChatJob | None = None,
+        draft: ResponseDraft | None = None,
+        save: Callable[[dict[str, Any], list], None] | None = None,
+    ) -> None:
+        self.job, self.draft, self.save = job, draft, save  # (None: item events alone)
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
@@ -209,6 +215,31 @@ class ResponseEvents:
         index = where["output_index"]
         return events + self.event("response.output_item.done", output_index=index, item=done)
 
+    def start(self) -> str:
+        assert self.draft is not None
+        events = self.event("response.created", response=self.draft.body("in_progress", []))
+        return events + self.event(
+            "response.in_progress", response=self.draft.body("in_progress", [])
+        )
+
+    def finish(self, piece: ChatPiece) -> str:
+        """The open item closed, the calls' items, then the whole response."""
+        out = piece.finished
+        assert out is not None and self.job is not None and self.draft is not None
+        events = ""
+        if not piece.calls and not any(i["type"] == "message" for i in self.output):
+            events += self.text("")  # a response without calls has a message, if empty
+        events += self.close("completed" if out.finish_reason == "stop" else "incomplete")
+        events += "".join(self.call(call) for call in piece.calls)
+        body = self.draft.finished(self.job, out, bool(piece.calls), self.output)
+        if self.save is not None:
+            self.save(body, piece.calls)
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return events + self.event(kind, response=body)
+
+    def error(self, exc: APIError) -> str:
+        return self.event("error", code=exc.code, message=exc.message, param=exc.param)
+
     def call(self, call: dict[str, Any]) -> str:
         events = self.close()
         index, item = len(self.output), call_item(call)
@@ -266,10 +297,10 @@ def register_responses_routes(
         job: ChatJob = await prepare(request, parsed.chat)
         draft = ResponseDraft(raw, job.model)
         if raw.get("stream"):
-            return StreamingResponse(
-                _stream(job, draft, lambda body, calls: save(draft, parsed, body, calls)),
-                media_type="text/event-stream",
+            writer = ResponseEvents(
+                job, draft, lambda body, calls: save(draft, parsed, body, calls)
             )
+            return StreamingResponse(stream_events(job, writer), media_type="text/event-stream")
         outputs = await collect_outputs(request, job.group)
         if outputs is None:
             return Response(status_code=499)
@@ -302,36 +333,3 @@ def register_responses_routes(
             "last_id": last,
             "has_more": False,
         }
-
-
-async def _stream(
-    job: ChatJob, draft: ResponseDraft, save: Callable[[dict[str, Any], list], None]
-) -> AsyncIterator[str]:
-    events = ResponseEvents()
-    try:
-        yield events.event("response.created", response=draft.body("in_progress", []))
-        yield events.event("response.in_progress", response=draft.body("in_progress", []))
-        async for piece in chat_pieces(job):
-            if piece.reasoning:
-                yield events.reasoning(piece.reasoning)
-            if piece.text:
-                yield events.text(piece.text)
-            out = piece.finished
-            if out is None:
-                continue
-            if not piece.calls and not any(i["type"] == "message" for i in events.output):
-                yield events.text("")  # a response without calls has a message, if empty
-            yield events.close("completed" if out.finish_reason == "stop" else "incomplete")
-            for call in piece.calls:
-                yield events.call(call)
-            body = draft.finished(job, out, bool(piece.calls), events.output)
-            save(body, piece.calls)
-            kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-            yield events.event(kind, response=body)
-    except Exception as exc:  # headers are sent already: report in the stream
-        if not isinstance(exc, APIError):
-            logger.exception("streaming a response failed")
-            exc = APIError(f"internal error: {exc}", status=500, type="server_error")
-        yield events.event("error", code=exc.code, message=exc.message, param=exc.param)
-    finally:  # (nothing left to abort at a normal end; else the client went away)
-        job.group.abort("client disconnected mid-stream")
