@@ -253,6 +253,18 @@ class Req:
     # [token id, logprob, [[alternative id, logprob], ...]] per prompt token (the first's
     # logprob None: nothing precedes it).
     prompt_logprobs: list[list[Any]] | None = None
+    # The LoRA adapter it runs under (None: the base model) and, while it holds one, the
+    # adapter's slot (engine/lora.py).
+    lora: str | None = None
+    lora_slot: int = -1
+    # Its tokens' prefix-cache keys are -(id + cache_key_offset) under an adapter, so that no
+    # prefix computed under one adapter (or none) is ever matched under another (0: the ids).
+    cache_key_offset: int = 0
+
+    def cache_key(self, end: int) -> torch.Tensor:
+        """The prefix-cache key of tokens [0, end)."""
+        ids = self.input_ids[:end]
+        return ids if self.cache_key_offset == 0 else -(ids + self.cache_key_offset)
 
     @property
     def extend_len(self) -> int:
@@ -290,6 +302,9 @@ class Batch:
     # Speculative decoding (decode only): each request's draft tokens, verified in this step at
     # the positions after its last token (None: one position per request).
     drafts: list[list[int]] | None = None
+    # Per input row its adapter's scaling on its slot's columns (layers/lora.py); None: no row
+    # runs under an adapter.
+    lora_mask: torch.Tensor | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -322,6 +337,11 @@ class Context:
 
     def set_batch(self, batch: Batch | None) -> None:
         self._batch = batch
+
+    @property
+    def lora_mask(self) -> torch.Tensor | None:
+        """The running batch's adapter mask (None: no batch, or no adapter in it)."""
+        return None if self._batch is None else self._batch.lora_mask
 
 
 _GLOBAL_CTX: Context | None = None

@@ -38,6 +38,12 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # Multi-LoRA (vLLM's flags): adapters by name -> PEFT folder, registered at start; slots
+    # resident at once; the largest rank. enable_lora with no modules: adapters come later.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -71,5 +77,14 @@ class EngineConfig:
         if self.nnodes > 1 and (self.dist_init_addr is None or self.num_page_override is None):
             # Every rank's KV pool must have rank 0's slots; another node cannot ask it.
             raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT) and num_page_override")
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, "
+                f"{self.max_lora_rank}"
+            )
+        if self.enable_lora and self.tp_size > 1:
+            raise ValueError("LoRA adapters are served without tensor parallelism for now")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -26,6 +26,7 @@ from .logprobs import (
     prompt_token_logprobs,
     token_logprobs,
 )
+from .lora import LoraManager
 from .sample import SampleArgs, Sampler
 
 logger = init_logger(__name__)
@@ -121,6 +122,13 @@ class Engine:
             config.gguf_path,
             self.tp,
         )
+        self.lora: LoraManager | None = None
+        if config.enable_lora:  # before the KV budget: the slots' memory is the model's
+            self.lora = LoraManager(
+                self.model, config.max_loras, config.max_lora_rank, config.dtype, self.device
+            )
+            for name, path in (config.lora_modules or {}).items():
+                self.lora.register(name, path)
         # This rank's KV heads (all of them without tensor parallelism).
         self.num_kv_heads = self.model.shard.kv_heads
         self.page_size = config.page_size

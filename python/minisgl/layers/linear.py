@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.core import TensorParallel
+from minisgl.core import TensorParallel, get_global_ctx
 from minisgl.kernel.abi import ProjectionParams
 from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
+from .lora import LoraSlots
 from .quant_weight import QuantizedWeight
 from .quantized import QuantizedProjection, quantize
 
@@ -257,6 +258,8 @@ class Linear(nn.Module):
         self.cpu_projection: CpuProjection | QuantizedProjection | None = None
         # Set before loading: quantize the weight by this method (quantized.LOAD_QUANTIZATIONS).
         self.quantization: str | None = None
+        # Multi-LoRA: the adapters' deltas, added where the batch runs rows under adapters.
+        self.lora: LoraSlots | None = None
 
     def prepare_for_cpu(
         self,
@@ -290,12 +293,21 @@ class Linear(nn.Module):
             elif handed_over:  # F.linear multiplies it: the module keeps it
                 self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
+    def _lora_mask(self) -> torch.Tensor | None:
+        return None if self.lora is None else get_global_ctx().lora_mask
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:
             partial = self._matmul(x, None)
             y = self.reduce.all_reduce(partial)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        return self._matmul(x, self.bias)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+        else:
+            y = self._matmul(x, self.bias)
+        mask = self._lora_mask()
+        if mask is not None:
+            assert self.lora is not None
+            y = y + self.lora(x, mask).to(y.dtype)
+        return y
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.cpu_projection is not None:
@@ -311,7 +323,7 @@ class Linear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gated projection: fused on the CPU where it can be."""
         assert self.gated
-        if self.cpu_projection is not None:
+        if self.cpu_projection is not None and self._lora_mask() is None:
             fused = self.cpu_projection.silu_and_mul(x)
             if fused is not None:
                 return fused

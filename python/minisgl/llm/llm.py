@@ -64,13 +64,19 @@ class LLM(Scheduler):
         speculative_num_draft_tokens: int | None = None,
         speculative_draft_model_path: str | os.PathLike | None = None,
         speculative_num_steps: int | None = None,
+        enable_lora: bool = False,
+        lora_modules: dict[str, str | os.PathLike] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
         **speculative: int,
     ) -> None:
         """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others).
         kv_cache_dir: a disk KV tier there (bounded by kv_cache_disk_gb), reused across runs;
         `shutdown()` writes the cache's KV to it. speculative_algorithm "NGRAM" or "STANDALONE"
         (with speculative_draft_model_path): speculative decoding (SGLang's names;
-        `speculative_ngram_*` settings as SchedulerConfig's)."""
+        `speculative_ngram_*` settings as SchedulerConfig's). lora_modules: LoRA adapters by
+        name (PEFT folders; vLLM's `--lora-modules`), `max_loras` resident at once, ranks up to
+        `max_lora_rank`; `generate(..., lora=name)` runs prompts under one."""
         unknown = [k for k in speculative if not k.startswith("speculative_ngram_")]
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {unknown}")
@@ -114,6 +120,10 @@ class LLM(Scheduler):
             if speculative_draft_model_path is None
             else os.fspath(speculative_draft_model_path),
             speculative_num_steps=speculative_num_steps,
+            enable_lora=enable_lora,
+            lora_modules={k: os.fspath(v) for k, v in (lora_modules or {}).items()},
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
             **speculative,
         )
         super().__init__(config, extra_eos_ids=tuple(sorted(extra_eos)), tokenizer=self.tokenizer)
@@ -130,8 +140,10 @@ class LLM(Scheduler):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[dict[str, Any]]:
-        """Generate for every prompt; returns one dict per prompt, in order.
+        """Generate for every prompt; returns one dict per prompt, in order. lora: the LoRA
+        adapter every prompt runs under, or one per prompt (None: the base model).
 
         Each dict has `text`, `token_ids` (generated tokens), `finish_reason`,
         `prompt_tokens`, `cached_tokens` (prompt tokens served from the prefix cache) and
@@ -155,8 +167,14 @@ class LLM(Scheduler):
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
                 )
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora has {len(loras)} entries for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        uids = [self.add_request(ids, sp) for ids, sp in zip(encoded, params_list)]
+        uids = [
+            self.add_request(ids, sp, lora=name)
+            for ids, sp, name in zip(encoded, params_list, loras)
+        ]
         index = {uid: i for i, uid in enumerate(uids)}
         tokens: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)

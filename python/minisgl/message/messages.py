@@ -44,6 +44,7 @@ class TokenizeMsg:
     echo: bool = False  # the API server wants the prompt's text back (AcceptedMsg.prompt_text)
     # Function tools the chat template renders (OpenAI's `tools`), where the request has any.
     tools: list[dict[str, Any]] | None = None
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @register_message
@@ -66,6 +67,7 @@ class UserMsg:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     echo: bool = False
+    lora: str | None = None
 
 
 @register_message
@@ -222,6 +224,27 @@ class FlushCacheMsg:
 
     rid: int
     tier: bool = False
+
+
+@register_message
+@dataclass
+class LoraAdapterMsg:
+    """API server -> tokenizer -> scheduler: register the LoRA adapter folder `path` as `name`
+    (None: unload `name` once its requests are done)."""
+
+    rid: int
+    name: str
+    path: str | None = None
+
+
+@register_message
+@dataclass
+class LoraAdapterReply:
+    """Scheduler -> detokenizer -> API server: whether a LoraAdapterMsg was done, and why not."""
+
+    rid: int
+    done: bool
+    message: str
 
 
 @register_message

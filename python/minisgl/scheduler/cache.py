@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minisgl.core import Req
@@ -26,7 +28,7 @@ class CacheManager:
         if tier is not None:
             if not isinstance(prefix_cache, RadixPrefixCache):
                 raise ValueError("a disk KV tier needs the radix prefix cache")
-            prefix_cache.spill = tier.save  # evicted KV goes to disk
+            prefix_cache.spill = _base_model_only(tier.save)  # evicted KV goes to disk
         self.page_table = page_table
         self.device = page_table.device
         self.prefix_cache = prefix_cache
@@ -92,7 +94,9 @@ class CacheManager:
         cache = self.prefix_cache
         assert isinstance(cache, RadixPrefixCache)
         tier = self.tier
-        cache.spill = lambda ids, slots, start: tier.save(ids, slots, start, block=True)
+        cache.spill = _base_model_only(
+            lambda ids, slots, start: tier.save(ids, slots, start, block=True)
+        )
         try:
             cache.spill_all()
         finally:
@@ -109,9 +113,10 @@ class CacheManager:
         matchable = len(req.input_ids) - 1
         if req.sampling_params.prompt_logprobs is not None and req.output_len == 0:
             matchable = 0
-        ids = req.input_ids[:matchable]
+        ids = req.cache_key(matchable)
         handle = self.prefix_cache.match_prefix(ids).cuda_handle
-        if self.tier is None or tier_pages is None or tier_pages <= 0:
+        # An adapter's KV stays off the disk tier (its keys are this process's own).
+        if self.tier is None or tier_pages is None or tier_pages <= 0 or req.cache_key_offset:
             return handle
         return self._load_from_tier(req, ids, handle, tier_pages)
 
@@ -208,7 +213,7 @@ class CacheManager:
         # One hit per request, at its end: prefill inserts (chunk by chunk) would count it
         # again for every chunk and make a single use look like several (LFU, SLRU).
         cached_len, new = self.prefix_cache.insert_prefix(
-            req.input_ids[:kv_len],
+            req.cache_key(kv_len),
             indices,
             priority=req.sampling_params.priority,
             count_hit=finished,
@@ -268,3 +273,14 @@ class CacheManager:
             self._free_sorted = True
         taken, self._free_slots = self._free_slots[:count], self._free_slots[count:]
         return taken
+
+
+def _base_model_only(save: Callable[[torch.Tensor, torch.Tensor, int], None]) -> Callable:
+    """A tier write that skips an adapter's KV: its keys (negative, see Req.cache_key) are
+    this process's own and would name other adapters' KV after a restart."""
+
+    def spill(ids: torch.Tensor, slots: torch.Tensor, start: int) -> None:
+        if len(ids) == 0 or int(ids[0]) >= 0:
+            save(ids, slots, start)
+
+    return spill

@@ -20,6 +20,8 @@ from minisgl.message import (
     ErrorMsg,
     FlushCacheMsg,
     FlushCacheReply,
+    LoraAdapterMsg,
+    LoraAdapterReply,
     StatsMsg,
     TokenMsg,
     UserMsg,
@@ -64,6 +66,8 @@ class SchedulerIO:
                     self.scheduler.abort_request(uid)
             elif isinstance(msg, FlushCacheMsg):
                 replies.extend(self._flush(msg.rid, msg.tier))
+            elif isinstance(msg, LoraAdapterMsg):
+                replies.append(self._lora_adapter(msg))
             else:
                 logger.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
         return replies
@@ -74,7 +78,7 @@ class SchedulerIO:
         try:
             # Refused, not clipped, past the context (as vLLM's OpenAI server).
             uid = self.scheduler.add_request(
-                msg.input_ids, msg.sampling_params, clip_to_context=False
+                msg.input_ids, msg.sampling_params, clip_to_context=False, lora=msg.lora
             )
         except RequestError as exc:
             return ErrorMsg(msg.rid, str(exc), exc.param, exc.code)
@@ -102,6 +106,24 @@ class SchedulerIO:
         if msg.echo:
             accepted.prompt_ids = list(msg.input_ids)
         return accepted
+
+    def _lora_adapter(self, msg: LoraAdapterMsg) -> LoraAdapterReply:
+        """Register an adapter folder, or unload one (once its requests are done)."""
+        lora = self.scheduler.engine.lora
+        if lora is None:
+            return LoraAdapterReply(msg.rid, False, "LoRA is not enabled (--enable-lora)")
+        try:
+            if msg.path is not None:
+                self.scheduler.forget_unused_adapters()  # one unloaded since may take the name
+                lora.register(msg.name, msg.path)
+                return LoraAdapterReply(msg.rid, True, f"LoRA adapter {msg.name!r} loaded")
+            lora.unregister(msg.name)
+            self.scheduler.forget_unused_adapters()  # now, where none of its requests is left
+        except KeyError:
+            return LoraAdapterReply(msg.rid, False, f"no LoRA adapter {msg.name!r} is loaded")
+        except (ValueError, OSError) as exc:
+            return LoraAdapterReply(msg.rid, False, str(exc))
+        return LoraAdapterReply(msg.rid, True, f"LoRA adapter {msg.name!r} unloaded")
 
     def _flush(self, rid: int, tier: bool = False) -> list[Any]:
         """Empty the prefix cache (and with `tier` the disk KV tier) when no request is queued

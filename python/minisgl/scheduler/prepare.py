@@ -56,6 +56,17 @@ def validate_request(
     return ids, len(ids) + max_tokens
 
 
+def lora_key_offset(engine: Engine, lora: str) -> int:
+    """The prefix-cache key offset of a registered adapter's requests (Req.cache_key)."""
+    if engine.lora is None:
+        raise RequestError(f"LoRA adapter {lora!r} asked for, but LoRA is not enabled", "lora")
+    offset = engine.lora.key_offsets.get(lora)
+    if offset is None or lora in engine.lora.unregistering:
+        names = sorted(set(engine.lora.adapters) - engine.lora.unregistering)
+        raise RequestError(f"no LoRA adapter {lora!r} is loaded (loaded: {names})", "lora")
+    return offset
+
+
 def prepare_forward_input(
     batch: Batch,
     engine: Engine,
@@ -92,6 +103,11 @@ def prepare_forward_input(
     batch.positions = positions
     batch.out_loc = engine.page_table[input_rows, positions].long()
     batch.logits_indices = logits_indices
+    if engine.lora is not None:
+        slots = torch.tensor([r.lora_slot for r in reqs], dtype=torch.int64)
+        if batch.is_prefill or batch.drafts is not None:
+            slots = slots.repeat_interleave(extend)
+        batch.lora_mask = engine.lora.mask(slots)
     engine.attn_backend.prepare_metadata(batch)
     if sampled is None:
         sampled = [r for r in reqs if not r.is_chunked]

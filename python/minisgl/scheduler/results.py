@@ -147,3 +147,7 @@ class ResultsMixin:
         else:
             self.cache_manager.cache_req(req, finished=True)
         self.table_manager.free(req.table_idx)
+        if req.lora_slot >= 0:
+            assert self.engine.lora is not None
+            self.engine.lora.release(req.lora_slot)
+            req.lora_slot = -1

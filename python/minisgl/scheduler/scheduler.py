@@ -26,7 +26,7 @@ from .logprobs import logprob_plan
 from .output import InFlight, SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
 from .preemption import PreemptionMixin
-from .prepare import prepare_forward_input, validate_request
+from .prepare import lora_key_offset, prepare_forward_input, validate_request
 from .results import ResultsMixin
 from .speculative import Speculator, verify_prefixes, verify_rows
 from .table import TableManager
@@ -99,14 +99,18 @@ class Scheduler(PreemptionMixin, ResultsMixin):
         input_ids: list[int] | torch.Tensor,
         sampling_params: SamplingParams,
         clip_to_context: bool = True,
+        lora: str | None = None,
     ) -> int:
-        """Queue a request; raises RequestError naming the parameter when it can never run
-        (with `clip_to_context` False also when prompt + max_tokens exceed max_model_len)."""
+        """Queue a request (under the LoRA adapter `lora`, None: the base model); raises
+        RequestError naming the parameter when it can never run (with `clip_to_context` False
+        also when prompt + max_tokens exceed max_model_len)."""
         ids, max_device_len = validate_request(
             self.engine, input_ids, sampling_params, clip_to_context
         )
+        key_offset = 0 if lora is None else lora_key_offset(self.engine, lora)
         uid = next(self._uids)
         req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
+        req.lora, req.cache_key_offset = lora, key_offset
         if sampling_params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         if sampling_params.structured is None:
@@ -148,6 +152,8 @@ class Scheduler(PreemptionMixin, ResultsMixin):
     def step(self) -> list[TokenOutput]:
         """Launch the next batch and process the previous one (overlap) or this one."""
         self._queue_compiled()
+        if self.engine.lora is not None and self.engine.lora.unregistering:
+            self.forget_unused_adapters()
         # A constrained request's next token mask needs its last token: no overlap then.
         overlap = self.overlap and not any(r.grammar is not None for r in self._admitted())
         if self._in_flight is not None and not (
@@ -296,6 +302,9 @@ class Scheduler(PreemptionMixin, ResultsMixin):
                     self.cache_manager.unlock(handle)
                     break
                 reserved = self.budget.reserved(self._admitted()) + claimed
+            if req.lora is not None and not self._take_adapter_slot(req):
+                self.cache_manager.unlock(handle)  # every slot holds another adapter in use
+                break
             self._dequeue(req)
             reserved += need
             self._admit(req, handle)
@@ -322,6 +331,22 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             req.prompt_cached_tokens = handle.cached_len
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_tokens += handle.cached_len
+
+    def forget_unused_adapters(self) -> None:
+        """Drop the adapters being unloaded that no request (queued or running) uses."""
+        assert self.engine.lora is not None
+        queued = [r for r, _ in self.grammars.pending.values()] if self.grammars else []
+        in_use = {r.lora for r in [*self.waiting, *self._admitted(), *queued]}
+        if self._in_flight is not None:
+            in_use |= {r.lora for r in self._in_flight.batch.reqs}
+        for name in self.engine.lora.unregistering - in_use:
+            self.engine.lora.forget(name)
+
+    def _take_adapter_slot(self, req: Req) -> bool:
+        assert self.engine.lora is not None and req.lora is not None
+        slot = self.engine.lora.acquire(req.lora)
+        req.lora_slot = -1 if slot is None else slot
+        return slot is not None
 
     def _decode_reqs(self) -> list[Req]:
         # With overlap, a request whose last token is still being sampled is not decoded again.

@@ -12,12 +12,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl import __version__
 from minisgl.core import SamplingParams
-from minisgl.message import EncodeMsg, ErrorMsg, TokenizeMsg
+from minisgl.message import EncodeMsg, ErrorMsg, LoraAdapterMsg, TokenizeMsg
 from minisgl.utils import init_logger
 
 from .anthropic import anthropic_error, register_anthropic_routes
@@ -28,7 +28,7 @@ from .logprobs import ChoiceLogprobs
 from .native_api import register_native_routes
 from .openai_chat import serve
 from .openai_responses import register_responses_routes
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from .reasoning import REASONING_PARSERS
 from .responses import APIError, ResponseFormatter, new_id, now
 from .state import OPEN_PATHS, ServerState
@@ -48,6 +48,7 @@ class ChatParts:
     names: dict[str, str]
     calls: ToolCalls | None
     thinking: bool | None
+    lora: str | None = None  # the LoRA adapter its `model` names
 
 
 class _APIKeyMiddleware:
@@ -148,28 +149,76 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.max_model_len,
         }
 
+    def adapter_card(name: str) -> dict[str, Any]:
+        """A LoRA adapter as vLLM lists one: its folder as root, the base model as parent."""
+        path = state.lora_adapters[name]
+        return {**model_card(), "id": name, "root": path, "parent": state.model_name}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        adapters = [adapter_card(name) for name in state.lora_adapters]
+        return {"object": "list", "data": [model_card(), *adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return model_card()
+        lora = check_model(model_id)
+        return model_card() if lora is None else adapter_card(lora)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in (state.model_name, state.model_path):
+    def check_model(model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 if none."""
+        if model is None or model in (state.model_name, state.model_path):
+            return None
+        if model in state.lora_adapters:
+            return model
+        served = [state.model_name, *state.lora_adapters]
+        raise APIError(
+            f"the model '{model}' does not exist; this server serves {served}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+    async def lora_adapter(msg: LoraAdapterMsg, param: str) -> Response:
+        reply = await state.frontend.call(msg)
+        if isinstance(reply, ErrorMsg):
+            raise api_error(reply, {})
+        if not reply.done:
+            raise APIError(reply.message, param=param, code="invalid_value")
+        if msg.path is None:
+            state.lora_adapters.pop(msg.name, None)
+        else:
+            state.lora_adapters[msg.name] = msg.path
+        return PlainTextResponse(f"Success: {reply.message}")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: register {lora_name, lora_path} (a PEFT folder) while serving."""
+        body = parse_request(LoadLoraRequest, await request.body())
+        if body.lora_name in (state.model_name, *state.lora_adapters):
             raise APIError(
-                f"the model '{model}' does not exist; this server serves '{state.model_name}'",
-                status=404,
-                param="model",
-                code="model_not_found",
+                f"the name {body.lora_name!r} is taken", param="lora_name", code="invalid_value"
             )
+        msg = LoraAdapterMsg(state.frontend.new_rid(), body.lora_name, body.lora_path)
+        return await lora_adapter(msg, "lora_path")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: stop serving {lora_name}; its running requests finish first."""
+        body = parse_request(UnloadLoraRequest, await request.body())
+        if body.lora_name not in state.lora_adapters:
+            raise APIError(
+                f"no LoRA adapter {body.lora_name!r} is loaded",
+                status=404,
+                param="lora_name",
+                code="not_found",
+            )
+        msg = LoraAdapterMsg(state.frontend.new_rid(), body.lora_name, None)
+        return await lora_adapter(msg, "lora_name")
 
     def chat_parts(req: ChatCompletionRequest) -> ChatParts:
         """A chat request checked and turned into its prompt, sampling parameters, the names
         its parameters go by, its tool calls' reader and its reasoning split."""
-        check_model(req.model)
+        lora = check_model(req.model)
         req.check_unsupported()
         check_batch_size(1, req.n, state.max_batch_prompts, "messages")
         messages = req.chat_messages()
@@ -185,7 +234,7 @@ def create_app(state: ServerState) -> FastAPI:
         parser = state.reasoning_parser if req.separate_reasoning else None
         thinking = None if parser is None else REASONING_PARSERS[parser]
         names = {"prompt": "messages", "max_tokens": param}
-        return ChatParts(prompt, sp, names, calls, thinking)
+        return ChatParts(prompt, sp, names, calls, thinking, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -198,7 +247,7 @@ def create_app(state: ServerState) -> FastAPI:
             request,
             req,
             endpoint,
-            [parts.prompt],
+            [{**parts.prompt, "lora": parts.lora}],
             parts.sampling,
             parts.names,
             logprobs,
@@ -212,7 +261,7 @@ def create_app(state: ServerState) -> FastAPI:
         openai_responses.py)."""
         req = parse_request(ChatCompletionRequest, json.dumps(body).encode())
         parts = chat_parts(req)
-        msg = TokenizeMsg(state.frontend.new_rid(), parts.sampling, **parts.prompt)
+        msg = TokenizeMsg(state.frontend.new_rid(), parts.sampling, **parts.prompt, lora=parts.lora)
         group = await start_group(state.frontend, [msg], parts.names)
         return ChatJob(group, state.model_name, parts.calls, parts.thinking)
 
@@ -230,13 +279,16 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await request.body())
-        check_model(req.model)
+        lora = check_model(req.model)
         req.check_unsupported()
         texts = req.prompts()
         check_batch_size(len(texts), len(texts) * req.n, state.max_batch_prompts, "prompt")
         # A token-id prompt's text comes back from the detokenizer when echoed.
         prompts = [
-            {"text": p} if isinstance(p, str) else {"input_ids": p, "echo": req.echo} for p in texts
+            {"text": p, "lora": lora}
+            if isinstance(p, str)
+            else {"input_ids": p, "echo": req.echo, "lora": lora}
+            for p in texts
         ]
         # OpenAI's legacy default for completions is 16 tokens.
         max_tokens = 16 if req.max_tokens is None else req.max_tokens

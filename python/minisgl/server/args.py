@@ -11,6 +11,7 @@ from minisgl.engine.config import LOGPROBS_MODES
 from minisgl.kvcache import EVICTION_POLICIES
 from minisgl.layers.quantized import QUANTIZATIONS
 
+from .lora_args import add_lora_arguments
 from .reasoning import REASONING_PARSERS
 from .speculative_args import add_speculative_arguments
 from .tools import TOOL_CALL_PARSERS
@@ -47,6 +48,10 @@ class ServerArgs:
     log_level: str = "info"
     tool_call_parser: str = "auto"
     reasoning_parser: str | None = None
+    enable_lora: bool = False
+    lora_modules: list[tuple[str, str]] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
     responses_max_stored: int = 1024
     responses_max_stored_mb: float = 256.0
     responses_store_dir: str | None = None
@@ -92,6 +97,13 @@ class ServerArgs:
             kv_cache_disk_gb=self.kv_cache_disk_gb,
         )
         kwargs.update({k: v for k, v in asdict(self).items() if k.startswith("speculative_")})
+        if self.enable_lora or self.lora_modules:
+            kwargs.update(
+                enable_lora=True,
+                lora_modules=dict(self.lora_modules or []),
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+            )
         if self.schedule_policy is not None:
             kwargs["schedule_policy"] = self.schedule_policy
         if self.overlap_schedule is not None:
@@ -344,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shell-max-tokens", type=int, default=512)
     p.add_argument("--shell-temperature", type=float, default=0.0)
     add_speculative_arguments(p)
+    add_lora_arguments(p)
     return p
 
 
@@ -371,6 +384,10 @@ def _positive_float(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse the command line into `ServerArgs`."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    names = [name for name, _ in ns.lora_modules or []]
+    if len(set(names)) != len(names):
+        parser.error(f"--lora-modules: each adapter name once, got {names}")
     names = {f.name for f in fields(ServerArgs)}
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

@@ -17,6 +17,7 @@ from minisgl.message import (
     EncodedMsg,
     ErrorMsg,
     FlushCacheReply,
+    LoraAdapterReply,
     OutputMsg,
     StatsMsg,
     TokenizeMsg,
@@ -30,7 +31,7 @@ from .responses import APIError
 logger = init_logger(__name__)
 
 # The one reply of a message that `FrontendManager.call` sends (no token stream).
-REPLY_TYPES = (EncodedMsg, DecodedMsg, FlushCacheReply)
+REPLY_TYPES = (EncodedMsg, DecodedMsg, FlushCacheReply, LoraAdapterReply)
 
 
 @dataclass

@@ -190,6 +190,7 @@ def launch_server(args: ServerArgs) -> int:
             tool_parser=tool_parser_for(args.tool_call_parser, path),
             reasoning_parser=args.reasoning_parser,
             max_batch_prompts=args.max_batch_prompts,
+            lora_adapters=dict(args.lora_modules or []),
             responses=ResponseStore(
                 args.responses_max_stored,
                 int(args.responses_max_stored_mb * (1 << 20)),

@@ -141,6 +141,17 @@ def register_native_routes(
     app: FastAPI, state: ServerState, check_model: Callable[[str | None], None]
 ) -> None:
     """Add the native routes to the app (`check_model`: the OpenAI routes' model check)."""
+
+    def check_lora(name: str | None) -> str | None:
+        if name is not None and name not in state.lora_adapters:
+            known = sorted(state.lora_adapters)
+            raise APIError(
+                f"no LoRA adapter {name!r} is loaded (loaded: {known})",
+                param="lora_path",
+                code="invalid_value",
+            )
+        return name
+
     frontend = state.frontend
     config = _model_config(state.model_path)
 
@@ -252,8 +263,9 @@ def register_native_routes(
         msgs: list[TokenizeMsg] = []
         choices: list[_NativeChoice] = []
         ids = req.request_ids(len(prompts))
-        for prompt, options, meta_id, (ret, start, top) in zip(
-            prompts, sampling, ids, logprob_options
+        loras = [check_lora(name) for name in req.loras(len(prompts))]
+        for prompt, options, meta_id, (ret, start, top), lora in zip(
+            prompts, sampling, ids, logprob_options, loras
         ):
             logprobs = (top, top if start >= 0 else None) if ret else (None, None)
             sp = options.to_sampling_params(
@@ -265,7 +277,9 @@ def register_native_routes(
                     "skip_special_tokens": options.skip_special_tokens,
                     "spaces_between_special_tokens": options.spaces_between_special_tokens,
                 }
-                msgs.append(TokenizeMsg(frontend.new_rid(), sp_j, **prompt, **text_options))
+                msgs.append(
+                    TokenizeMsg(frontend.new_rid(), sp_j, **prompt, **text_options, lora=lora)
+                )
                 choice = _NativeChoice(meta_id if options.n == 1 else f"{meta_id}-{j}")
                 choice.return_logprob, choice.logprob_start_len = ret, start
                 choice.text_in_logprobs = req.return_text_in_logprobs

@@ -34,7 +34,6 @@ GENERATE_UNSUPPORTED = (
     "video_data",
     "audio_data",
     "input_embeds",
-    "lora_path",
     "return_hidden_states",
     "custom_logit_processor",
     "session_params",
@@ -160,6 +159,20 @@ class NativeGenerateRequest(Strict):
     return_text_in_logprobs: bool = False
     # SGLang's request priority, larger = more important; one for every prompt of a batch.
     priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    # SGLang's: the LoRA adapter (its name) every prompt runs under, or one per prompt.
+    lora_path: str | list[str | None] | None = None
+
+    def loras(self, count: int) -> list[str | None]:
+        """The adapter of each of `count` prompts (None: the base model)."""
+        if self.lora_path is None or isinstance(self.lora_path, str):
+            return [self.lora_path] * count
+        if len(self.lora_path) != count:
+            raise APIError(
+                f"lora_path has {len(self.lora_path)} entries for {count} prompts",
+                param="lora_path",
+                code="invalid_value",
+            )
+        return list(self.lora_path)
 
     @property
     def is_single(self) -> bool:

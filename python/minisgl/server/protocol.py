@@ -320,3 +320,17 @@ class CompletionRequest(GenerateRequest):
                 code="invalid_value",
             )
         return list(p)  # type: ignore[arg-type]
+
+
+class LoadLoraRequest(Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(Strict):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name decides here

@@ -31,6 +31,8 @@ class ServerState:
     reasoning_parser: str | None = None  # how thinking is told from content (server/reasoning.py)
     # The most sub-requests (prompts x n) one HTTP request may make (--max-batch-prompts).
     max_batch_prompts: int = MAX_BATCH_PROMPTS
+    # LoRA adapters served by name (-> their folder), the model names requests may pick them by.
+    lora_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
     # Stored Responses (`store: true`) that previous_response_id continues.
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)
 

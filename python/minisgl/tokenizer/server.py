@@ -26,6 +26,8 @@ from minisgl.message import (
     ErrorMsg,
     FlushCacheMsg,
     FlushCacheReply,
+    LoraAdapterMsg,
+    LoraAdapterReply,
     OutputMsg,
     StatsMsg,
     TokenizeMsg,
@@ -84,6 +86,7 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
         msg.skip_special_tokens,
         msg.spaces_between_special_tokens,
         echo=msg.echo,
+        lora=msg.lora,
     )
 
 
@@ -208,7 +211,7 @@ class DetokenizeManager:
         elif isinstance(msg, ErrorMsg):
             self.states.pop(msg.rid, None)
             to_api.append(msg)
-        elif isinstance(msg, (StatsMsg, EncodedMsg, DecodedMsg, FlushCacheReply)):
+        elif isinstance(msg, (StatsMsg, EncodedMsg, DecodedMsg, FlushCacheReply, LoraAdapterReply)):
             to_api.append(msg)  # answers to the API server from the other processes
         else:
             logger.warning("detokenizer: ignoring unexpected %s", type(msg).__name__)
@@ -307,7 +310,7 @@ def run_tokenizer_worker(model_path: str, addrs: Any, ready: Connection) -> None
                     errors.append(answer_text_request(tokenizer, msg))
                 except Exception as exc:
                     errors.append(text_request_error(msg, exc))
-            elif isinstance(msg, (AbortMsg, FlushCacheMsg)):
+            elif isinstance(msg, (AbortMsg, FlushCacheMsg, LoraAdapterMsg)):
                 forward.append(msg)
             else:
                 logger.warning("tokenizer: ignoring unexpected %s", type(msg).__name__)
