@@ -321,3 +321,44 @@ def test_top_candidates_equal_a_stable_sort(kernels, k):
     values, indices = kernels.top_candidates(x, k)
     want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])
+
+
+@pytest.mark.parametrize(
+    ("parts", "rank", "k"), [([24, 8, 8], 4, 40), ([16], 8, 7), ([10, 10], 3, 33)]
+)
+def test_lora_add_within_its_roundings(kernels, parts, rank, k):
+    """The adapters' deltas as the C decode layer adds them (layers/lora.py), rows of several
+    slots and of none: each row's delta within its float32 sums' rounding of the exact one,
+    rounded to bf16 and added in bf16; rows without an adapter untouched, bit for bit."""
+    from minisgl.kernel.abi import ProjectionParams
+
+    gen = torch.Generator().manual_seed(7)
+    slots, n = 3, sum(parts)
+    width = len(parts) * slots * rank
+    a, bt = torch.randn(width, k, generator=gen), torch.randn(width, n, generator=gen)
+    x = torch.randn(7, k, generator=gen).bfloat16()
+    y = torch.randn(7, n, generator=gen).bfloat16()
+    row_slots = torch.tensor([0, -1, 2, 1, -1, 2, 0])
+    params = ProjectionParams(lora_a=a.data_ptr(), lora_bt=bt.data_ptr())
+    params.lora_parts, params.lora_slots, params.lora_rank = len(parts), slots, rank
+    for index, rows in enumerate(parts):
+        params.lora_part_rows[index] = rows
+    got = y.clone()
+    kernels.lora_add(x, got, params, row_slots)
+    delta, scale = torch.zeros(7, n, dtype=torch.float64), torch.zeros(7, n, dtype=torch.float64)
+    for t, slot in enumerate(row_slots.tolist()):
+        if slot < 0:
+            continue
+        start = 0
+        for part, rows in enumerate(parts):
+            cols = slice((part * slots + slot) * rank, (part * slots + slot + 1) * rank)
+            h = a[cols].double() @ x[t].double()
+            h_abs = a[cols].double().abs() @ x[t].double().abs()
+            delta[t, start : start + rows] = bt[cols, start : start + rows].double().T @ h
+            scale[t, start : start + rows] = bt[cols, start : start + rows].double().abs().T @ h_abs
+            start += rows
+    want = y.double() + delta
+    bound = 2 * (k + rank) * U32 * scale + UBF16 * (delta.abs() + want.abs()) * 1.01
+    assert_within(got, want, bound, "lora_add")
+    untouched = row_slots < 0
+    assert torch.equal(got[untouched], y[untouched])

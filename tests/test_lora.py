@@ -213,3 +213,56 @@ def test_served_adapters_by_model_name_loaded_and_unloaded_while_streaming(tmp_p
         assert "Traceback" not in server.log_text()
     finally:
         server.stop(signal.SIGTERM)
+
+
+def test_bf16_deltas_are_the_same_bits_in_the_fused_layer_and_module_by_module(
+    monkeypatch,
+) -> None:
+    """bf16 and quantized (int4: the fused C decode layer takes such a model on every x86 class):
+    decode steps with adapters run in the C layer, which adds the deltas as the module path's
+    kernel does, so the tokens equal those of the module path; deltas match the float32
+    reference's within bf16's rounding."""
+    from minisgl.models.decoder import DecoderModel
+    from minisgl.models.fused_decode import FusedDecode
+
+    torch.set_num_threads(2)
+    model = "qwen3"
+    modules = {name: adapter_dir(model, name) for name, *_ in ADAPTERS}
+    llm = LLM(
+        tiny_model(model),
+        dtype="bfloat16",
+        quantization="int4",
+        lora_modules=modules,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    try:
+        fused_with_adapters = []
+        run = FusedDecode.run
+
+        def recording(self, decoder, x, positions, batch):
+            out = run(self, decoder, x, positions, batch)
+            fused_with_adapters.append(out is not None and batch.lora_slots is not None)
+            return out
+
+        monkeypatch.setattr(FusedDecode, "run", recording)
+        jobs = [(p, n) for p in PROMPTS[:2] for n in (None, "a", "b")]
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        fused = llm.generate([p for p, _ in jobs], sp, lora=[n for _, n in jobs])
+        assert any(fused_with_adapters), "the C decode layer never ran a batch with adapters"
+        llm.cache_manager.flush()
+        monkeypatch.setattr(DecoderModel, "_fused_decode", lambda self, x: None)
+        modular = llm.generate([p for p, _ in jobs], sp, lora=[n for _, n in jobs])
+        assert [o["token_ids"] for o in fused] == [o["token_ids"] for o in modular]
+        # The C deltas against the float32 reference's (the same slots, torch's matmuls).
+        slots = next(iter(llm.engine.lora.projections.values()))
+        x = torch.randn(5, slots.lora_a.shape[1]).bfloat16()
+        row_slots = torch.tensor([0, -1, 1, 0, 1])
+        mask = llm.engine.lora.mask(row_slots)
+        base = torch.randn(5, slots.lora_b.shape[0]).bfloat16()
+        c_sum = slots.add_to(x, base.clone(), mask, row_slots).float()
+        reference = base.float() + slots(x.float(), mask)
+        assert torch.equal(c_sum[1], base[1].float())  # no adapter: untouched
+        assert torch.allclose(c_sum, reference, rtol=2e-2, atol=2e-2)
+    finally:
+        llm.shutdown()

@@ -305,6 +305,7 @@ class Batch:
     # Per input row its adapter's scaling on its slot's columns (layers/lora.py); None: no row
     # runs under an adapter.
     lora_mask: torch.Tensor | None = None
+    lora_slots: torch.Tensor | None = None  # per input row its adapter's slot (-1: none)
 
     @property
     def is_prefill(self) -> bool:

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import torch
 
+from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers import Linear
 from minisgl.layers.lora import LoraSlots
 from minisgl.models.decoder import MLP, CausalLM
@@ -35,6 +36,7 @@ class LoraManager:
         # On a CPU the deltas are float32: a bf16 matmul there may be PyTorch's reference loop
         # (no bf16 dot products: AVX2), 3x the whole step's time at batch 16 on Zen 2.
         dtype = torch.float32 if device.type == "cpu" else dtype
+        self.kernels = cpu_kernels() if device.type == "cpu" else None
         self.vocab_size = model.config.vocab_size
         self.projections: dict[tuple[int, str], LoraSlots] = {}
         head_dim, shard = model.config.head_dim, model.shard
@@ -80,7 +82,9 @@ class LoraManager:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        slots = LoraSlots(linear.in_features, parts, self.max_loras, self.max_rank, dtype, device)
+        slots = LoraSlots(
+            linear.in_features, parts, self.max_loras, self.max_rank, dtype, device, self.kernels
+        )
         linear.lora = slots
         self.projections[(layer, name)] = slots
 

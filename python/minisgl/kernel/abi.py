@@ -69,6 +69,7 @@ SIGNATURES: dict[str, list[type]] = {
     + [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
     + [_float, _i64, _int, _int],
     "minisgl_decode_layer_scratch": [_ptr, _i64],
+    "minisgl_lora_add": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int],
     "minisgl_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
     + [_ptr, _int],
     "minisgl_decode_layer_q_offset": [_ptr, _i64],
@@ -114,6 +115,7 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_decode_attention_block": _int,
     "minisgl_prefill_attention_block": _int,
     "minisgl_decode_layer_scratch": _i64,
+    "minisgl_lora_add": None,
     "minisgl_decode_layers": _int,
     "minisgl_decode_layer_q_offset": _i64,
     "minisgl_shared_prefix_attention": _int,
@@ -279,6 +281,10 @@ class ProjectionParams(ctypes.Structure):
 
     _fields_ = [("weight", _ptr), ("tiles", _ptr), ("bias", _ptr), ("gated", _i64)]
     _fields_ += [("quantized", QuantizedWeightParams)]
+    # LoRA (layers/lora.py's LoraSlots, float32; lora_a NULL: none): A, B, and their layout.
+    _fields_ += [("lora_a", _ptr), ("lora_bt", _ptr)]
+    _fields_ += [("lora_parts", _i64), ("lora_slots", _i64), ("lora_rank", _i64)]
+    _fields_ += [("lora_part_rows", _i64 * 3)]
 
 
 class DecodeLayerParams(ctypes.Structure):
@@ -307,6 +313,7 @@ class DecodeModelParams(ctypes.Structure):
         ("gemv_max_rows", _i64),
         ("use_tiles", _i64),
         ("max_positions", _i64),  # rows of cos/sin: positions are checked against it (0: not)
+        ("lora_slots", _ptr),  # per token its adapter's slot (-1: none); NULL: no adapters
     ]
 
 

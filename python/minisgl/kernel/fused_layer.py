@@ -13,6 +13,7 @@ from minisgl.kernel.abi import (
     DTYPE_CODES,
     DecodeLayerParams,
     DecodeModelParams,
+    ProjectionParams,
     check_block_inputs,
     check_prefill_tokens,
     check_status,
@@ -133,6 +134,32 @@ class FusedLayerKernels(AttentionKernels):
         )
         check_status("prefill_attention_block", status, positions, rope_tables[0].shape[0])
         return out
+
+    def lora_add(
+        self, x: torch.Tensor, y: torch.Tensor, params: ProjectionParams, slots: torch.Tensor
+    ) -> None:
+        """y [tokens, N] += each row's adapter delta in place (bf16 x [tokens, K], slots int64
+        [tokens], -1: none), as the C decode layer adds it (params: the LoRA fields)."""
+        require(
+            x.dtype == y.dtype == torch.bfloat16 and slots.dtype == torch.int64,
+            f"lora_add: x {x.dtype}, y {y.dtype}, slots {slots.dtype}",
+        )
+        require(
+            x.is_contiguous() and y.is_contiguous() and slots.is_contiguous(),
+            "lora_add: x, y and slots must be contiguous",
+        )
+        tokens, width = y.shape
+        require(x.shape[0] == tokens == slots.shape[0], "lora_add: rows of x, y, slots differ")
+        self.lib.minisgl_lora_add(
+            x.data_ptr(),
+            y.data_ptr(),
+            tokens,
+            width,
+            x.shape[1],
+            ctypes.byref(params),
+            slots.data_ptr(),
+            kernel_threads(),
+        )
 
     def decode_layer_scratch(self, model: DecodeModelParams, tokens: int) -> int:
         """Elements of the bf16 scratch the decode layer kernels need for `tokens` tokens."""

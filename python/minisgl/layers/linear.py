@@ -306,7 +306,7 @@ class Linear(nn.Module):
         mask = self._lora_mask()
         if mask is not None:
             assert self.lora is not None
-            y = y + self.lora(x, mask).to(y.dtype)
+            y = self.lora.add_to(x, y, mask, get_global_ctx().batch.lora_slots)
         return y
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -318,7 +318,10 @@ class Linear(nn.Module):
         """This projection for the C decode layer, where it has a CPU path (see CpuProjection)."""
         if self.cpu_projection is None:
             return None
-        return self.cpu_projection.fused_params(self.weight, self.bias)
+        params = self.cpu_projection.fused_params(self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.fill_params(params)
+        return params
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gated projection: fused on the CPU where it can be."""

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.kernel.abi import ProjectionParams
+from minisgl.kernel.cpu import CpuKernels
+
 
 class LoraSlots(nn.Module):
     """delta(x) = ((x A^T) * mask) B^T for a projection of `in_features` inputs whose output
@@ -24,12 +27,21 @@ class LoraSlots(nn.Module):
         rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: CpuKernels | None = None,
     ) -> None:
+        """kernels: the C kernels, where bf16 rows take their deltas from them (the C decode
+        layer's sums: the same bits on either path)."""
         super().__init__()
         self.part_features, self.slots, self.rank = list(part_features), slots, rank
         width = len(part_features) * slots * rank
         self.lora_a = torch.zeros(width, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(sum(part_features), width, dtype=dtype, device=device)
+        # B transposed, the C decode layer's form (layers are made outside inference mode, so
+        # it can be written in place later; a copy made at the first forward could not).
+        self.lora_bt = torch.zeros(width, sum(part_features), dtype=dtype, device=device)
+        self.kernels = kernels if dtype == torch.float32 and device.type == "cpu" else None
+        self.params = ProjectionParams()  # the LoRA fields alone, for kernels.lora_add
+        self.fill_params(self.params)
 
     def _columns(self, part: int, slot: int) -> slice:
         start = (part * self.slots + slot) * self.rank
@@ -56,12 +68,34 @@ class LoraSlots(nn.Module):
                     self.lora_b.dtype
                 )
             row += features
+        self._sync_transposed(slot)
 
     def clear(self, slot: int) -> None:
         for part in range(len(self.part_features)):
             cols = self._columns(part, slot)
             self.lora_a[cols] = 0
             self.lora_b[:, cols] = 0
+        self._sync_transposed(slot)
+
+    def _sync_transposed(self, slot: int) -> None:
+        for part in range(len(self.part_features)):
+            cols = self._columns(part, slot)
+            self.lora_bt[cols] = self.lora_b[:, cols].T
+
+    def add_to(
+        self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None
+    ) -> torch.Tensor:
+        """y (the base projection of x) plus the deltas of the rows under adapters."""
+        if (
+            self.kernels is not None
+            and slots is not None
+            and x.dtype == y.dtype == torch.bfloat16
+            and x.dim() == y.dim() == 2
+        ):
+            y = y.contiguous()
+            self.kernels.lora_add(x.contiguous(), y, self.params, slots)
+            return y
+        return y + self(x, mask).to(y.dtype)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The delta of x [rows, in] under `mask` [rows, slots * rank] (see the class)."""
@@ -69,3 +103,13 @@ class LoraSlots(nn.Module):
         parts = len(self.part_features)
         scaled = shrunk * (mask if parts == 1 else mask.repeat(1, parts))
         return scaled @ self.lora_b.T
+
+    def fill_params(self, params: ProjectionParams) -> None:
+        """Point the C decode layer's projection at these slots (float32 only: its form)."""
+        if self.lora_a.dtype != torch.float32 or self.lora_a.device.type != "cpu":
+            return
+        params.lora_a, params.lora_bt = self.lora_a.data_ptr(), self.lora_bt.data_ptr()
+        params.lora_parts, params.lora_slots = len(self.part_features), self.slots
+        params.lora_rank = self.rank
+        for index, rows in enumerate(self.part_features):
+            params.lora_part_rows[index] = rows

@@ -167,8 +167,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        # Rows under LoRA adapters take the module path, where Linear adds their deltas.
-        fused = self._fused_decode(x) if get_global_ctx().lora_mask is None else None
+        fused = self._fused_decode(x)
         if fused is not None:
             out = fused.run(self, x, positions, get_global_ctx().batch)
             if out is not None:

@@ -148,6 +148,14 @@ class FusedDecode:
                     window=parts.attention.sliding_window or 0,
                 )
             )
+        # Adapters' deltas in the C layer: float32 slots on every projection, and no gate_up
+        # whose packed copy interleaves gate and up (its plain product's order is not
+        # the deltas').
+        self.takes_lora = all(
+            p.lora_a and not (p.gated and p.tiles)
+            for layer in self.layer_params
+            for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         # The same blocks side by side, for the one call that runs every layer.
         self.layer_array = (DecodeLayerParams * len(self.layer_params))(*self.layer_params)
 
@@ -185,6 +193,8 @@ class FusedDecode:
         """The final hidden states, or None when this batch must take the module path."""
         if not batch.is_decode or x.shape[0] > self.max_tokens or batch.out_loc is None:
             return None
+        if batch.lora_slots is not None and not self.takes_lora:
+            return None
         backend = get_global_ctx().attn_backend
         if backend is None:
             return None
@@ -200,6 +210,8 @@ class FusedDecode:
         positions = positions.long().contiguous()
         out_loc = batch.out_loc.long().contiguous()
         kernels, model_params = self.kernels, self.model_params
+        lora_slots = None if batch.lora_slots is None else batch.lora_slots.long().contiguous()
+        model_params.lora_slots = _ptr(lora_slots)  # (kept alive until this returns)
         scratch = x.new_empty(kernels.decode_layer_scratch(model_params, x.shape[0]))
         if not cascade:
             x, residual = kernels.decode_layers(

@@ -108,6 +108,8 @@ def prepare_forward_input(
         if batch.is_prefill or batch.drafts is not None:
             slots = slots.repeat_interleave(extend)
         batch.lora_mask = engine.lora.mask(slots)
+        if batch.lora_mask is not None:
+            batch.lora_slots = slots.to(device)
     engine.attn_backend.prepare_metadata(batch)
     if sampled is None:
         sampled = [r for r in reqs if not r.is_chunked]

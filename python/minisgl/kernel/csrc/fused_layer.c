@@ -119,6 +119,63 @@ static int layer_matmul(const decode_model* m, const bf16_t* x, const projection
     return MINISGL_OK;
 }
 
+// y [tokens, N] (the projection of x [tokens, K]) plus each token's adapter delta (B (A x)
+// of its slot's columns, rounded to bf16 and added as layers/lora.py's module path adds it);
+// tokens without an adapter (slot -1) are left as they are. B is read transposed (lora_bt
+// [width, N]): the delta is `rank` row-vector updates, not a dot product per output.
+static void lora_add(const projection* p, const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N,
+                     int64_t K, const int64_t* slots, int nthreads) {
+    if (!p->lora_a || !slots) return;
+    const int64_t rank = p->lora_rank;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        float* xf = (float*)malloc((size_t)(K + rank + N) * sizeof(float));
+        if (!xf) continue;  // (the base output stands; a failed malloc of a few KB)
+        float *h = xf + K, *delta = h + rank;
+        for (int64_t k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
+        int64_t row0 = 0;
+        for (int64_t part = 0; part < p->lora_parts; part++) {
+            const int64_t col0 = (part * p->lora_slots + slot) * rank;
+            const int64_t rows = p->lora_part_rows[part];
+            for (int64_t r = 0; r < rank; r++) {
+                const float* a = p->lora_a + (col0 + r) * K;
+                float sum = 0.0f;
+                for (int64_t k = 0; k < K; k++) sum += a[k] * xf[k];
+                h[r] = sum;
+            }
+            float* d = delta + row0;
+            for (int64_t o = 0; o < rows; o++) d[o] = 0.0f;
+            for (int64_t r = 0; r < rank; r++) {
+                const float* bt = p->lora_bt + (col0 + r) * N + row0;
+                const float hr = h[r];
+                for (int64_t o = 0; o < rows; o++) d[o] += hr * bt[o];
+            }
+            row0 += rows;
+        }
+        bf16_t* out = y + t * N;
+        for (int64_t o = 0; o < row0 && o < N; o++)
+            out[o] = f32_to_bf16(bf16_to_f32(out[o]) + bf16_to_f32(f32_to_bf16(delta[o])));
+        free(xf);
+    }
+}
+
+// lora_add on its own: the module path's deltas (layers/lora.py), the same sums as the C
+// layer's, so a row's output is the same bits on either path.
+void minisgl_lora_add(const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N, int64_t K,
+                      const projection* p, const int64_t* slots, int nthreads) {
+    lora_add(p, x, y, tokens, N, K, slots, nthreads);
+}
+
+// The projection and its adapters' deltas (lora_add).
+static int layer_project(const decode_model* m, const bf16_t* x, const projection* p, bf16_t* y,
+                         int64_t tokens, int64_t N, int64_t K, int nthreads) {
+    const int status = layer_matmul(m, x, p, y, tokens, N, K, nthreads);
+    if (status == MINISGL_OK) lora_add(p, x, y, tokens, N, K, m->lora_slots, nthreads);
+    return status;
+}
+
 // Scratch elements (bf16) minisgl_decode_layer needs for `tokens` tokens.
 int64_t minisgl_decode_layer_scratch(const decode_model* m, int64_t tokens) {
     int64_t q_width = m->num_heads * m->head_dim, kv_width = m->num_kv_heads * m->head_dim;
@@ -166,8 +223,8 @@ int minisgl_decode_layer_begin(const decode_layer* L, const decode_model* m, con
         minisgl_add_rms_norm(x, NULL, L->input_norm, s.normed, NULL, tokens, hidden, m->eps, 1,
                              nthreads);
     }
-    const int status = layer_matmul(m, s.normed, &L->qkv, s.qkv, tokens, qkv_width, hidden,
-                                    nthreads);
+    const int status = layer_project(m, s.normed, &L->qkv, s.qkv, tokens, qkv_width, hidden,
+                                     nthreads);
     if (status != MINISGL_OK) return status;
     return attention_inputs(s.qkv, s.q, L->q_norm, L->k_norm, m->eps, L->k_cache, L->v_cache,
                             out_loc, positions, m->cos, m->sin, m->max_positions, tokens,
@@ -188,28 +245,30 @@ int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_
                                           prefix_lse, tokens, m->num_heads, m->num_kv_heads,
                                           m->head_dim, m->scale, L->window, 1, nthreads);
     if (status != MINISGL_OK) return status;
-    status = layer_matmul(m, s.attn, &L->o, s.proj, tokens, hidden, q_width, nthreads);
+    status = layer_project(m, s.attn, &L->o, s.proj, tokens, hidden, q_width, nthreads);
     if (status != MINISGL_OK) return status;
     minisgl_add_rms_norm(s.proj, residual, L->post_norm, s.normed, residual, tokens, hidden,
                          m->eps, 1, nthreads);
-    // A gated quantized gate_up runs SiLU in its matmul where it can (AMX), else as below.
+    // A gated quantized gate_up runs SiLU in its matmul where it can (AMX), else as below
+    // (always with adapters: their deltas go in before SiLU).
     status = MINISGL_ERR_UNSUPPORTED;
-    if (L->gate_up.gated && L->gate_up.tiles) {
+    const int adapted = L->gate_up.lora_a && m->lora_slots;
+    if (!adapted && L->gate_up.gated && L->gate_up.tiles) {
         status = minisgl_packed_gated_silu(s.normed, L->gate_up.tiles, L->gate_up.bias, s.act,
                                            tokens, m->inter, hidden, layer_tiles(m, tokens),
                                            nthreads);
-    } else if (L->gate_up.gated && L->gate_up.quantized.values) {
+    } else if (!adapted && L->gate_up.gated && L->gate_up.quantized.values) {
         status = minisgl_quantized_gated_silu(s.normed, &L->gate_up.quantized, s.act, tokens,
                                               m->inter, hidden, nthreads);
     }
     if (status == MINISGL_ERR_UNSUPPORTED) {
-        status = layer_matmul(m, s.normed, &L->gate_up, s.gate_up, tokens, 2 * m->inter, hidden,
-                              nthreads);
+        status = layer_project(m, s.normed, &L->gate_up, s.gate_up, tokens, 2 * m->inter, hidden,
+                               nthreads);
         if (status == MINISGL_OK)
             minisgl_silu_and_mul(s.gate_up, s.act, tokens, m->inter, 1, nthreads);
     }
     if (status != MINISGL_OK) return status;
-    return layer_matmul(m, s.act, &L->down, out, tokens, hidden, m->inter, nthreads);
+    return layer_project(m, s.act, &L->down, out, tokens, hidden, m->inter, nthreads);
 }
 
 // Every layer of a decode step with no shared prefix, in one call: at batch 1 the Python and

@@ -51,6 +51,13 @@ typedef struct {
     const bf16_t* bias;    // [N] in the packed copy's column order, or NULL
     int64_t gated;         // a gate_up whose copy (and bias) interleave gate and up: SiLU fused
     quantized_weight quantized;  // read where its values are set (weight and tiles NULL)
+    // LoRA adapters (layers/lora.py's LoraSlots, float32), or lora_a NULL: A [parts * slots *
+    // rank, K], each part's slots side by side; B transposed [parts * slots * rank, N], its
+    // scaling in it; part p covers lora_part_rows[p] of the N outputs, in order.
+    const float* lora_a;
+    const float* lora_bt;
+    int64_t lora_parts, lora_slots, lora_rank;
+    int64_t lora_part_rows[3];
 } projection;
 
 typedef struct {
@@ -69,6 +76,7 @@ typedef struct {
     int64_t gemv_max_rows;
     int64_t use_tiles;      // the packed matmuls on the AMX tiles, else vdpbf16ps
     int64_t max_positions;  // rows of cos/sin (0: unchecked)
+    const int64_t* lora_slots;  // per token its adapter's slot (-1: none), or NULL: no adapter
 } decode_model;
 
 // common.c
@@ -204,6 +212,8 @@ int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_
                               bf16_t* out, bf16_t* scratch, int64_t tokens, const int64_t* rows,
                               const int64_t* kv_lens, const int64_t* kv_starts,
                               const float* prefix_out, const float* prefix_lse, int nthreads);
+void minisgl_lora_add(const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N, int64_t K,
+                      const projection* p, const int64_t* slots, int nthreads);
 int minisgl_decode_layers(const decode_layer* layers, int64_t num_layers, const decode_model* m,
                           const bf16_t* x, bf16_t* residual, bf16_t* out, bf16_t* scratch,
                           int64_t tokens, const int64_t* positions, const int64_t* rows,
