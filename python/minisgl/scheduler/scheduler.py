@@ -17,6 +17,7 @@ from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
 from minisgl.utils import init_logger
 
+from .adapters import AdaptersMixin
 from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
@@ -35,7 +36,7 @@ from .tier import open_disk_tier
 logger = init_logger(__name__)
 
 
-class Scheduler(PreemptionMixin, ResultsMixin):
+class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
     """Admits requests, builds each step's batch, runs it and hands tokens back.
 
     With overlap scheduling, step N+1 is scheduled and launched before step N's tokens are
@@ -331,22 +332,6 @@ class Scheduler(PreemptionMixin, ResultsMixin):
             req.prompt_cached_tokens = handle.cached_len
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_tokens += handle.cached_len
-
-    def forget_unused_adapters(self) -> None:
-        """Drop the adapters being unloaded that no request (queued or running) uses."""
-        assert self.engine.lora is not None
-        queued = [r for r, _ in self.grammars.pending.values()] if self.grammars else []
-        in_use = {r.lora for r in [*self.waiting, *self._admitted(), *queued]}
-        if self._in_flight is not None:
-            in_use |= {r.lora for r in self._in_flight.batch.reqs}
-        for name in self.engine.lora.unregistering - in_use:
-            self.engine.lora.forget(name)
-
-    def _take_adapter_slot(self, req: Req) -> bool:
-        assert self.engine.lora is not None and req.lora is not None
-        slot = self.engine.lora.acquire(req.lora)
-        req.lora_slot = -1 if slot is None else slot
-        return slot is not None
 
     def _decode_reqs(self) -> list[Req]:
         # With overlap, a request whose last token is still being sampled is not decoded again.
