@@ -225,6 +225,10 @@ class SamplingParams:
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# How an embedding request pools its prompt's final hidden states (Req.pooling).
+POOLING_MODES = ("last", "mean")
+
+
 @dataclass(eq=False)
 class Req:
     """One running request and where its KV lives.
@@ -260,6 +264,10 @@ class Req:
     # Its tokens' prefix-cache keys are -(id + cache_key_offset) under an adapter, so that no
     # prefix computed under one adapter (or none) is ever matched under another (0: the ids).
     cache_key_offset: int = 0
+    # An embedding request (POOLING_MODES): its prompt's final hidden states pooled, no token
+    # generated; pool_sum gathers them chunk by chunk (mean: their sum, last: the last one).
+    pooling: str | None = None
+    pool_sum: torch.Tensor | None = None
 
     def cache_key(self, end: int) -> torch.Tensor:
         """The prefix-cache key of tokens [0, end)."""

@@ -49,6 +49,8 @@ class ForwardInput:
     prompt_logprob_rows: LogprobRows | None = None
     # Tensor parallelism: the step as the other ranks replay it (TPGroup.describe_step).
     tp_message: StepMessage | None = None
+    # Embedding requests: per request its rows [start, end) and pooling mode (Req.pooling).
+    pool_spans: list[tuple[int, int, str]] | None = None
 
 
 @dataclass
@@ -61,6 +63,9 @@ class ForwardOutput:
     # For ForwardInput.logprob_rows / prompt_logprob_rows, row for row.
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    # For ForwardInput.pool_spans, span for span: float32 [hidden], the rows' sum (mean) or
+    # the last row (last).
+    pooled: list[torch.Tensor] | None = None
 
     def wait(self) -> ForwardOutput:
         """Block until `next_tokens_cpu` holds the step's tokens."""
@@ -198,20 +203,38 @@ class Engine:
         return num_pages
 
     def _run_model(
-        self, batch: Batch, prompt_rows: LogprobRows | None
-    ) -> tuple[torch.Tensor, TokenLogprobs | None]:
-        """The step's logits (and prompt rows' log-probabilities) with the batch set."""
+        self,
+        batch: Batch,
+        prompt_rows: LogprobRows | None,
+        pool_spans: list[tuple[int, int, str]] | None = None,
+    ) -> tuple[torch.Tensor, TokenLogprobs | None, list[torch.Tensor] | None]:
+        """The step's logits (and prompt rows' log-probabilities, embedding requests' pooled
+        hidden states) with the batch set."""
         assert batch.input_ids is not None and batch.positions is not None
+        if pool_spans:
+            hidden = self.model.hidden_states(batch.input_ids, batch.positions)
+            pooled = [
+                hidden[start:end].float().sum(0) if mode == "mean" else hidden[end - 1].float()
+                for start, end, mode in pool_spans
+            ]
+            indices = batch.logits_indices
+            logits = self.model.logits(hidden if indices is None else hidden[indices], True)
+            prompt = (
+                None
+                if prompt_rows is None
+                else prompt_token_logprobs(hidden, prompt_rows, self.model.logits)
+            )
+            return logits, prompt, pooled
         if prompt_rows is None:
             # Sampled right after, before the next step can run: its buffer may be reused.
             logits = self.model(
                 batch.input_ids, batch.positions, batch.logits_indices, reuse_logits=True
             )
-            return logits, None
+            return logits, None, None
         hidden = self.model.hidden_states(batch.input_ids, batch.positions)
         indices = batch.logits_indices
         logits = self.model.logits(hidden if indices is None else hidden[indices], True)
-        return logits, prompt_token_logprobs(hidden, prompt_rows, self.model.logits)
+        return logits, prompt_token_logprobs(hidden, prompt_rows, self.model.logits), None
 
     @torch.inference_mode()
     def replay(self, step: ReplicaStep) -> None:
@@ -246,7 +269,9 @@ class Engine:
             prompt_rows = forward_input.prompt_logprob_rows
             if forward_input.tp_message is not None:  # the other ranks run the same forward
                 self.tp.send_step(forward_input.tp_message, batch.input_ids)
-            logits, prompt_logprobs = self._run_model(batch, prompt_rows)
+            logits, prompt_logprobs, pooled = self._run_model(
+                batch, prompt_rows, forward_input.pool_spans
+            )
         finally:
             self.ctx.set_batch(None)
         wanted = forward_input.logprob_rows
@@ -264,7 +289,9 @@ class Engine:
         logprobs = None
         if wanted is not None and raw is not None:
             logprobs = token_logprobs(raw, next_tokens.index_select(0, wanted.rows), wanted.top_k)
-        out = ForwardOutput(next_tokens, next_tokens, logits, None, logprobs, prompt_logprobs)
+        out = ForwardOutput(
+            next_tokens, next_tokens, logits, None, logprobs, prompt_logprobs, pooled
+        )
         if self.device.type == "cuda":
             out.next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)
             out.copy_done = torch.cuda.Event()

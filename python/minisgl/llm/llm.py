@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
+from minisgl.models.pooling import finish_embedding, pooling_config
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.hf import gguf_source, resolve_model_path
@@ -243,6 +244,39 @@ class LLM(Scheduler):
             if sp.prompt_logprobs is not None:
                 result["prompt_logprobs"] = prompt_lps
         return results
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+    ) -> list[list[float]]:
+        """One embedding per prompt: its final hidden states pooled (by default as the model
+        folder's sentence-transformers config says, else the last token's, normalized);
+        `dimensions`: the first that many kept (Matryoshka), normalized after the cut."""
+        config = pooling_config(self.model_path)
+        mode = pooling or config.mode
+        unit = config.normalize if normalize is None else normalize
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        encoded = [self._encode(p) for p in prompts]  # type: ignore[union-attr]
+        params = SamplingParams(max_tokens=1)
+        uids = [self.add_request(ids, params, pooling=mode) for ids in encoded]
+        index = {uid: i for i, uid in enumerate(uids)}
+        vectors: list[list[float] | None] = [None] * len(uids)
+        errors: list[str | None] = [None] * len(uids)
+        while self.has_work:
+            for out in self.step():
+                if out.uid in index and out.finish_reason is not None:
+                    vectors[index[out.uid]], errors[index[out.uid]] = out.embedding, out.error
+        self.cache_manager.check_integrity()
+        failed = [(i, e) for i, e in enumerate(errors) if e is not None or vectors[i] is None]
+        if failed:
+            raise RuntimeError(f"embedding prompt {failed[0][0]} failed: {failed[0][1]}")
+        return [finish_embedding(v, dimensions, unit) for v in vectors if v is not None]
 
     def shutdown(self) -> None:
         """Release the engine's memory; the object is unusable afterwards."""

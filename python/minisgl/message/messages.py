@@ -45,6 +45,7 @@ class TokenizeMsg:
     # Function tools the chat template renders (OpenAI's `tools`), where the request has any.
     tools: list[dict[str, Any]] | None = None
     lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    pooling: str | None = None  # an embedding request: how its hidden states are pooled
 
 
 @register_message
@@ -68,6 +69,7 @@ class UserMsg:
     spaces_between_special_tokens: bool = True
     echo: bool = False
     lora: str | None = None
+    pooling: str | None = None
 
 
 @register_message
@@ -107,6 +109,7 @@ class TokenMsg:
     # Speculative decoding: the request's verify steps and accepted drafts so far (None: off).
     spec_verify_ct: int | None = None
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's pooled vector
 
 
 @register_message
@@ -130,6 +133,7 @@ class OutputMsg:
     # As TokenMsg's, as of this output.
     spec_verify_ct: int | None = None
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's pooled vector
 
 
 @register_message

@@ -113,6 +113,8 @@ class CacheManager:
         matchable = len(req.input_ids) - 1
         if req.sampling_params.prompt_logprobs is not None and req.output_len == 0:
             matchable = 0
+        if req.pooling is not None:  # every position's hidden state is pooled: none cached
+            matchable = 0
         ids = req.cache_key(matchable)
         handle = self.prefix_cache.match_prefix(ids).cuda_handle
         # An adapter's KV stays off the disk tier (its keys are this process's own).

@@ -78,7 +78,11 @@ class SchedulerIO:
         try:
             # Refused, not clipped, past the context (as vLLM's OpenAI server).
             uid = self.scheduler.add_request(
-                msg.input_ids, msg.sampling_params, clip_to_context=False, lora=msg.lora
+                msg.input_ids,
+                msg.sampling_params,
+                clip_to_context=False,
+                lora=msg.lora,
+                pooling=msg.pooling,
             )
         except RequestError as exc:
             return ErrorMsg(msg.rid, str(exc), exc.param, exc.code)
@@ -169,6 +173,7 @@ class SchedulerIO:
                     cached = req.prompt_cached_tokens if req is not None else 0
             msg = TokenMsg(rid, out.token, out.finish_reason, cached)
             msg.logprobs, msg.prompt_logprobs = out.logprobs, out.prompt_logprobs
+            msg.embedding = out.embedding
             msg.spec_verify_ct, msg.spec_accepted_tokens = (
                 out.spec_verify_ct,
                 out.spec_accepted_tokens,

@@ -22,6 +22,8 @@ class InFlight:
     # and each request's prompt positions [start, end) it computes them for, in row order.
     logprob_indices: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Req, int, int]] = field(default_factory=list)
+    # The embedding requests of the step, in ForwardInput.pool_spans' order.
+    pooling: list[Req] = field(default_factory=list)
 
     def output(self) -> ForwardOutput:
         result = self.result
@@ -47,6 +49,7 @@ class TokenOutput:
     # Speculative decoding: the request's verify steps and accepted drafts so far (None: off).
     spec_verify_ct: int | None = None
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's pooled vector (its output)
 
 
 @dataclass

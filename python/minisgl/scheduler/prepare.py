@@ -56,6 +56,12 @@ def validate_request(
     return ids, len(ids) + max_tokens
 
 
+def produces_token(req: Req) -> bool:
+    """Whether this step samples a token for the request: not a prompt chunk short of its end,
+    not an embedding request (its hidden states are pooled instead)."""
+    return not req.is_chunked and req.pooling is None
+
+
 def lora_key_offset(engine: Engine, lora: str) -> int:
     """The prefix-cache key offset of a registered adapter's requests (Req.cache_key)."""
     if engine.lora is None:
@@ -97,7 +103,8 @@ def prepare_forward_input(
         positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
         input_rows = rows.repeat_interleave(extend)
         last = extend.cumsum(0) - 1
-        keep = torch.tensor([not r.is_chunked for r in reqs], dtype=torch.bool)
+        # Embedding requests produce no token: their rows are pooled instead (pool_spans).
+        keep = torch.tensor([produces_token(r) for r in reqs], dtype=torch.bool)
         logits_indices = last[keep].to(device)
     positions, input_rows = positions.to(device), input_rows.to(device)
     batch.positions = positions
@@ -112,7 +119,15 @@ def prepare_forward_input(
             batch.lora_slots = slots.to(device)
     engine.attn_backend.prepare_metadata(batch)
     if sampled is None:
-        sampled = [r for r in reqs if not r.is_chunked]
+        sampled = [r for r in reqs if produces_token(r)]
+    pool_spans = None
+    if batch.is_prefill and any(r.pooling is not None for r in reqs):
+        ends = torch.tensor([r.extend_len for r in reqs]).cumsum(0).tolist()
+        pool_spans = [
+            (end - r.extend_len, end, r.pooling)
+            for r, end in zip(reqs, ends)
+            if r.pooling is not None
+        ]
     plan = plan if plan is not None else logprob_plan(batch, sampled)
     sample_args = engine.sampler.prepare(sampled, eos_ids)
     if grammars is not None:
@@ -131,4 +146,5 @@ def prepare_forward_input(
         logprob_rows=plan.token_rows(sampled, device),
         prompt_logprob_rows=prompt_rows,
         tp_message=tp_message,
+        pool_spans=pool_spans,
     )

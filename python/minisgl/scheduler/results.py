@@ -37,6 +37,11 @@ class ResultsMixin:
 
     def _process(self, step: InFlight) -> None:
         output = step.output()
+        if step.pooling:
+            assert output.pooled is not None
+            for req, pooled in zip(step.pooling, output.pooled):
+                if req.finish_reason is None:
+                    self._pool(req, pooled)
         tokens = output.next_tokens_cpu.tolist()
         logprobs = collect_logprobs(step, output)
         if step.batch.drafts is not None:
@@ -49,8 +54,23 @@ class ResultsMixin:
             if req.finish_reason is not None:
                 if not self._is_in_flight(req) and req.cache_handle is not None:
                     self._release(req)
-            elif step.batch.is_prefill:
+            elif step.batch.is_prefill and req.pooling is None:
                 self.cache_manager.cache_req(req, finished=False)
+
+    def _pool(self, req: Req, pooled: torch.Tensor) -> None:
+        """An embedding request's chunk: its pooled rows gathered; after its last chunk, the
+        vector is its output and the request ends (its KV freed, not cached)."""
+        if req.pooling == "mean" and req.pool_sum is not None:
+            pooled = req.pool_sum + pooled
+        req.pool_sum = pooled
+        if req.is_chunked:
+            return
+        vector = req.pool_sum / req.prompt_len if req.pooling == "mean" else req.pool_sum
+        req.finish_reason = "stop"
+        self._outbox.append(
+            TokenOutput(req.uid, None, "stop", req.prompt_cached_tokens, embedding=vector.tolist())
+        )
+        self._drop(req)
 
     def _append_safely(self, req: Req, token: int, logprobs: list[Any] | None) -> None:
         try:
@@ -142,7 +162,9 @@ class ResultsMixin:
     def _release(self, req: Req) -> None:
         if self.speculator is not None:
             self.speculator.release(req)
-        if req.finish_reason == "error":  # what it computed last may be what went wrong
+        # What a failed request computed last may be what went wrong; an embedding request's
+        # KV serves nobody after it.
+        if req.finish_reason == "error" or req.pooling is not None:
             self.cache_manager.release_uncached(req)
         else:
             self.cache_manager.cache_req(req, finished=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import Batch, Req, RequestError, SamplingParams
+from minisgl.core import POOLING_MODES, Batch, Req, RequestError, SamplingParams
 from minisgl.distributed.worker import TPWorkerError, TPWorkers
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
@@ -27,7 +27,7 @@ from .logprobs import logprob_plan
 from .output import InFlight, SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
 from .preemption import PreemptionMixin
-from .prepare import lora_key_offset, prepare_forward_input, validate_request
+from .prepare import lora_key_offset, prepare_forward_input, produces_token, validate_request
 from .results import ResultsMixin
 from .speculative import Speculator, verify_prefixes, verify_rows
 from .table import TableManager
@@ -101,6 +101,7 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
         sampling_params: SamplingParams,
         clip_to_context: bool = True,
         lora: str | None = None,
+        pooling: str | None = None,
     ) -> int:
         """Queue a request (under the LoRA adapter `lora`, None: the base model); raises
         RequestError naming the parameter when it can never run (with `clip_to_context` False
@@ -112,6 +113,14 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
         uid = next(self._uids)
         req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
         req.lora, req.cache_key_offset = lora, key_offset
+        if pooling is not None:
+            if pooling not in POOLING_MODES:
+                raise RequestError(
+                    f"pooling must be one of {POOLING_MODES}, got {pooling!r}", "pooling"
+                )
+            if sampling_params.structured is not None:
+                raise RequestError("an embedding request takes no structured output", "pooling")
+            req.pooling = pooling
         if sampling_params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         if sampling_params.structured is None:
@@ -212,7 +221,7 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
             raise TPWorkerError(f"a tensor-parallel step failed: {e}") from e
 
     def _launch(self, batch: Batch) -> InFlight:
-        sampled = [r for r in batch.reqs if not r.is_chunked]
+        sampled = [r for r in batch.reqs if produces_token(r)]
         # A verify step samples every query position (before the step moves cached_len).
         rows, prefixes = sampled, None
         if batch.drafts is not None:
@@ -229,7 +238,8 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
             result = self._executor.submit(self._forward, forward_input)
         else:
             result = self._forward(forward_input)
-        step = InFlight(batch, sampled, result, plan.indices, plan.spans)
+        pooling = [r for r in batch.reqs if r.pooling is not None and batch.is_prefill]
+        step = InFlight(batch, sampled, result, plan.indices, plan.spans, pooling)
         for req in batch.reqs:  # steps run in order: later steps see this step's KV
             req.cached_len = req.device_len
         return step

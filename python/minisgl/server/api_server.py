@@ -22,6 +22,7 @@ from minisgl.utils import init_logger
 
 from .anthropic import anthropic_error, register_anthropic_routes
 from .chat_job import ChatJob
+from .embeddings import register_embedding_routes
 from .frontend import api_error
 from .generation import start_group
 from .logprobs import ChoiceLogprobs
@@ -302,4 +303,5 @@ def create_app(state: ServerState) -> FastAPI:
         return await serve(state, request, req, endpoint, prompts, sp, {}, logprobs, echo)
 
     register_native_routes(app, state, check_model)
+    register_embedding_routes(app, state, check_model, state.pooling)
     return app

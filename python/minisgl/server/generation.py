@@ -26,6 +26,7 @@ class ChoiceOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     matched_stop: str | int | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector
 
     @property
     def text(self) -> str:
@@ -71,6 +72,7 @@ async def collect_outputs(
             o.completion_tokens, o.cached_tokens = out.completion_tokens, out.cached_tokens
             if out.finish_reason is not None:
                 o.finish_reason, o.matched_stop = out.finish_reason, out.matched_stop
+                o.embedding = out.embedding
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(wait_disconnect(request))

@@ -158,6 +158,7 @@ def launch_server(args: ServerArgs) -> int:
     import uvicorn
 
     from minisgl.message.queue import ZmqAddresses
+    from minisgl.models.pooling import pooling_config
     from minisgl.utils.hf import resolve_model_path
     from minisgl.utils.mp import set_worker_threads, stop_processes
 
@@ -191,6 +192,7 @@ def launch_server(args: ServerArgs) -> int:
             reasoning_parser=args.reasoning_parser,
             max_batch_prompts=args.max_batch_prompts,
             lora_adapters=dict(args.lora_modules or []),
+            pooling=pooling_config(path),
             responses=ResponseStore(
                 args.responses_max_stored,
                 int(args.responses_max_stored_mb * (1 << 20)),

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.models.pooling import PoolingConfig
+
 from .frontend import FrontendManager
 from .metrics import ServerMetrics
 from .response_store import ResponseStore
@@ -33,6 +35,8 @@ class ServerState:
     max_batch_prompts: int = MAX_BATCH_PROMPTS
     # LoRA adapters served by name (-> their folder), the model names requests may pick them by.
     lora_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+    # How /v1/embeddings pools and normalizes (the folder's sentence-transformers config).
+    pooling: PoolingConfig = dataclasses.field(default_factory=PoolingConfig)
     # Stored Responses (`store: true`) that previous_response_id continues.
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)
 

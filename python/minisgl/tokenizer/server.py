@@ -87,6 +87,7 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
         msg.spaces_between_special_tokens,
         echo=msg.echo,
         lora=msg.lora,
+        pooling=msg.pooling,
     )
 
 
@@ -140,6 +141,7 @@ class _DetokState:
     stop_token: int | None = None
     spec_verify_ct: int | None = None
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None
 
 
 class DetokenizeManager:
@@ -231,6 +233,8 @@ class DetokenizeManager:
             )
         if msg.prompt_logprobs is not None:
             state.prompt_logprobs = self.token_texts.entries(msg.prompt_logprobs)
+        if msg.embedding is not None:
+            state.embedding = msg.embedding
         if msg.token is not None:
             inject_fault("detokenize", state.detok.stop)
             if msg.logprobs is not None:
@@ -276,6 +280,7 @@ class DetokenizeManager:
             matched_stop=matched,
             spec_verify_ct=state.spec_verify_ct,
             spec_accepted_tokens=state.spec_accepted_tokens,
+            embedding=state.embedding,
         )
         state.text.clear()
         state.pending_tokens = 0

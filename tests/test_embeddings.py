@@ -1,0 +1,132 @@
+"""Embeddings (Req.pooling, server/embeddings.py): a decoder folder with sentence-transformers'
+files embeds as sentence-transformers embeds it (float32, cosine distance within 1e-5), in
+batches of mixed lengths prefilled in chunks, last-token and mean pooling; over HTTP the
+official client's embeddings.create (float and base64, dimensions) gives the same vectors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from helpers import PROMPTS, tiny_model
+from sentence_transformers import SentenceTransformer
+
+from minisgl.llm import LLM
+
+TEXTS = [PROMPTS[0], "Hi", PROMPTS[3], "A longer sentence about the sea and its many waves."]
+
+
+@functools.cache
+def st_folder(pooling: str, normalize: bool) -> Path:
+    """The tiny Qwen3 with sentence-transformers' modules: Transformer, Pooling, Normalize."""
+    folder = tiny_model("qwen3").parent / f"st-qwen3-{pooling}-{int(normalize)}"
+    if not (folder / "modules.json").is_file():
+        shutil.copytree(tiny_model("qwen3"), folder, dirs_exist_ok=True)
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {
+                "idx": 1,
+                "name": "1",
+                "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling",
+            },
+        ]
+        if normalize:
+            modules.append(
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                }
+            )
+            (folder / "2_Normalize").mkdir(exist_ok=True)
+        hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+        (folder / "1_Pooling").mkdir(exist_ok=True)
+        flags = {
+            f"pooling_mode_{k}": False
+            for k in ("cls_token", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens")
+        }
+        flags["pooling_mode_lasttoken"] = pooling == "last"
+        flags["pooling_mode_mean_tokens"] = pooling == "mean"
+        config = {"word_embedding_dimension": hidden, **flags, "include_prompt": True}
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+        (folder / "modules.json").write_text(json.dumps(modules))
+    return folder
+
+
+@functools.cache
+def st_vectors(pooling: str, normalize: bool) -> torch.Tensor:
+    model = SentenceTransformer(str(st_folder(pooling, normalize)), device="cpu").float()
+    # One at a time: no padding in the reference.
+    return torch.stack([model.encode(t, convert_to_tensor=True).float() for t in TEXTS])
+
+
+def assert_same_vectors(got: torch.Tensor, want: torch.Tensor) -> None:
+    cosine = torch.nn.functional.cosine_similarity(got.double(), want.double(), dim=-1)
+    assert bool((1 - cosine < 1e-5).all()), cosine
+    assert torch.allclose(got.norm(dim=-1).double(), want.norm(dim=-1).double(), rtol=1e-4)
+
+
+@pytest.mark.parametrize(("pooling", "normalize"), [("last", True), ("mean", False)])
+def test_embeddings_equal_sentence_transformers(pooling: str, normalize: bool) -> None:
+    torch.set_num_threads(2)
+    llm = LLM(st_folder(pooling, normalize), dtype="float32", max_prefill_length=8)
+    try:
+        got = torch.tensor(llm.embed(TEXTS))  # one batch, mixed lengths, in chunks of 8
+        assert_same_vectors(got, st_vectors(pooling, normalize))
+        # Nothing stays cached: free + cached pages == all (checked by embed) and no hits.
+        again = torch.tensor(llm.embed(TEXTS[:1]))
+        assert torch.equal(again[0], got[0])
+        cut = torch.tensor(llm.embed(TEXTS[:1], dimensions=16))
+        want = got[0, :16] / got[0, :16].norm() if normalize else got[0, :16]
+        assert torch.allclose(cut[0], want, atol=1e-6)
+        with pytest.raises(ValueError, match="dimensions must lie in"):
+            llm.embed(TEXTS[:1], dimensions=10_000)
+    finally:
+        llm.shutdown()
+
+
+def test_the_openai_client_embeds_over_http(tmp_path) -> None:
+    from test_server import spawn_server, wait_healthy
+
+    args = ["--dtype", "float32", "--num-pages", "1024", "--max-seq-len", "256"]
+    server = wait_healthy(spawn_server(st_folder("last", True), args, tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        want = st_vectors("last", True)
+        for encoding in ("float", "base64"):
+            reply = client.embeddings.create(model=model, input=TEXTS, encoding_format=encoding)
+            if encoding == "base64":  # the client hands base64 back as it came
+                import base64
+
+                import numpy as np
+
+                vectors = [
+                    np.frombuffer(base64.b64decode(d.embedding), dtype="<f4").tolist()
+                    for d in reply.data
+                ]
+            else:
+                vectors = [d.embedding for d in reply.data]
+            assert [d.index for d in reply.data] == list(range(len(TEXTS)))
+            assert_same_vectors(torch.tensor(vectors), want)
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens > len(TEXTS)
+        default = client.embeddings.create(model=model, input=TEXTS[0])  # base64 underneath
+        assert_same_vectors(torch.tensor([default.data[0].embedding]), want[:1])
+        short = client.embeddings.create(model=model, input=[TEXTS[0]], dimensions=8)
+        assert len(short.data[0].embedding) == 8
+        assert abs(torch.tensor(short.data[0].embedding).norm().item() - 1) < 1e-5
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(model=model, input=[TEXTS[0]], dimensions=100_000)
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(model=model, input=[])
+        assert "Traceback" not in server.log_text()
+    finally:
+        server.stop(signal.SIGTERM)
