@@ -130,3 +130,57 @@ def test_the_openai_client_embeds_over_http(tmp_path) -> None:
         assert "Traceback" not in server.log_text()
     finally:
         server.stop(signal.SIGTERM)
+
+
+def hf_rerank_scores(query: str, documents: list[str]) -> list[float]:
+    """The Qwen3-Reranker recipe in HF transformers (float32): softmax of the next-token logits
+    of "no" and "yes" after the reranker's prompt, the yes share."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minisgl.server.rerank import INSTRUCTION, PREFIX, SUFFIX, pair_text
+
+    folder = tiny_model("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    scores = []
+    for document in documents:
+        ids = (
+            tokenizer.encode(PREFIX, add_special_tokens=False)
+            + tokenizer.encode(pair_text(INSTRUCTION, query, document), add_special_tokens=False)
+            + tokenizer.encode(SUFFIX, add_special_tokens=False)
+        )
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        scores.append(torch.softmax(logits[[no, yes]].double(), 0)[1].item())
+    return scores
+
+
+def test_rerank_and_score_equal_the_hf_recipe(tiny_qwen3_server) -> None:
+    import httpx
+    from test_server import wait_healthy
+
+    url = wait_healthy(tiny_qwen3_server).url
+    query = "What is the capital of France?"
+    documents = ["Paris is the capital of France.", "Bananas are yellow.", TEXTS[3], "Paris"]
+    want = hf_rerank_scores(query, documents)
+    reply = httpx.post(
+        f"{url}/v1/rerank", json={"query": query, "documents": documents, "top_n": 3}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+    results = reply.json()["results"]
+    order = sorted(range(len(want)), key=lambda i: -want[i])[:3]
+    assert [r["index"] for r in results] == order
+    for r in results:
+        assert abs(r["relevance_score"] - want[r["index"]]) < 1e-4, (r, want)
+        assert r["document"]["text"] == documents[r["index"]]
+    scored = httpx.post(
+        f"{url}/v1/score", json={"text_1": query, "text_2": documents}, timeout=120
+    ).json()
+    assert [d["index"] for d in scored["data"]] == list(range(len(documents)))
+    for d in scored["data"]:
+        assert abs(d["score"] - want[d["index"]]) < 1e-4
+    bad = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": []}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] is not None
+    mismatch = {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}
+    assert httpx.post(f"{url}/v1/score", json=mismatch, timeout=30).status_code == 400

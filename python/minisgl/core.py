@@ -225,8 +225,9 @@ class SamplingParams:
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-# How an embedding request pools its prompt's final hidden states (Req.pooling).
-POOLING_MODES = ("last", "mean")
+# How an embedding request pools its prompt's final hidden states (Req.pooling); "score": the
+# next-token logits of Req.score_tokens at the prompt's end (a reranker's yes / no).
+POOLING_MODES = ("last", "mean", "score")
 
 
 @dataclass(eq=False)
@@ -268,6 +269,7 @@ class Req:
     # generated; pool_sum gathers them chunk by chunk (mean: their sum, last: the last one).
     pooling: str | None = None
     pool_sum: torch.Tensor | None = None
+    score_tokens: list[int] | None = None
 
     def cache_key(self, end: int) -> torch.Tensor:
         """The prefix-cache key of tokens [0, end)."""

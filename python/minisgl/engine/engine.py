@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -32,6 +33,22 @@ from .sample import SampleArgs, Sampler
 logger = init_logger(__name__)
 
 
+def pool(
+    hidden: torch.Tensor,
+    span: tuple[int, int, str, list[int] | None],
+    head: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """One embedding request's rows pooled (float32): their sum (mean), the last one (last), or
+    the head's logits of its score tokens at the last one (score)."""
+    start, end, mode, tokens = span
+    if mode == "mean":
+        return hidden[start:end].float().sum(0)
+    if mode == "score":
+        assert tokens is not None
+        return head(hidden[end - 1 : end])[0, tokens].float()
+    return hidden[end - 1].float()
+
+
 @dataclass
 class ForwardInput:
     """Everything one forward step needs: the prepared batch and its sampling settings."""
@@ -49,8 +66,9 @@ class ForwardInput:
     prompt_logprob_rows: LogprobRows | None = None
     # Tensor parallelism: the step as the other ranks replay it (TPGroup.describe_step).
     tp_message: StepMessage | None = None
-    # Embedding requests: per request its rows [start, end) and pooling mode (Req.pooling).
-    pool_spans: list[tuple[int, int, str]] | None = None
+    # Embedding requests: per request its rows [start, end), pooling mode (Req.pooling) and
+    # the tokens whose logits a "score" request wants.
+    pool_spans: list[tuple[int, int, str, list[int] | None]] | None = None
 
 
 @dataclass
@@ -206,17 +224,14 @@ class Engine:
         self,
         batch: Batch,
         prompt_rows: LogprobRows | None,
-        pool_spans: list[tuple[int, int, str]] | None = None,
+        pool_spans: list[tuple[int, int, str, list[int] | None]] | None = None,
     ) -> tuple[torch.Tensor, TokenLogprobs | None, list[torch.Tensor] | None]:
         """The step's logits (and prompt rows' log-probabilities, embedding requests' pooled
         hidden states) with the batch set."""
         assert batch.input_ids is not None and batch.positions is not None
         if pool_spans:
             hidden = self.model.hidden_states(batch.input_ids, batch.positions)
-            pooled = [
-                hidden[start:end].float().sum(0) if mode == "mean" else hidden[end - 1].float()
-                for start, end, mode in pool_spans
-            ]
+            pooled = [pool(hidden, span, self.model.logits) for span in pool_spans]
             indices = batch.logits_indices
             logits = self.model.logits(hidden if indices is None else hidden[indices], True)
             prompt = (

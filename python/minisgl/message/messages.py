@@ -46,6 +46,7 @@ class TokenizeMsg:
     tools: list[dict[str, Any]] | None = None
     lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
     pooling: str | None = None  # an embedding request: how its hidden states are pooled
+    score_tokens: list[int] | None = None  # pooling "score": the tokens whose logits it wants
 
 
 @register_message
@@ -70,6 +71,7 @@ class UserMsg:
     echo: bool = False
     lora: str | None = None
     pooling: str | None = None
+    score_tokens: list[int] | None = None
 
 
 @register_message

@@ -83,6 +83,7 @@ class SchedulerIO:
                 clip_to_context=False,
                 lora=msg.lora,
                 pooling=msg.pooling,
+                score_tokens=msg.score_tokens,
             )
         except RequestError as exc:
             return ErrorMsg(msg.rid, str(exc), exc.param, exc.code)

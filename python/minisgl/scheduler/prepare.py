@@ -124,7 +124,7 @@ def prepare_forward_input(
     if batch.is_prefill and any(r.pooling is not None for r in reqs):
         ends = torch.tensor([r.extend_len for r in reqs]).cumsum(0).tolist()
         pool_spans = [
-            (end - r.extend_len, end, r.pooling)
+            (end - r.extend_len, end, r.pooling, r.score_tokens)
             for r, end in zip(reqs, ends)
             if r.pooling is not None
         ]

@@ -102,6 +102,7 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
         clip_to_context: bool = True,
         lora: str | None = None,
         pooling: str | None = None,
+        score_tokens: list[int] | None = None,
     ) -> int:
         """Queue a request (under the LoRA adapter `lora`, None: the base model); raises
         RequestError naming the parameter when it can never run (with `clip_to_context` False
@@ -120,7 +121,18 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
                 )
             if sampling_params.structured is not None:
                 raise RequestError("an embedding request takes no structured output", "pooling")
-            req.pooling = pooling
+            vocab = self.engine.model_config.vocab_size
+            if (pooling == "score") != bool(score_tokens) or any(
+                not 0 <= t < vocab for t in score_tokens or []
+            ):
+                raise RequestError(
+                    f"a score request names its tokens (in [0, {vocab})), got {score_tokens}",
+                    "score_tokens",
+                )
+            if pooling == "score" and self.engine.tp.sharded:
+                # its extra output-head product would be rank 0's alone (a collective)
+                raise RequestError("scoring is not served under tensor parallelism", "pooling")
+            req.pooling, req.score_tokens = pooling, score_tokens
         if sampling_params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         if sampling_params.structured is None:

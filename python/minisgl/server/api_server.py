@@ -31,6 +31,7 @@ from .openai_chat import serve
 from .openai_responses import register_responses_routes
 from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from .reasoning import REASONING_PARSERS
+from .rerank import register_rerank_routes
 from .responses import APIError, ResponseFormatter, new_id, now
 from .state import OPEN_PATHS, ServerState
 from .tools import ToolCalls, template_tools
@@ -304,4 +305,5 @@ def create_app(state: ServerState) -> FastAPI:
 
     register_native_routes(app, state, check_model)
     register_embedding_routes(app, state, check_model, state.pooling)
+    register_rerank_routes(app, state, check_model)
     return app

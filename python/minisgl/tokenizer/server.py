@@ -88,6 +88,7 @@ def tokenize_request(tokenizer: Any, msg: TokenizeMsg) -> UserMsg:
         echo=msg.echo,
         lora=msg.lora,
         pooling=msg.pooling,
+        score_tokens=msg.score_tokens,
     )
 
 
