@@ -65,13 +65,15 @@ def smollm2_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_server(tmp_path_factory):
-    """The tiny float32 Qwen3 (prefill in chunks of 16; test_logprobs.py, test_structured.py)."""
+    """The tiny float32 Qwen3 (prefill in chunks of 16; test_logprobs.py, test_structured.py),
+    LoRA on with one slot (test_lora.py loads its adapters at run time and unloads them)."""
     from helpers import tiny_model
     from test_server import spawn_server
 
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
     args = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len", "256"]
     args += ["--max-prefill-length", "16", "--reasoning-parser", "qwen3"]
+    args += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
     yield from _shared(lambda: spawn_server(tiny_model("qwen3"), args, log))
 
 

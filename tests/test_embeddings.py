@@ -5,12 +5,13 @@ official client's embeddings.create (float and base64, dimensions) gives the sam
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import shutil
-import signal
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -93,43 +94,37 @@ def test_embeddings_equal_sentence_transformers(pooling: str, normalize: bool) -
         llm.shutdown()
 
 
-def test_the_openai_client_embeds_over_http(tmp_path) -> None:
-    from test_server import spawn_server, wait_healthy
+def test_the_openai_client_embeds_over_http(tiny_qwen3_server) -> None:
+    """The shared tiny Qwen3 server (its folder has no sentence-transformers files: the last
+    token's, normalized, as st_folder("last", True) says for the same weights)."""
+    from test_server import wait_healthy
 
-    args = ["--dtype", "float32", "--num-pages", "1024", "--max-seq-len", "256"]
-    server = wait_healthy(spawn_server(st_folder("last", True), args, tmp_path / "server.log"))
-    try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        want = st_vectors("last", True)
-        for encoding in ("float", "base64"):
-            reply = client.embeddings.create(model=model, input=TEXTS, encoding_format=encoding)
-            if encoding == "base64":  # the client hands base64 back as it came
-                import base64
-
-                import numpy as np
-
-                vectors = [
-                    np.frombuffer(base64.b64decode(d.embedding), dtype="<f4").tolist()
-                    for d in reply.data
-                ]
-            else:
-                vectors = [d.embedding for d in reply.data]
-            assert [d.index for d in reply.data] == list(range(len(TEXTS)))
-            assert_same_vectors(torch.tensor(vectors), want)
-        assert reply.usage.prompt_tokens == reply.usage.total_tokens > len(TEXTS)
-        default = client.embeddings.create(model=model, input=TEXTS[0])  # base64 underneath
-        assert_same_vectors(torch.tensor([default.data[0].embedding]), want[:1])
-        short = client.embeddings.create(model=model, input=[TEXTS[0]], dimensions=8)
-        assert len(short.data[0].embedding) == 8
-        assert abs(torch.tensor(short.data[0].embedding).norm().item() - 1) < 1e-5
-        with pytest.raises(openai.BadRequestError):
-            client.embeddings.create(model=model, input=[TEXTS[0]], dimensions=100_000)
-        with pytest.raises(openai.BadRequestError):
-            client.embeddings.create(model=model, input=[])
-        assert "Traceback" not in server.log_text()
-    finally:
-        server.stop(signal.SIGTERM)
+    server = wait_healthy(tiny_qwen3_server)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    want = st_vectors("last", True)
+    for encoding in ("float", "base64"):
+        reply = client.embeddings.create(model=model, input=TEXTS, encoding_format=encoding)
+        if encoding == "base64":  # the client hands base64 back as it came
+            vectors = [
+                np.frombuffer(base64.b64decode(d.embedding), dtype="<f4").tolist()
+                for d in reply.data
+            ]
+        else:
+            vectors = [d.embedding for d in reply.data]
+        assert [d.index for d in reply.data] == list(range(len(TEXTS)))
+        assert_same_vectors(torch.tensor(vectors), want)
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens > len(TEXTS)
+    default = client.embeddings.create(model=model, input=TEXTS[0])  # base64 underneath
+    assert_same_vectors(torch.tensor([default.data[0].embedding]), want[:1])
+    short = client.embeddings.create(model=model, input=[TEXTS[0]], dimensions=8)
+    assert len(short.data[0].embedding) == 8
+    assert abs(torch.tensor(short.data[0].embedding).norm().item() - 1) < 1e-5
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=model, input=[TEXTS[0]], dimensions=100_000)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=model, input=[])
+    assert "Traceback" not in server.log_text()
 
 
 def hf_rerank_scores(query: str, documents: list[str]) -> list[float]:

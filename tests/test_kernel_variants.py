@@ -341,8 +341,8 @@ def test_lora_add_within_its_roundings(kernels, parts, rank, k):
     row_slots = torch.tensor([0, -1, 2, 1, -1, 2, 0])
     params = ProjectionParams(lora_a=a.data_ptr(), lora_bt=bt.data_ptr())
     params.lora_parts, params.lora_slots, params.lora_rank = len(parts), slots, rank
-    for index, rows in enumerate(parts):
-        params.lora_part_rows[index] = rows
+    part_rows = torch.tensor(parts, dtype=torch.int64)
+    params.lora_part_rows = part_rows.data_ptr()
     got = y.clone()
     kernels.lora_add(x, got, params, row_slots)
     delta, scale = torch.zeros(7, n, dtype=torch.float64), torch.zeros(7, n, dtype=torch.float64)

@@ -137,25 +137,33 @@ def test_bad_adapters_are_refused_by_name(tmp_path) -> None:
         read_adapter("x", str(folder), 4)
 
 
-def test_served_adapters_by_model_name_loaded_and_unloaded_while_streaming(tmp_path) -> None:
-    """Over HTTP: /v1/models lists the adapters; `model` picks one (its output HF + PEFT's);
-    an adapter loaded at run time serves at once, and unloading it while a request streams
-    lets that request finish, then its name is free again."""
-    import signal
-
+def test_served_adapters_by_model_name_loaded_and_unloaded_while_streaming(
+    tiny_qwen3_server,
+) -> None:
+    """Over HTTP (the shared tiny Qwen3 server, LoRA on, one slot): adapters loaded at run time
+    are listed and picked by `model` (their output HF + PEFT's); unloading one while a request
+    streams lets that request finish, then its name is free again."""
     import httpx
     import openai
-    from test_server import spawn_server, wait_healthy
+    from test_server import wait_healthy
 
     model = "qwen3"
     folders = {name: adapter_dir(model, name) for name, *_ in ADAPTERS}
-    args = ["--dtype", "float32", "--num-pages", "1024", "--max-seq-len", "256"]
-    args += ["--lora-modules", f"a={folders['a']}", "--max-loras", "1", "--max-lora-rank", "8"]
-    server = wait_healthy(spawn_server(tiny_model(model), args, tmp_path / "server.log"))
+    server = wait_healthy(tiny_qwen3_server)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+    def load(name: str) -> httpx.Response:
+        body = {"lora_name": name, "lora_path": str(folders[name])}
+        return httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=60)
+
+    def unload(name: str) -> httpx.Response:
+        body = {"lora_name": name}
+        return httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, timeout=60)
+
+    assert load("a").status_code == 200
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         cards = {m.id: m for m in client.models.list().data}
-        base = next(name for name in cards if name != "a")
+        base = client.models.list().data[0].id
         assert cards["a"].model_extra["parent"] == base
         tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_model(model))
         prompt = PROMPTS[1]
@@ -176,11 +184,7 @@ def test_served_adapters_by_model_name_loaded_and_unloaded_while_streaming(tmp_p
         for name in ("a", base):
             expected = hf_peft_greedy(model, None if name == base else name, prompt)
             assert complete(name) == tokenizer.decode(expected, skip_special_tokens=True)
-        loaded = httpx.post(
-            f"{server.url}/v1/load_lora_adapter",
-            json={"lora_name": "b", "lora_path": str(folders["b"])},
-        )
-        assert loaded.status_code == 200, loaded.text
+        assert load("b").status_code == 200
         with client.completions.create(
             model="b",
             prompt=prompt,
@@ -190,20 +194,19 @@ def test_served_adapters_by_model_name_loaded_and_unloaded_while_streaming(tmp_p
             extra_body={"ignore_eos": True},
         ) as stream:
             pieces = [next(iter(stream)).choices[0].text]
-            gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "b"})
+            gone = unload("b")
             assert gone.status_code == 200, gone.text
             pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
-        streamed = "".join(pieces)
         expected_b = tokenizer.decode(hf_peft_greedy(model, "b", prompt), skip_special_tokens=True)
-        assert streamed.startswith(expected_b)  # the first MAX_NEW tokens, then more
+        assert "".join(pieces).startswith(expected_b)  # the first MAX_NEW tokens, then more
         with pytest.raises(openai.NotFoundError):
             complete("b")
-        again = httpx.post(
-            f"{server.url}/v1/load_lora_adapter",
-            json={"lora_name": "b", "lora_path": str(folders["b"])},
-        )
+        again = load("b")
         assert again.status_code == 200, again.text
         assert complete("b") == expected_b
+        assert complete("a") == tokenizer.decode(
+            hf_peft_greedy(model, "a", prompt), skip_special_tokens=True
+        )  # "a" back in the one slot after "b"
         bad = httpx.post(f"{server.url}/generate", json={"text": "hi", "lora_path": "zzz"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
         wrong = httpx.post(
@@ -212,7 +215,8 @@ def test_served_adapters_by_model_name_loaded_and_unloaded_while_streaming(tmp_p
         assert wrong.status_code == 400 and "adapter_config.json" in wrong.text
         assert "Traceback" not in server.log_text()
     finally:
-        server.stop(signal.SIGTERM)
+        for name in ("a", "b"):
+            unload(name)
 
 
 def test_bf16_deltas_are_the_same_bits_in_the_fused_layer_and_module_by_module(
@@ -266,3 +270,29 @@ def test_bf16_deltas_are_the_same_bits_in_the_fused_layer_and_module_by_module(
         assert torch.allclose(c_sum, reference, rtol=2e-2, atol=2e-2)
     finally:
         llm.shutdown()
+
+
+def test_the_disk_tier_keeps_each_adapters_kv_under_its_own_fingerprint(tmp_path) -> None:
+    """--kv-cache-dir with adapters: after a restart a prompt computed under adapter "a" is
+    loaded back for "a" (its output still HF + PEFT's) and never for "b" or the base model."""
+    from helpers import LONG_TEXT
+
+    torch.set_num_threads(2)
+    model = "qwen3"
+    modules = {name: adapter_dir(model, name) for name, *_ in ADAPTERS}
+    kw = dict(dtype="float32", lora_modules=modules, max_loras=2, max_lora_rank=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = LLM(tiny_model(model), kv_cache_dir=tmp_path, **kw)
+    try:
+        first.generate([LONG_TEXT], sp, lora="a")
+    finally:
+        first.shutdown()  # the tree's KV to the tier
+    second = LLM(tiny_model(model), kv_cache_dir=tmp_path, **kw)
+    try:
+        under_a = second.generate([LONG_TEXT], sp, lora="a")[0]
+        assert under_a["cached_tokens"] >= 64, under_a  # whole chunks from disk
+        assert under_a["token_ids"] == hf_peft_greedy(model, "a", LONG_TEXT)
+        assert second.generate([LONG_TEXT], sp, lora="b")[0]["cached_tokens"] == 0
+        assert second.generate([LONG_TEXT], sp)[0]["cached_tokens"] == 0
+    finally:
+        second.shutdown()

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -62,6 +64,7 @@ class LoraManager:
                 )
         self.adapters: dict[str, LoraAdapter] = {}
         self.key_offsets: dict[str, int] = {}
+        self.fingerprints: dict[str, str] = {}  # what names each adapter's KV on disk
         self._next_offset = 1
         self.slot_names: list[str | None] = [None] * max_loras
         self.holders = [0] * max_loras
@@ -109,6 +112,7 @@ class LoraManager:
             raise ValueError("too many LoRA adapters registered over this server's life")
         self._next_offset += self.vocab_size
         self.adapters[name], self.key_offsets[name] = adapter, offset
+        self.fingerprints[name] = adapter_fingerprint(path)
 
     def unregister(self, name: str) -> None:
         """Refuse new requests for an adapter; the scheduler forgets it once none of its
@@ -126,7 +130,7 @@ class LoraManager:
                 slots.clear(slot)
             self.slot_names[slot] = None
         self.unregistering.discard(name)
-        del self.adapters[name], self.key_offsets[name]
+        del self.adapters[name], self.key_offsets[name], self.fingerprints[name]
 
     def _slot_of(self, name: str) -> int | None:
         return self.slot_names.index(name) if name in self.slot_names else None
@@ -157,8 +161,31 @@ class LoraManager:
             slots.load(slot, [parts.get(i) for i in range(len(slots.part_features))])
         self.slot_names[slot] = adapter.name
 
+    def tier_key(self, keys: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """An adapter's prefix-cache keys (Req.cache_key) as (its fingerprint, the token ids),
+        or None where that adapter is gone."""
+        shifted = -keys.long() - 1  # offset - 1 + token id
+        index = int(shifted[0]) // self.vocab_size
+        name = next(
+            (n for n, o in self.key_offsets.items() if o == 1 + index * self.vocab_size), None
+        )
+        if name is None:
+            return None
+        return self.fingerprints[name], (shifted - index * self.vocab_size).to(torch.int32)
+
     def mask(self, row_slots: torch.Tensor) -> torch.Tensor | None:
         """The batch mask for rows of these slots (-1: no adapter), None if no row has one."""
         if bool((row_slots < 0).all()):
             return None
         return self.mask_rows[row_slots.to(self.mask_rows.device) + 1]
+
+
+def adapter_fingerprint(path: str) -> str:
+    """A hex digest of an adapter folder (its config's text, its weight files' names, sizes and
+    mtimes): the disk KV tier keeps the adapter's KV under it."""
+    folder = Path(path).resolve()
+    spec = [str(folder), (folder / "adapter_config.json").read_text()]
+    for file in sorted(folder.glob("adapter_model.*")):
+        stat = file.stat()
+        spec.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.blake2b("\n".join(spec).encode(), digest_size=16).hexdigest()

@@ -115,7 +115,7 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_decode_attention_block": _int,
     "minisgl_prefill_attention_block": _int,
     "minisgl_decode_layer_scratch": _i64,
-    "minisgl_lora_add": None,
+    "minisgl_lora_add": _int,
     "minisgl_decode_layers": _int,
     "minisgl_decode_layer_q_offset": _i64,
     "minisgl_shared_prefix_attention": _int,
@@ -284,7 +284,7 @@ class ProjectionParams(ctypes.Structure):
     # LoRA (layers/lora.py's LoraSlots, float32; lora_a NULL: none): A, B, and their layout.
     _fields_ += [("lora_a", _ptr), ("lora_bt", _ptr)]
     _fields_ += [("lora_parts", _i64), ("lora_slots", _i64), ("lora_rank", _i64)]
-    _fields_ += [("lora_part_rows", _i64 * 3)]
+    _fields_ += [("lora_part_rows", _ptr)]
 
 
 class DecodeLayerParams(ctypes.Structure):

@@ -150,7 +150,7 @@ class FusedLayerKernels(AttentionKernels):
         )
         tokens, width = y.shape
         require(x.shape[0] == tokens == slots.shape[0], "lora_add: rows of x, y, slots differ")
-        self.lib.minisgl_lora_add(
+        status = self.lib.minisgl_lora_add(
             x.data_ptr(),
             y.data_ptr(),
             tokens,
@@ -160,6 +160,7 @@ class FusedLayerKernels(AttentionKernels):
             slots.data_ptr(),
             kernel_threads(),
         )
+        check_status("lora_add", status)
 
     def decode_layer_scratch(self, model: DecodeModelParams, tokens: int) -> int:
         """Elements of the bf16 scratch the decode layer kernels need for `tokens` tokens."""

@@ -52,6 +52,7 @@ class TierStats:
 @dataclass
 class _WriteJob:
     keys: list[str]
+    fingerprint: str  # what the KV was computed under (the tier's, or a LoRA adapter's)
     ids: np.ndarray  # [chunks, chunk tokens] int32
     k: np.ndarray  # [layers, chunks * chunk tokens, heads, head_dim * itemsize] uint8
     v: np.ndarray
@@ -108,10 +109,18 @@ class DiskKVTier:
         )
 
     # ---------------------------------------------------------------- writes
-    def save(self, ids: torch.Tensor, slots: torch.Tensor, start: int, block: bool = False) -> None:
+    def save(
+        self,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        start: int,
+        block: bool = False,
+        fingerprint: str | None = None,
+    ) -> None:
         """Queue the whole chunks of the path `ids` (KV at `slots`) that end after `start` and
         are not on disk yet. The KV is copied now (its pages are about to be reused); the write
-        happens later, or not at all if the queue is full, unless `block` (shutdown) waits."""
+        happens later, or not at all if the queue is full, unless `block` (shutdown) waits.
+        fingerprint: what the KV was computed under where not the tier's own (an adapter's)."""
         if not self._writable:
             return
         self._drain()
@@ -119,7 +128,8 @@ class DiskKVTier:
         first, count = start // c, len(ids) // c
         if first >= count:
             return
-        keys = chunk_keys(self.fingerprint, ids, c, count)
+        fingerprint = fingerprint or self.fingerprint
+        keys = chunk_keys(fingerprint, ids, c, count)
         new = [i for i in range(first, count) if keys[i] not in self._index]
         new = [i for i in new if keys[i] not in self._pending]
         if block:
@@ -136,7 +146,7 @@ class DiskKVTier:
         token_slots = torch.cat([slots[i * c : (i + 1) * c] for i in new])
         k, v = self.pool.gather(token_slots)
         ids_np = torch.stack([ids[i * c : (i + 1) * c] for i in new]).to(torch.int32).numpy()
-        job = _WriteJob([keys[i] for i in new], ids_np, _as_bytes(k), _as_bytes(v))
+        job = _WriteJob([keys[i] for i in new], fingerprint, ids_np, _as_bytes(k), _as_bytes(v))
         self._pending.update(job.keys)
         self._pending_bytes += len(new) * self.chunk_bytes
         self._jobs.put(job)
@@ -165,7 +175,7 @@ class DiskKVTier:
             path = self._path(key)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                size = write_chunk(path, self.fingerprint, job.ids[j], parts)
+                size = write_chunk(path, job.fingerprint, job.ids[j], parts)
             except Exception as exc:  # disk full, read-only, gone: the engine runs on
                 self._write_failed = True
                 self._done.put((key, -1))
@@ -193,28 +203,38 @@ class DiskKVTier:
         self._enforce_budget()
 
     # ---------------------------------------------------------------- reads
-    def lookup(self, ids: torch.Tensor, start: int) -> tuple[int, list[str]]:
+    def lookup(
+        self, ids: torch.Tensor, start: int, fingerprint: str | None = None
+    ) -> tuple[int, list[str]]:
         """(index of the chunk holding token `start`, keys of the consecutive whole chunks of
-        `ids` from it on that the tier holds)."""
+        `ids` from it on that the tier holds; fingerprint: as `save`'s)."""
         self._drain()
         c = self.chunk
         first, count = start // c, len(ids) // c
         if first >= count:
             return first, []
         held: list[str] = []
-        for key in chunk_keys(self.fingerprint, ids, c, count)[first:]:
+        for key in chunk_keys(fingerprint or self.fingerprint, ids, c, count)[first:]:
             if key not in self._index and not self._adopt(key):
                 break
             held.append(key)
         return first, held
 
-    def read_into(self, key: str, ids: torch.Tensor, slots: torch.Tensor, skip: int) -> bool:
+    def read_into(
+        self,
+        key: str,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        skip: int,
+        fingerprint: str | None = None,
+    ) -> bool:
         """Copy chunk `key`'s KV for its tokens [skip, chunk) into `slots`, after checking the
-        file against `ids` (the chunk's token ids). False if it is gone or invalid (forgotten,
-        and deleted if invalid): the caller recomputes it."""
+        file against `ids` (the chunk's token ids) and `fingerprint` (as `save`'s). False if it
+        is gone or invalid (forgotten, and deleted if invalid): the caller recomputes it."""
         path = self._path(key)
         try:
-            read_chunk(path, self.fingerprint, ids.to(torch.int32).numpy(), self._read_buffer)
+            expected = fingerprint or self.fingerprint
+            read_chunk(path, expected, ids.to(torch.int32).numpy(), self._read_buffer)
         except FileNotFoundError:
             self.stats.missing_skipped += 1
             self._forget(key, delete=False)

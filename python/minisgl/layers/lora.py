@@ -40,6 +40,7 @@ class LoraSlots(nn.Module):
         # it can be written in place later; a copy made at the first forward could not).
         self.lora_bt = torch.zeros(width, sum(part_features), dtype=dtype, device=device)
         self.kernels = kernels if dtype == torch.float32 and device.type == "cpu" else None
+        self.part_rows = torch.tensor(part_features, dtype=torch.int64)  # the C form's
         self.params = ProjectionParams()  # the LoRA fields alone, for kernels.lora_add
         self.fill_params(self.params)
 
@@ -111,5 +112,4 @@ class LoraSlots(nn.Module):
         params.lora_a, params.lora_bt = self.lora_a.data_ptr(), self.lora_bt.data_ptr()
         params.lora_parts, params.lora_slots = len(self.part_features), self.slots
         params.lora_rank = self.rank
-        for index, rows in enumerate(self.part_features):
-            params.lora_part_rows[index] = rows
+        params.lora_part_rows = self.part_rows.data_ptr()

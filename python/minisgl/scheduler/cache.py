@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from typing import Protocol
 
 import torch
 
 from minisgl.core import Req
 from minisgl.kvcache import BaseCacheHandle, BasePrefixCache, DiskKVTier, RadixPrefixCache
 from minisgl.utils import align_down, align_up, div_ceil
+
+
+class AdapterKeys(Protocol):
+    """How LoRA adapters' prefix-cache keys map back (engine/lora.py's LoraManager)."""
+
+    def tier_key(self, keys: torch.Tensor) -> tuple[str, torch.Tensor] | None: ...
 
 
 class CacheManager:
@@ -28,9 +35,11 @@ class CacheManager:
         if tier is not None:
             if not isinstance(prefix_cache, RadixPrefixCache):
                 raise ValueError("a disk KV tier needs the radix prefix cache")
-            prefix_cache.spill = _base_model_only(tier.save)  # evicted KV goes to disk
+            prefix_cache.spill = self._spill  # evicted KV goes to disk
         self.page_table = page_table
         self.device = page_table.device
+        # Set where adapters are served: their KV goes to the tier under their fingerprints.
+        self.adapter_keys: AdapterKeys | None = None
         self.prefix_cache = prefix_cache
         # Page-aligned first slot of each free page, handed out lowest first.
         self._free_slots = (
@@ -94,9 +103,7 @@ class CacheManager:
         cache = self.prefix_cache
         assert isinstance(cache, RadixPrefixCache)
         tier = self.tier
-        cache.spill = _base_model_only(
-            lambda ids, slots, start: tier.save(ids, slots, start, block=True)
-        )
+        cache.spill = lambda ids, slots, start: self._spill(ids, slots, start, block=True)
         try:
             cache.spill_all()
         finally:
@@ -117,20 +124,51 @@ class CacheManager:
             matchable = 0
         ids = req.cache_key(matchable)
         handle = self.prefix_cache.match_prefix(ids).cuda_handle
-        # An adapter's KV stays off the disk tier (its keys are this process's own).
-        if self.tier is None or tier_pages is None or tier_pages <= 0 or req.cache_key_offset:
+        if self.tier is None or tier_pages is None or tier_pages <= 0:
             return handle
-        return self._load_from_tier(req, ids, handle, tier_pages)
+        located = self._tier_ids(ids)
+        if located is None:
+            return handle
+        return self._load_from_tier(req, ids, handle, tier_pages, *located)
+
+    def _tier_ids(self, keys: torch.Tensor) -> tuple[torch.Tensor, str | None] | None:
+        """(the token ids, the fingerprint where not the tier's own) that keys of the prefix
+        cache name on disk: an adapter's under its own; None for an adapter no longer served."""
+        if len(keys) == 0 or int(keys[0]) >= 0:
+            return keys, None
+        assert self.tier is not None
+        located = None if self.adapter_keys is None else self.adapter_keys.tier_key(keys)
+        if located is None:
+            return None
+        adapter, ids = located
+        blob = bytes.fromhex(self.tier.fingerprint) + bytes.fromhex(adapter)
+        return ids, hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+    def _spill(
+        self, keys: torch.Tensor, slots: torch.Tensor, start: int, block: bool = False
+    ) -> None:
+        """An evicted path's KV to the tier (an adapter's under its fingerprint)."""
+        assert self.tier is not None
+        located = self._tier_ids(keys)
+        if located is not None:
+            self.tier.save(located[0], slots, start, block=block, fingerprint=located[1])
 
     def _load_from_tier(
-        self, req: Req, ids: torch.Tensor, handle: BaseCacheHandle, max_pages: int
+        self,
+        req: Req,
+        ids: torch.Tensor,
+        handle: BaseCacheHandle,
+        max_pages: int,
+        tier_ids: torch.Tensor,
+        fingerprint: str | None,
     ) -> BaseCacheHandle:
         """Extend the in-memory match with the tier's consecutive chunks that fit in
-        `max_pages`: their KV copied into new pages and inserted into the tree. A chunk that
-        turns out missing or invalid ends the extension there (it is recomputed)."""
+        `max_pages`: their KV copied into new pages and inserted into the tree (under `ids`,
+        the cache's keys; `tier_ids` and `fingerprint` name them on disk). A chunk that turns
+        out missing or invalid ends the extension there (it is recomputed)."""
         assert self.tier is not None
         tier, matched = self.tier, handle.cached_len
-        first, keys = tier.lookup(ids, matched)
+        first, keys = tier.lookup(tier_ids, matched, fingerprint)
         c = tier.chunk
         fits = (max_pages * self.page_size + matched) // c - first
         keys = keys[: max(0, fits)]
@@ -152,7 +190,11 @@ class CacheManager:
             lo = (first + i) * c
             skip = max(0, matched - lo)
             if not tier.read_into(
-                key, ids[lo : lo + c], slots[lo + skip - matched : lo + c - matched], skip
+                key,
+                tier_ids[lo : lo + c],
+                slots[lo + skip - matched : lo + c - matched],
+                skip,
+                fingerprint,
             ):
                 break
             loaded = lo + c
@@ -275,14 +317,3 @@ class CacheManager:
             self._free_sorted = True
         taken, self._free_slots = self._free_slots[:count], self._free_slots[count:]
         return taken
-
-
-def _base_model_only(save: Callable[[torch.Tensor, torch.Tensor, int], None]) -> Callable:
-    """A tier write that skips an adapter's KV: its keys (negative, see Req.cache_key) are
-    this process's own and would name other adapters' KV after a restart."""
-
-    def spill(ids: torch.Tensor, slots: torch.Tensor, start: int) -> None:
-        if len(ids) == 0 or int(ids[0]) >= 0:
-            save(ids, slots, start)
-
-    return spill

@@ -67,6 +67,7 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
             create_prefix_cache(config.cache_type, self.device, config.radix_eviction_policy),
             open_disk_tier(config, self.engine),
         )
+        self.cache_manager.adapter_keys = self.engine.lora
         self.order_queue = SCHEDULE_POLICIES[config.schedule_policy]
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None

@@ -123,17 +123,17 @@ static int layer_matmul(const decode_model* m, const bf16_t* x, const projection
 // of its slot's columns, rounded to bf16 and added as layers/lora.py's module path adds it);
 // tokens without an adapter (slot -1) are left as they are. B is read transposed (lora_bt
 // [width, N]): the delta is `rank` row-vector updates, not a dot product per output.
-static void lora_add(const projection* p, const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N,
-                     int64_t K, const int64_t* slots, int nthreads) {
-    if (!p->lora_a || !slots) return;
-    const int64_t rank = p->lora_rank;
+static int lora_add(const projection* p, const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N,
+                    int64_t K, const int64_t* slots, int nthreads) {
+    if (!p->lora_a || !slots) return MINISGL_OK;
+    const int64_t rank = p->lora_rank, per_token = K + rank + N;
+    float* scratch = (float*)kernel_alloc((size_t)(tokens * per_token) * sizeof(float));
+    if (!scratch) return MINISGL_ERR_NOMEM;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        float* xf = (float*)malloc((size_t)(K + rank + N) * sizeof(float));
-        if (!xf) continue;  // (the base output stands; a failed malloc of a few KB)
-        float *h = xf + K, *delta = h + rank;
+        float *xf = scratch + t * per_token, *h = xf + K, *delta = h + rank;
         for (int64_t k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
         int64_t row0 = 0;
         for (int64_t part = 0; part < p->lora_parts; part++) {
@@ -157,23 +157,24 @@ static void lora_add(const projection* p, const bf16_t* x, bf16_t* y, int64_t to
         bf16_t* out = y + t * N;
         for (int64_t o = 0; o < row0 && o < N; o++)
             out[o] = f32_to_bf16(bf16_to_f32(out[o]) + bf16_to_f32(f32_to_bf16(delta[o])));
-        free(xf);
     }
+    free(scratch);
+    return MINISGL_OK;
 }
 
 // lora_add on its own: the module path's deltas (layers/lora.py), the same sums as the C
 // layer's, so a row's output is the same bits on either path.
-void minisgl_lora_add(const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N, int64_t K,
-                      const projection* p, const int64_t* slots, int nthreads) {
-    lora_add(p, x, y, tokens, N, K, slots, nthreads);
+int minisgl_lora_add(const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N, int64_t K,
+                     const projection* p, const int64_t* slots, int nthreads) {
+    return lora_add(p, x, y, tokens, N, K, slots, nthreads);
 }
 
 // The projection and its adapters' deltas (lora_add).
 static int layer_project(const decode_model* m, const bf16_t* x, const projection* p, bf16_t* y,
                          int64_t tokens, int64_t N, int64_t K, int nthreads) {
     const int status = layer_matmul(m, x, p, y, tokens, N, K, nthreads);
-    if (status == MINISGL_OK) lora_add(p, x, y, tokens, N, K, m->lora_slots, nthreads);
-    return status;
+    if (status != MINISGL_OK) return status;
+    return lora_add(p, x, y, tokens, N, K, m->lora_slots, nthreads);
 }
 
 // Scratch elements (bf16) minisgl_decode_layer needs for `tokens` tokens.

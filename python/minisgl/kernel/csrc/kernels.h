@@ -57,7 +57,7 @@ typedef struct {
     const float* lora_a;
     const float* lora_bt;
     int64_t lora_parts, lora_slots, lora_rank;
-    int64_t lora_part_rows[3];
+    const int64_t* lora_part_rows;  // [lora_parts]
 } projection;
 
 typedef struct {
@@ -212,8 +212,8 @@ int minisgl_decode_layer_end(const decode_layer* L, const decode_model* m, bf16_
                               bf16_t* out, bf16_t* scratch, int64_t tokens, const int64_t* rows,
                               const int64_t* kv_lens, const int64_t* kv_starts,
                               const float* prefix_out, const float* prefix_lse, int nthreads);
-void minisgl_lora_add(const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N, int64_t K,
-                      const projection* p, const int64_t* slots, int nthreads);
+int minisgl_lora_add(const bf16_t* x, bf16_t* y, int64_t tokens, int64_t N, int64_t K,
+                     const projection* p, const int64_t* slots, int nthreads);
 int minisgl_decode_layers(const decode_layer* layers, int64_t num_layers, const decode_model* m,
                           const bf16_t* x, bf16_t* residual, bf16_t* out, bf16_t* scratch,
                           int64_t tokens, const int64_t* positions, const int64_t* rows,
