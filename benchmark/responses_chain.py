@@ -16,6 +16,7 @@ import httpx
 import openai
 import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
 from models import model_label, resolve_bench_model
+from paths import OUT_DIR
 from serving_server import Server
 
 QUESTIONS = [
@@ -67,7 +68,7 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--server-args", default="")
-    p.add_argument("--out", type=Path, default=Path("benchmark-results"))
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="where the server's log goes")
     args = p.parse_args()
     model = resolve_bench_model(args.model)
     sizing = argparse.Namespace(

@@ -192,6 +192,12 @@ def test_parsers() -> None:
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": 1}
     assert detect_parser(TEMPLATE) == "hermes"
     assert detect_parser("{{ '<|python_tag|>' }} ipython") == "llama3_json"
+    # `required`'s array as a grammar lets sampling spell it: whitespace after "[" and around
+    # the commas (raw_decode takes none before a value), cut off after its first whole item.
+    required = ToolChoice(TOOLS, "required")
+    spaced = '[\n  {"name": "get_time", "parameters": {"zone": 3}} ,\r\n\t{"name": "get_weather"'
+    content, calls = parse_tool_calls(spaced, required, "hermes")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
 
 
 def test_the_chat_template_is_read_from_the_files_as_the_tokenizer_reads_it(tmp_path) -> None:

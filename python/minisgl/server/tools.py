@@ -138,12 +138,16 @@ def _complete_items(text: str) -> list[Any]:
     """The whole items of a JSON array, also when the text was cut off after some of them."""
     decoder, items, pos = json.JSONDecoder(), [], text.find("[") + 1
     while 0 < pos < len(text):
+        # raw_decode takes no leading whitespace, which a grammar lets a sampled array have
+        # (after "[" and around commas: JSON's four whitespace characters).
+        while pos < len(text) and text[pos] in " \t\n\r":
+            pos += 1
         try:
             item, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             break
         items.append(item)
-        while pos < len(text) and text[pos] in " ,\n":
+        while pos < len(text) and text[pos] in " \t\n\r,":
             pos += 1
         if pos < len(text) and text[pos] == "]":
             break
