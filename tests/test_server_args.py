@@ -75,3 +75,25 @@ def test_request_limit_flags_parse(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--max-batch-prompts", "0"])
     assert "--max-batch-prompts" in capsys.readouterr().err
+
+
+def test_help_is_grouped_and_every_option_has_its_text() -> None:
+    """`--help` lists options by topic (model, server, KV cache, scheduling, parallelism,
+    quantization, API behaviour, speculative decoding, LoRA): none is left in argparse's
+    default group, none lacks a help text."""
+    from minisgl.server.args import build_parser
+
+    parser = build_parser()
+    ungrouped, silent = [], []
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if action.option_strings == ["-h", "--help"]:
+                continue
+            if group.title in ("options", "optional arguments", "positional arguments"):
+                ungrouped.append(action.option_strings)
+            if not action.help or not action.help.strip():
+                silent.append(action.option_strings)
+    assert ungrouped == [] and silent == [], (ungrouped, silent)
+    titles = [group.title for group in parser._action_groups]
+    for topic in ("model", "server", "KV cache", "scheduling", "parallelism", "quantization"):
+        assert topic in titles

@@ -121,7 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m minisgl",
         description="Serve a model over the OpenAI HTTP API, or chat with it (--shell).",
     )
-    p.add_argument(
+    model = p.add_argument_group("model")
+    server = p.add_argument_group("server")
+    kv_cache = p.add_argument_group("KV cache")
+    scheduling = p.add_argument_group("scheduling")
+    parallelism = p.add_argument_group("parallelism")
+    quantization = p.add_argument_group("quantization")
+    api = p.add_argument_group("API behaviour")
+    model.add_argument(
         "--model",
         "--model-path",
         dest="model_path",
@@ -129,17 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from its Q4_1 "
         "GGUF, served quantized; --quantization none: dense); --model-path is SGLang's spelling",
     )
-    p.add_argument("--served-model-name", default=None, help="model name in the API")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--host", default=DEFAULT_HOST)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--page-size", type=int, default=1, metavar="N", help="tokens per KV page")
-    p.add_argument(
-        "--max-running-requests", dest="max_running_req", type=int, default=256, metavar="N"
+    model.add_argument("--served-model-name", default=None, help="model name in the API")
+    model.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16"
     )
-    p.add_argument(
+    model.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind ({DEFAULT_HOST})")
+    server.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to serve on ({DEFAULT_PORT})"
+    )
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    kv_cache.add_argument(
+        "--page-size", type=int, default=1, metavar="N", help="tokens per KV page"
+    )
+    scheduling.add_argument(
+        "--max-running-requests",
+        dest="max_running_req",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests admitted at once, queued past it (default: 256)",
+    )
+    kv_cache.add_argument(
         "--num-pages",
         dest="num_page_override",
         type=int,
@@ -147,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="KV pool size (default: from the memory budget)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--max-seq-len",
         "--max-seq-len-override",
         "--context-length",
@@ -158,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="context length, at most the model's (default: the model's); "
         "--max-seq-len-override is mini-sglang's spelling, --context-length SGLang's",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--max-batch-prompts",
         type=_positive_int,
         default=DEFAULT_MAX_BATCH_PROMPTS,
@@ -167,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt list, a /generate batch) times n, checked before any tokenization; more is a "
         f"400 (default: {DEFAULT_MAX_BATCH_PROMPTS})",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--grammar-compile-timeout",
         type=float,
         default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
@@ -177,8 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_GRAMMAR_COMPILE_TIMEOUT:g}). A compile cannot be stopped: up to 4 "
         "past the limit are left running, and while 4 are, constrained requests get a 503",
     )
-    p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
-    p.add_argument(
+    kv_cache.add_argument(
+        "--cache-type",
+        default="radix",
+        choices=["radix", "naive"],
+        help="radix: the prefix cache shares KV of common prefixes (default); naive: none",
+    )
+    kv_cache.add_argument(
         "--disable-radix-cache",
         dest="cache_type",
         action="store_const",
@@ -186,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="radix",
         help="SGLang's spelling of --cache-type naive",
     )
-    p.add_argument(
+    kv_cache.add_argument(
         "--radix-eviction-policy",
         default="lru",
         choices=EVICTION_POLICIES.names(),
@@ -195,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(newest), priority (lowest request priority, then lru), slru (used once before used "
         "twice or more, lru within each)",
     )
-    p.add_argument(
+    kv_cache.add_argument(
         "--kv-cache-dir",
         default=None,
         metavar="DIR",
@@ -203,14 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         "written there and loaded back when a prompt's prefix matches, also after a restart; "
         "keyed by model, dtype, page size and KV layout (not with --tp > 1)",
     )
-    p.add_argument(
+    kv_cache.add_argument(
         "--kv-cache-disk-gb",
         type=_positive_float,
         default=16.0,
         metavar="G",
         help="GiB the disk KV tier may hold in DIR (least recently used files go first)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--max-prefill-length",
         "--max-extend-length",
         "--chunked-prefill-size",
@@ -222,19 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
         "on CPU, 8192 on CUDA); --max-extend-length is mini-sglang's spelling, "
         "--chunked-prefill-size SGLang's (its -1, no chunking, is not supported)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--attention-backend",
         "--attn",
         default="auto",
         help="auto, cpu or torch; --attn is mini-sglang's spelling",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--schedule-policy",
         default=None,
         help="fcfs; lpm: longest cached prefix first; priority: highest request priority "
         "first, then arrival (default: fcfs)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--overlap-schedule",
         default=None,
         type=lambda s: {"on": True, "off": False}[s],
@@ -242,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap CPU scheduling with the forward pass (default: off on CPU, on on CUDA; "
         "MINISGL_DISABLE_OVERLAP_SCHEDULING=1 turns it off whatever this says)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--disable-overlap-schedule",
         dest="overlap_schedule",
         action="store_const",
@@ -250,8 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="SGLang's spelling of --overlap-schedule off",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument(
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server processes' logging (default: info)",
+    )
+    parallelism.add_argument(
         "--dp",
         "--dp-size",
         dest="dp_size",
@@ -261,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="N replicas, each on its share of the cores and its own port (--port + 1..N), "
         "behind sglang-router on --port (scripts/setup_sglang_router.sh installs it)",
     )
-    p.add_argument(
+    parallelism.add_argument(
         "--tp",
         "--tp-size",
         dest="tp_size",
@@ -271,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor parallelism: the scheduler process is rank 0 and starts N-1 more ranks, "
         "each holding a shard of the weights and KV heads (gloo on CPU, NCCL on CUDA)",
     )
-    p.add_argument(
+    parallelism.add_argument(
         "--nnodes",
         type=_positive_int,
         default=1,
@@ -279,21 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="machines the --tp ranks split over (equally); node 0 serves, the others only run "
         "their ranks; needs --dist-init-addr and --num-pages on every node",
     )
-    p.add_argument("--node-rank", type=int, default=0, metavar="I", help="this machine's index")
-    p.add_argument(
+    parallelism.add_argument(
+        "--node-rank", type=int, default=0, metavar="I", help="this machine's index"
+    )
+    parallelism.add_argument(
         "--dist-init-addr",
         default=None,
         metavar="HOST:PORT",
         help="where the ranks of every node meet (a free port of node 0)",
     )
-    p.add_argument(
+    parallelism.add_argument(
         "--router-policy",
         default="cache_aware",
         choices=["cache_aware", "round_robin", "random", "power_of_two"],
         help="how the router picks a replica with --dp (cache_aware: the one whose radix cache "
         "likely holds the prompt's prefix, balanced against load)",
     )
-    p.add_argument(
+    quantization.add_argument(
         "--quantization",
         default=None,
         choices=list(QUANTIZATIONS),
@@ -302,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per 64/128); gguf serves a GGUF file's quantized tensors as they are (the default for "
         "a .gguf model path and the default model); none loads every weight dense",
     )
-    p.add_argument(
+    api.add_argument(
         "--logprobs-mode",
         default="raw_logprobs",
         choices=list(LOGPROBS_MODES),
@@ -310,14 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the sampler draws from (processed_logprobs: after grammar masks, penalties, logit_bias, "
         "min_tokens, temperature, top-k/top-p/min-p)",
     )
-    p.add_argument(
+    api.add_argument(
         "--tool-call-parser",
         default="auto",
         choices=["auto", *TOOL_CALL_PARSERS],
         help="how tool calls are read from the model's output: hermes (<tool_call> JSON "
         "blocks, Qwen's), llama3_json (bare JSON); auto: from the chat template",
     )
-    p.add_argument(
+    api.add_argument(
         "--reasoning-parser",
         default=None,
         choices=list(REASONING_PARSERS),
@@ -325,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reasoning_content, apart from its content: qwen3 (where the output opens with "
         "<think>), qwen3-thinking and deepseek-r1 (their templates open it); default: none",
     )
-    p.add_argument(
+    api.add_argument(
         "--responses-max-stored",
         type=_positive_int,
         default=1024,
@@ -333,28 +363,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most stored /v1/responses results (store: true) kept for "
         "previous_response_id and GET; the oldest dropped past it (default: 1024)",
     )
-    p.add_argument(
+    api.add_argument(
         "--responses-max-stored-mb",
         type=_positive_float,
         default=256.0,
         metavar="MB",
         help="the most megabytes of stored /v1/responses results (default: 256)",
     )
-    p.add_argument(
+    api.add_argument(
         "--responses-store-dir",
         default=None,
         metavar="DIR",
         help="keep stored /v1/responses results in DIR too, so they outlive a restart "
         "(default: in memory only)",
     )
-    p.add_argument(
+    server.add_argument(
         "--shell",
         "--shell-mode",
         action="store_true",
         help="interactive chat in this terminal; --shell-mode is mini-sglang's spelling",
     )
-    p.add_argument("--shell-max-tokens", type=int, default=512)
-    p.add_argument("--shell-temperature", type=float, default=0.0)
+    server.add_argument(
+        "--shell-max-tokens", type=int, default=512, help="--shell: tokens per answer (512)"
+    )
+    server.add_argument(
+        "--shell-temperature", type=float, default=0.0, help="--shell: temperature (0: greedy)"
+    )
     add_speculative_arguments(p)
     add_lora_arguments(p)
     return p
