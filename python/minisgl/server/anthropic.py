@@ -267,6 +267,7 @@ def register_anthropic_routes(
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
+        """Anthropic's Messages API, whole or as Anthropic's events."""
         body = chat_body(_json(await request.body()))
         job: ChatJob = await prepare(request, body)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"  # Anthropic's form of an id
@@ -300,6 +301,7 @@ def register_anthropic_routes(
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
+        """Anthropic's token count of a Messages request's prompt."""
         raw = _json(await request.body())
         if isinstance(raw, dict):
             raw = {**raw, "max_tokens": raw.get("max_tokens", 1)}  # not needed to count

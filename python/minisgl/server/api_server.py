@@ -133,12 +133,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: 200 while the server's processes run, else 503."""
         if not state.frontend.healthy:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus metrics (requests, tokens, latencies, cache, speculation)."""
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     def model_card() -> dict[str, Any]:
@@ -158,11 +160,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
+        """OpenAI's model list: the served model and its LoRA adapters (`parent`: the model)."""
         adapters = [adapter_card(name) for name in state.lora_adapters]
         return {"object": "list", "data": [model_card(), *adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
+        """One model or LoRA adapter by its name (404 if not served)."""
         lora = check_model(model_id)
         return model_card() if lora is None else adapter_card(lora)
 
@@ -240,6 +244,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        """OpenAI's chat completions: messages through the chat template, whole or streamed."""
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
         parts = chat_parts(req)
         endpoint = ResponseFormatter(True, new_id("chatcmpl"), state.model_name, now(), req.n)
@@ -280,6 +285,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        """OpenAI's completions: text or token-id prompts, whole or streamed."""
         req: CompletionRequest = parse_request(CompletionRequest, await request.body())
         lora = check_model(req.model)
         req.check_unsupported()

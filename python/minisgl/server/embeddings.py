@@ -70,6 +70,7 @@ def register_embedding_routes(
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings: each input's pooled hidden states."""
         req = parse_request(EmbeddingRequest, await request.body())
         lora = check_model(req.model)
         prompts = req.prompts()

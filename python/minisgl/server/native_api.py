@@ -163,11 +163,13 @@ def register_native_routes(
 
     @app.get("/version")
     async def version() -> dict[str, str]:
+        """The server's version."""
         return {"version": __version__}
 
     @app.get("/model_info")  # SGLang's current name (sglang-router asks it first)
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
+        """SGLang's model info: path, tokenizer, architectures."""
         return {
             "model_path": state.model_path,
             "tokenizer_path": state.model_path,
@@ -185,6 +187,7 @@ def register_native_routes(
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
+        """SGLang's server info: the launch arguments and the engine's limits."""
         return {**state.server_info, "max_model_len": state.max_model_len, "version": __version__}
 
     @app.get("/health_generate")
@@ -222,6 +225,7 @@ def register_native_routes(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt or conversation's token ids."""
         req = parse_request(TokenizeRequest, await request.body())
         check_model(req.model)
         reply = await call(EncodeMsg(frontend.new_rid(), **req.encode_fields()))
@@ -234,6 +238,7 @@ def register_native_routes(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token ids."""
         req = parse_request(DetokenizeRequest, await request.body())
         check_model(req.model)
         vocab = state.vocab_size

@@ -281,6 +281,7 @@ def register_responses_routes(
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API, whole or as the Responses events; stored unless `store` is false."""
         raw = json_body(await request.body())
         previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
         history = None
@@ -311,16 +312,19 @@ def register_responses_routes(
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
+        """A stored response by id (404 if never stored, dropped or deleted)."""
         return stored(response_id)["response"]
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
+        """Delete a stored response."""
         stored(response_id)
         store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, order: str = "desc", limit: int = 20) -> dict:
+        """A stored response's input items (`order`, `limit`)."""
         if order not in ("asc", "desc") or not 1 <= limit <= 100:
             raise invalid("order" if order not in ("asc", "desc") else "limit", "out of range")
         items = list(stored(response_id)["input"])

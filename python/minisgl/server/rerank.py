@@ -125,6 +125,7 @@ def register_rerank_routes(app: FastAPI, state: ServerState, check_model: Any) -
         return [relevance(out.embedding or []) for out in outputs], sum(group.prompt_tokens)
 
     async def rerank(request: Request) -> Response:
+        """vLLM's rerank: documents scored against the query, best first (`top_n`)."""
         req = parse_request(RerankRequest, await request.body())
         lora = check_model(req.model)
         pairs = [(req.query, document) for document in req.documents]
@@ -151,6 +152,7 @@ def register_rerank_routes(app: FastAPI, state: ServerState, check_model: Any) -
         )
 
     async def score(request: Request) -> Response:
+        """vLLM's score: text_1 against each text_2."""
         req = parse_request(ScoreRequest, await request.body())
         lora = check_model(req.model)
         scored = await scores(request, req.pairs(), req.instruction, lora)

@@ -1,0 +1,31 @@
+"""docs/reference/ cannot drift from the code: its pages are what `python -m
+minisgl.server.reference` writes from the argparse parser, `minisgl.env` and the app's routes,
+and every option, variable and endpoint says what it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minisgl.server.reference import pages
+
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
+
+
+def test_the_committed_reference_pages_are_what_the_code_writes() -> None:
+    for name, text in pages().items():
+        path = REFERENCE / name
+        committed = path.read_text() if path.is_file() else ""
+        missing = [line for line in text.splitlines() if line not in committed.splitlines()]
+        stale = [line for line in committed.splitlines() if line not in text.splitlines()]
+        assert not missing and not stale, (
+            f"docs/reference/{name} differs from the code (run `python -m "
+            f"minisgl.server.reference`); not in the page: {missing[:5]}; no longer in the code: "
+            f"{stale[:5]}"
+        )
+
+
+def test_every_option_variable_and_endpoint_says_what_it_does() -> None:
+    for name, text in pages().items():
+        rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+        silent = [row for row in rows[1:] if row.rstrip().endswith("|  |")]
+        assert not silent, f"{name}: rows without a description: {silent[:5]}"
