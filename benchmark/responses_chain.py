@@ -31,8 +31,8 @@ QUESTIONS = [
 
 
 def document(words: int) -> str:
-    """The first `words` words of this checkout's README: real prose with code and tables."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The first `words` words of docs/serving.md: real prose with code and tables."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     return " ".join(text.split()[:words])
 
 

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("edit", "document", "rewrite", "chat")
 SOURCES = sorted((ROOT / "python" / "minisgl").rglob("*.py"))
 RENAMES = ["req", "batch", "tokens", "config", "state", "output", "engine", "cache"]
-DOCUMENT = (ROOT / "README.md").read_text()
+DOCUMENT = (ROOT / "docs" / "serving.md").read_text()  # the old README's serving part
 QUESTIONS = [
     "What are the two commands a newcomer runs first?",
     "Which Python version do the commands need?",
