@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.core import Batch, Req, RequestError, SamplingParams
+from minisgl.core import POOLING_MODES, Batch, Req, RequestError, SamplingParams
 from minisgl.engine import Engine, ForwardInput
 
 from .grammar import GrammarQueue
@@ -54,6 +54,34 @@ def validate_request(
             "context_length_exceeded",
         )
     return ids, len(ids) + max_tokens
+
+
+def check_pooling(
+    engine: Engine,
+    sampling_params: SamplingParams,
+    pooling: str | None,
+    score_tokens: list[int] | None,
+) -> None:
+    """RequestError for an embedding or score request that cannot run (None: a generation)."""
+    if pooling is None:
+        if score_tokens:
+            raise RequestError("score_tokens need pooling 'score'", "score_tokens")
+        return
+    if pooling not in POOLING_MODES:
+        raise RequestError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}", "pooling")
+    if sampling_params.structured is not None:
+        raise RequestError("an embedding request takes no structured output", "pooling")
+    vocab = engine.model_config.vocab_size
+    if (pooling == "score") != bool(score_tokens) or any(
+        not 0 <= t < vocab for t in score_tokens or []
+    ):
+        raise RequestError(
+            f"a score request names its tokens (in [0, {vocab})), got {score_tokens}",
+            "score_tokens",
+        )
+    if pooling == "score" and engine.tp.sharded:
+        # its extra output-head product would be rank 0's alone (a collective)
+        raise RequestError("scoring is not served under tensor parallelism", "pooling")
 
 
 def produces_token(req: Req) -> bool:

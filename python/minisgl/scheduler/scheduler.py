@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import POOLING_MODES, Batch, Req, RequestError, SamplingParams
+from minisgl.core import Batch, Req
 from minisgl.distributed.worker import TPWorkerError, TPWorkers
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
@@ -27,7 +27,8 @@ from .logprobs import logprob_plan
 from .output import InFlight, SchedulerStats, TokenOutput
 from .policy import SCHEDULE_POLICIES
 from .preemption import PreemptionMixin
-from .prepare import lora_key_offset, prepare_forward_input, produces_token, validate_request
+from .prepare import prepare_forward_input, produces_token
+from .requests import RequestsMixin
 from .results import ResultsMixin
 from .speculative import Speculator, verify_prefixes, verify_rows
 from .table import TableManager
@@ -36,7 +37,7 @@ from .tier import open_disk_tier
 logger = init_logger(__name__)
 
 
-class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
+class Scheduler(RequestsMixin, PreemptionMixin, ResultsMixin, AdaptersMixin):
     """Admits requests, builds each step's batch, runs it and hands tokens back.
 
     With overlap scheduling, step N+1 is scheduled and launched before step N's tokens are
@@ -94,82 +95,6 @@ class Scheduler(PreemptionMixin, ResultsMixin, AdaptersMixin):
         if self.speculator is not None:
             return False
         return not ENV.DISABLE_OVERLAP_SCHEDULING.value and bool(self.config.overlap_schedule)
-
-    # ---------------------------------------------------------------- requests in
-    def add_request(
-        self,
-        input_ids: list[int] | torch.Tensor,
-        sampling_params: SamplingParams,
-        clip_to_context: bool = True,
-        lora: str | None = None,
-        pooling: str | None = None,
-        score_tokens: list[int] | None = None,
-    ) -> int:
-        """Queue a request (under the LoRA adapter `lora`, None: the base model); raises
-        RequestError naming the parameter when it can never run (with `clip_to_context` False
-        also when prompt + max_tokens exceed max_model_len)."""
-        ids, max_device_len = validate_request(
-            self.engine, input_ids, sampling_params, clip_to_context
-        )
-        key_offset = 0 if lora is None else lora_key_offset(self.engine, lora)
-        uid = next(self._uids)
-        req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
-        req.lora, req.cache_key_offset = lora, key_offset
-        if pooling is not None:
-            if pooling not in POOLING_MODES:
-                raise RequestError(
-                    f"pooling must be one of {POOLING_MODES}, got {pooling!r}", "pooling"
-                )
-            if sampling_params.structured is not None:
-                raise RequestError("an embedding request takes no structured output", "pooling")
-            vocab = self.engine.model_config.vocab_size
-            if (pooling == "score") != bool(score_tokens) or any(
-                not 0 <= t < vocab for t in score_tokens or []
-            ):
-                raise RequestError(
-                    f"a score request names its tokens (in [0, {vocab})), got {score_tokens}",
-                    "score_tokens",
-                )
-            if pooling == "score" and self.engine.tp.sharded:
-                # its extra output-head product would be rank 0's alone (a collective)
-                raise RequestError("scoring is not served under tensor parallelism", "pooling")
-            req.pooling, req.score_tokens = pooling, score_tokens
-        if sampling_params.seed is not None:
-            req.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
-        if sampling_params.structured is None:
-            self.waiting.append(req)
-            return uid
-        if self.grammars is None:
-            if self._tokenizer is None:
-                raise RequestError("structured output needs the model's tokenizer", "structured")
-            vocab = self.engine.model_config.vocab_size
-            timeout = self.config.grammar_compile_timeout_s
-            self.grammars = GrammarQueue(self._tokenizer, vocab, timeout)
-        self.grammars.add(req)  # queued once its grammar is compiled (RequestError: busy)
-        return uid
-
-    def abort_request(self, uid: int) -> bool:
-        """Stop a request wherever it is and release what it holds; False if unknown/finished."""
-        req = next((r for r in self.waiting if r.uid == uid), None)
-        if req is not None:
-            self.waiting.remove(req)
-        elif self.grammars is not None and (req := self.grammars.remove(uid)) is not None:
-            pass  # still compiling: holds nothing yet
-        else:
-            req = next((r for r in self._admitted() if r.uid == uid), None)
-            if req is None:
-                return False
-            self._drop(req)
-            if not self._is_in_flight(req):  # else released once its step is processed
-                self._release(req)
-        req.finish_reason = "abort"
-        self._outbox.append(TokenOutput(uid, None, "abort", req.prompt_cached_tokens))
-        return True
-
-    @property
-    def has_work(self) -> bool:
-        queued = self.waiting or (self.grammars is not None and self.grammars.pending)
-        return bool(queued or self.running or self.chunked or self._outbox or self._in_flight)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[TokenOutput]:

@@ -7,14 +7,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from minisgl.engine.config import LOGPROBS_MODES
 from minisgl.kvcache import EVICTION_POLICIES
 from minisgl.layers.quantized import QUANTIZATIONS
 
+from .api_args import add_api_arguments
+from .arg_types import positive_float, positive_int
 from .lora_args import add_lora_arguments
-from .reasoning import REASONING_PARSERS
+from .parallel_args import add_parallel_arguments
 from .speculative_args import add_speculative_arguments
-from .tools import TOOL_CALL_PARSERS
 from .validation import MAX_BATCH_PROMPTS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -125,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = p.add_argument_group("server")
     kv_cache = p.add_argument_group("KV cache")
     scheduling = p.add_argument_group("scheduling")
-    parallelism = p.add_argument_group("parallelism")
     quantization = p.add_argument_group("quantization")
-    api = p.add_argument_group("API behaviour")
     model.add_argument(
         "--model",
         "--model-path",
@@ -178,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scheduling.add_argument(
         "--max-batch-prompts",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_BATCH_PROMPTS,
         metavar="N",
         help="the most sequences one request may ask for: its prompts (a /v1/completions "
@@ -228,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv_cache.add_argument(
         "--kv-cache-disk-gb",
-        type=_positive_float,
+        type=positive_float,
         default=16.0,
         metavar="G",
         help="GiB the disk KV tier may hold in DIR (least recently used files go first)",
@@ -238,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-extend-length",
         "--chunked-prefill-size",
         dest="max_prefill_length",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="prompt tokens computed per prefill step, longer prompts in chunks (default: 2048 "
@@ -279,50 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="the server processes' logging (default: info)",
     )
-    parallelism.add_argument(
-        "--dp",
-        "--dp-size",
-        dest="dp_size",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="N replicas, each on its share of the cores and its own port (--port + 1..N), "
-        "behind sglang-router on --port (scripts/setup_sglang_router.sh installs it)",
-    )
-    parallelism.add_argument(
-        "--tp",
-        "--tp-size",
-        dest="tp_size",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="tensor parallelism: the scheduler process is rank 0 and starts N-1 more ranks, "
-        "each holding a shard of the weights and KV heads (gloo on CPU, NCCL on CUDA)",
-    )
-    parallelism.add_argument(
-        "--nnodes",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="machines the --tp ranks split over (equally); node 0 serves, the others only run "
-        "their ranks; needs --dist-init-addr and --num-pages on every node",
-    )
-    parallelism.add_argument(
-        "--node-rank", type=int, default=0, metavar="I", help="this machine's index"
-    )
-    parallelism.add_argument(
-        "--dist-init-addr",
-        default=None,
-        metavar="HOST:PORT",
-        help="where the ranks of every node meet (a free port of node 0)",
-    )
-    parallelism.add_argument(
-        "--router-policy",
-        default="cache_aware",
-        choices=["cache_aware", "round_robin", "random", "power_of_two"],
-        help="how the router picks a replica with --dp (cache_aware: the one whose radix cache "
-        "likely holds the prompt's prefix, balanced against load)",
-    )
     quantization.add_argument(
         "--quantization",
         default=None,
@@ -331,51 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(weight-only: int8 a scale per output row, int4 a scale and offset per 32 columns, or "
         "per 64/128); gguf serves a GGUF file's quantized tensors as they are (the default for "
         "a .gguf model path and the default model); none loads every weight dense",
-    )
-    api.add_argument(
-        "--logprobs-mode",
-        default="raw_logprobs",
-        choices=list(LOGPROBS_MODES),
-        help="what logprobs report: the model's distribution (raw_logprobs, default) or the one "
-        "the sampler draws from (processed_logprobs: after grammar masks, penalties, logit_bias, "
-        "min_tokens, temperature, top-k/top-p/min-p)",
-    )
-    api.add_argument(
-        "--tool-call-parser",
-        default="auto",
-        choices=["auto", *TOOL_CALL_PARSERS],
-        help="how tool calls are read from the model's output: hermes (<tool_call> JSON "
-        "blocks, Qwen's), llama3_json (bare JSON); auto: from the chat template",
-    )
-    api.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=list(REASONING_PARSERS),
-        help="a reasoning model's thinking (<think>...</think>) as the chat message's "
-        "reasoning_content, apart from its content: qwen3 (where the output opens with "
-        "<think>), qwen3-thinking and deepseek-r1 (their templates open it); default: none",
-    )
-    api.add_argument(
-        "--responses-max-stored",
-        type=_positive_int,
-        default=1024,
-        metavar="N",
-        help="the most stored /v1/responses results (store: true) kept for "
-        "previous_response_id and GET; the oldest dropped past it (default: 1024)",
-    )
-    api.add_argument(
-        "--responses-max-stored-mb",
-        type=_positive_float,
-        default=256.0,
-        metavar="MB",
-        help="the most megabytes of stored /v1/responses results (default: 256)",
-    )
-    api.add_argument(
-        "--responses-store-dir",
-        default=None,
-        metavar="DIR",
-        help="keep stored /v1/responses results in DIR too, so they outlive a restart "
-        "(default: in memory only)",
     )
     server.add_argument(
         "--shell",
@@ -389,31 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--shell-temperature", type=float, default=0.0, help="--shell: temperature (0: greedy)"
     )
+    add_parallel_arguments(p)
+    add_api_arguments(p)
     add_speculative_arguments(p)
     add_lora_arguments(p)
     return p
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse names the option in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
