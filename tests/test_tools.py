@@ -198,6 +198,16 @@ def test_parsers() -> None:
     spaced = '[\n  {"name": "get_time", "parameters": {"zone": 3}} ,\r\n\t{"name": "get_weather"'
     content, calls = parse_tool_calls(spaced, required, "hermes")
     assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+    # A raw control character inside a JSON string (a grammar lets sampling write one): read,
+    # and the arguments handed on as strict JSON, for every forced form and Hermes.
+    raw = '{"zone": "a\x1eb"}'
+    named = parse_tool_calls(raw, ToolChoice(TOOLS, "named", "get_time"), "hermes")[1]
+    forced = parse_tool_calls(f'[{{"name": "get_time", "parameters": {raw}}}]', required, "hermes")
+    hermes = parse_tool_calls(
+        f'<tool_call>{{"name": "get_time", "arguments": {raw}}}</tool_call>', choice, "hermes"
+    )
+    for calls in (named, forced[1], hermes[1]):
+        assert json.loads(calls[0]["function"]["arguments"]) == {"zone": "a\x1eb"}
 
 
 def test_the_chat_template_is_read_from_the_files_as_the_tokenizer_reads_it(tmp_path) -> None:

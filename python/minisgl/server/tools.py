@@ -21,6 +21,11 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
+# Outputs are read leniently: a grammar's JSON strings may hold raw control characters (a
+# sampled U+001E, say), which strict JSON refuses; call_dict writes the arguments back strict.
+_DECODER = json.JSONDecoder(strict=False)
+
+
 def _invalid(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param, code="invalid_value")
 
@@ -124,7 +129,11 @@ def parse_tool_calls(
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """(the message's content, its tool calls) from the model's output text."""
     if choice.mode == "named":
-        return None, [call_dict(choice.name or "", text.strip())]
+        try:  # re-spelled as strict JSON (see _DECODER), where it parses
+            arguments: Any = _DECODER.decode(text.strip())
+        except json.JSONDecodeError:
+            arguments = text.strip()
+        return None, [call_dict(choice.name or "", arguments)]
     if choice.mode == "required":
         calls = _complete_items(text)
         if not calls:
@@ -136,7 +145,7 @@ def parse_tool_calls(
 
 def _complete_items(text: str) -> list[Any]:
     """The whole items of a JSON array, also when the text was cut off after some of them."""
-    decoder, items, pos = json.JSONDecoder(), [], text.find("[") + 1
+    decoder, items, pos = _DECODER, [], text.find("[") + 1
     while 0 < pos < len(text):
         # raw_decode takes no leading whitespace, which a grammar lets a sampled array have
         # (after "[" and around commas: JSON's four whitespace characters).
@@ -167,7 +176,7 @@ def _parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str
     calls = []
     for block in _HERMES_CALL.findall(text[start:]):
         try:
-            call = _call_of(json.loads(block), names)
+            call = _call_of(_DECODER.decode(block), names)
         except json.JSONDecodeError:
             call = None
         if call is not None:
@@ -185,7 +194,7 @@ def _parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[dic
     calls = []
     for part in body.split(";"):  # Llama 3 separates parallel calls with ';'
         try:
-            call = _call_of(json.loads(part), names)
+            call = _call_of(_DECODER.decode(part), names)
         except json.JSONDecodeError:
             return text, []
         if call is None:
