@@ -248,7 +248,7 @@ class MessageStream:
         events += self.close()
         reason, sequence = stop_reason(out.finish_reason, out.matched_stop, bool(piece.calls))
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        usage = {"output_tokens": piece.completion_tokens}
+        usage = {"output_tokens": out.completion_tokens}
         events += _event("message_delta", {"delta": delta, "usage": usage})
         return events + _event("message_stop", {})
 

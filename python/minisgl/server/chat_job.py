@@ -44,13 +44,12 @@ class ChatJob:
 @dataclass
 class ChatPiece:
     """A streamed step of the output: its new reasoning and text; on the last one (`finished`
-    set) the tool calls read from the whole output and the engine's last message."""
+    set) the tool calls read from the whole output and the engine's last message (its counts)."""
 
     reasoning: str = ""
     text: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     finished: OutputMsg | None = None
-    completion_tokens: int = 0
 
 
 async def chat_pieces(job: ChatJob) -> AsyncIterator[ChatPiece]:
@@ -68,7 +67,7 @@ async def chat_pieces(job: ChatJob) -> AsyncIterator[ChatPiece]:
             if done:
                 content, calls = job.calls.finish(0)
                 text += content
-        yield ChatPiece(reasoning, text, calls, out if done else None, out.completion_tokens)
+        yield ChatPiece(reasoning, text, calls, out if done else None)
 
 
 @dataclass

@@ -173,27 +173,35 @@ class ResponseEvents:
             "response.content_part.added", **self._where(), content_index=0, part=part
         )
 
-    def reasoning(self, text: str) -> str:
+    def _delta(self, kind: str, text: str) -> str:
+        """`text` into the open item of `kind` (reasoning or message), opened if another is."""
         events = ""
-        if self.open is None or self.open["type"] != "reasoning":
-            item = reasoning_item(item_id("rs"), "", "in_progress")
-            item["content"] = []
-            events = self._start(item, {"type": "reasoning_text", "text": ""})
+        if self.open is None or self.open["type"] != kind:
+            make = reasoning_item if kind == "reasoning" else message_item
+            item = make(item_id("rs" if kind == "reasoning" else "msg"), "", "in_progress")
+            part = item["content"][0]
+            item["content"] = []  # the part comes in its own event
+            events = self._start(item, part)
         self.open_text += text
-        return events + self.event(
-            "response.reasoning_text.delta", **self._where(), content_index=0, delta=text
-        )
+        if kind == "reasoning":
+            delta = self.event(
+                "response.reasoning_text.delta", **self._where(), content_index=0, delta=text
+            )
+        else:
+            delta = self.event(
+                "response.output_text.delta",
+                **self._where(),
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        return events + delta
+
+    def reasoning(self, text: str) -> str:
+        return self._delta("reasoning", text)
 
     def text(self, text: str) -> str:
-        events = ""
-        if self.open is None or self.open["type"] != "message":
-            item = message_item(item_id("msg"), "", "in_progress")
-            item["content"] = []
-            events = self._start(item, message_item("", "", "")["content"][0])
-        self.open_text += text
-        return events + self.event(
-            "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[]
-        )
+        return self._delta("message", text)
 
     def close(self, status: str = "completed") -> str:
         """The open item's done events; it takes its finished form in `output`."""
