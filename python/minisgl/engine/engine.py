@@ -35,18 +35,22 @@ logger = init_logger(__name__)
 
 def pool(
     hidden: torch.Tensor,
-    span: tuple[int, int, str, list[int] | None],
+    spans: list[tuple[int, int, str, list[int] | None]],
     head: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """One embedding request's rows pooled (float32): their sum (mean), the last one (last), or
-    the head's logits of its score tokens at the last one (score)."""
-    start, end, mode, tokens = span
-    if mode == "mean":
-        return hidden[start:end].float().sum(0)
-    if mode == "score":
-        assert tokens is not None
-        return head(hidden[end - 1 : end])[0, tokens].float()
-    return hidden[end - 1].float()
+) -> list[torch.Tensor]:
+    """Each embedding request's rows pooled (float32): their sum (mean), the last one (last), or
+    the head's logits of its score tokens at the last one (score: one head product for all)."""
+    scored = [end - 1 for _, end, mode, _ in spans if mode == "score"]
+    logits = iter(head(hidden[scored]) if scored else ())
+    pooled = []
+    for start, end, mode, tokens in spans:
+        if mode == "mean":
+            pooled.append(hidden[start:end].float().sum(0))
+        elif mode == "score":
+            pooled.append(next(logits)[tokens].float())
+        else:
+            pooled.append(hidden[end - 1].float())
+    return pooled
 
 
 @dataclass
@@ -231,7 +235,7 @@ class Engine:
         assert batch.input_ids is not None and batch.positions is not None
         if pool_spans:
             hidden = self.model.hidden_states(batch.input_ids, batch.positions)
-            pooled = [pool(hidden, span, self.model.logits) for span in pool_spans]
+            pooled = pool(hidden, pool_spans, self.model.logits)
             indices = batch.logits_indices
             logits = self.model.logits(hidden if indices is None else hidden[indices], True)
             prompt = (

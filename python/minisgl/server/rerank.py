@@ -4,6 +4,7 @@ causal LM's next-token logits of "yes" against "no" at its end (softmax over the
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from typing import Any
@@ -103,9 +104,11 @@ def register_rerank_routes(app: FastAPI, state: ServerState, check_model: Any) -
                 code="invalid_value",
             )
         prefix, suffix = await encode(PREFIX), await encode(SUFFIX)
+        # Every pair's encoding at once: one round trip's wait, not one per document.
+        encoded = await asyncio.gather(*(encode(pair_text(instruction, q, d)) for q, d in pairs))
         msgs = []
-        for query, document in pairs:
-            ids = prefix + await encode(pair_text(instruction, query, document)) + suffix
+        for pair_ids in encoded:
+            ids = prefix + pair_ids + suffix
             msgs.append(
                 TokenizeMsg(
                     frontend.new_rid(),
