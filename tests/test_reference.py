@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minisgl.server.reference import pages
+from minisgl.server.reference import FIELD_ORIGINS, pages, request_models
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
 
@@ -31,3 +31,10 @@ def test_every_option_variable_and_endpoint_says_what_it_does() -> None:
         rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
         silent = [row for row in rows[1:] if row.rstrip().endswith("|  |")]
         assert not silent, f"{name}: rows without a description: {silent[:5]}"
+
+
+def test_every_field_origin_names_a_field_of_its_body() -> None:
+    for title, model in request_models():
+        known = set(model.model_fields) | set(getattr(model, "handled_extras", ()))
+        listed = {name for names in FIELD_ORIGINS[title].values() for name in names.split()}
+        assert listed <= known, f"{title}: FIELD_ORIGINS names no such field: {listed - known}"

@@ -100,24 +100,86 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+# Integer limits as a reader writes them.
+_BOUND_NAMES = {2**31 - 1: "2^31 - 1", 2**63 - 1: "2^63 - 1", -(2**63): "-2^63"}
+
+
 def _range(metadata: list[object]) -> str:
     bounds = []
     for item in metadata:
         for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             value = getattr(item, name, None)
             if value is not None:
-                bounds.append(f"{sign} {value}")
+                bounds.append(f"{sign} {_BOUND_NAMES.get(value, value)}")
         min_length = getattr(item, "min_length", None)
         if min_length is not None:
             bounds.append(f"length >= {min_length}")
     return ", ".join(bounds)
 
 
-def parameters_page() -> str:
-    """Every request body's fields (the pydantic models the routes parse): type, default and
-    range. The Messages and Responses bodies, read by their modules, are in serving.md."""
-    from pydantic import BaseModel
+# Whose API each request field's name and meaning follow, per request body. A field missing
+# here fails the page (and tests/test_reference.py), so a new field says whose it is.
+_OPENAI_SAMPLING = "model max_tokens temperature top_p seed stop presence_penalty frequency_penalty"
+_OPENAI_SAMPLING += " logit_bias n stream stream_options user response_format"
+_VLLM_SAMPLING = "top_k min_p stop_token_ids ignore_eos repetition_penalty min_tokens"
+_VLLM_SAMPLING += " skip_special_tokens spaces_between_special_tokens include_stop_str_in_output"
+_VLLM_SAMPLING += " guided_json guided_regex guided_choice guided_grammar structured_outputs"
+_NATIVE = "text input_ids sampling_params stream rid return_logprob logprob_start_len"
+_NATIVE += " top_logprobs_num return_text_in_logprobs priority lora_path"
+_NATIVE_SAMPLING = "json_schema regex ebnf max_new_tokens min_new_tokens temperature top_p top_k"
+_NATIVE_SAMPLING += " min_p frequency_penalty presence_penalty repetition_penalty stop"
+_NATIVE_SAMPLING += " stop_token_ids ignore_eos skip_special_tokens spaces_between_special_tokens"
+_NATIVE_SAMPLING += " no_stop_trim logit_bias sampling_seed n structural_tag"
+FIELD_ORIGINS: dict[str, dict[str, str]] = {
+    "POST /v1/chat/completions": {
+        "OpenAI": _OPENAI_SAMPLING + " messages max_completion_tokens logprobs top_logprobs tools"
+        " tool_choice parallel_tool_calls functions function_call audio modalities prediction"
+        " web_search_options",
+        "vLLM": _VLLM_SAMPLING + " add_generation_prompt continue_final_message"
+        " chat_template_kwargs",
+        "SGLang": "priority separate_reasoning",
+    },
+    "POST /v1/completions": {
+        "OpenAI": _OPENAI_SAMPLING + " prompt logprobs echo best_of suffix functions"
+        " function_call audio modalities prediction web_search_options",
+        "vLLM": _VLLM_SAMPLING + " prompt_logprobs",
+        "SGLang": "priority",
+    },
+    "POST /v1/embeddings": {"OpenAI": "input model encoding_format dimensions user"},
+    "POST /v1/rerank": {
+        "vLLM": "query documents model top_n return_documents",
+        "minisgl": "instruction",
+    },
+    "POST /v1/score": {"vLLM": "text_1 text_2 model", "minisgl": "instruction"},
+    "POST /generate": {
+        "SGLang": _NATIVE + " image_data video_data audio_data input_embeds return_hidden_states"
+        " custom_logit_processor session_params token_ids_logprob return_routed_experts"
+    },
+    "/generate's sampling_params": {"SGLang": _NATIVE_SAMPLING},
+    "POST /v1/load_lora_adapter": {"vLLM": "lora_name lora_path"},
+    "POST /v1/unload_lora_adapter": {"vLLM": "lora_name lora_int_id"},
+}
 
+# The fields read from a body's extras (not pydantic fields): their types as a reader writes them.
+_EXTRA_TYPES = {
+    "response_format": "{type: text | json_object | json_schema, json_schema?}",
+    "guided_json": "object | str",
+    "guided_regex": "str",
+    "guided_choice": "list[str]",
+    "guided_grammar": "str (EBNF)",
+    "structured_outputs": "{json | regex | choice | grammar}",
+}
+
+
+def _origin(title: str, field: str) -> str:
+    for api, names in FIELD_ORIGINS[title].items():
+        if field in names.split():
+            return api
+    raise KeyError(f"{title}: field {field!r} has no origin in reference.FIELD_ORIGINS")
+
+
+def request_models() -> list[tuple[str, Any]]:
+    """(title, pydantic model) of every request body the parameters page lists."""
     from .embeddings import EmbeddingRequest
     from .native_protocol import NativeGenerateRequest, NativeSamplingParams
     from .protocol import (
@@ -128,7 +190,7 @@ def parameters_page() -> str:
     )
     from .rerank import RerankRequest, ScoreRequest
 
-    models: list[tuple[str, type[BaseModel]]] = [
+    return [
         ("POST /v1/chat/completions", ChatCompletionRequest),
         ("POST /v1/completions", CompletionRequest),
         ("POST /v1/embeddings", EmbeddingRequest),
@@ -139,14 +201,41 @@ def parameters_page() -> str:
         ("POST /v1/load_lora_adapter", LoadLoraRequest),
         ("POST /v1/unload_lora_adapter", UnloadLoraRequest),
     ]
+
+
+def parameters_page() -> str:
+    """Every request body's fields (the pydantic models the routes parse): type, default,
+    range and whose API the name follows. The Messages and Responses bodies, read by their
+    modules, are in serving.md."""
+    from .structured import STRUCTURED_FIELDS
+
     lines = [HEADER, "", "# Request parameters", ""]
-    lines.append("The fields each request body takes, as the server parses them.")
-    for title, model in models:
-        lines += ["", f"## {title}", "", "| field | type | default | range |", "|---|---|---|---|"]
+    lines.append(
+        "The fields each request body takes, as the server parses them, and whose API each name"
+        " and meaning follow (OpenAI, vLLM or SGLang; minisgl where none has it). A value out"
+        " of range is a 400 naming the field; a field not listed is ignored with a warning in"
+        " the server's log."
+    )
+    for title, model in request_models():
+        lines += ["", f"## {title}", "", "| field | type | default | range | follows |"]
+        lines.append("|---|---|---|---|---|")
         for name, field in model.model_fields.items():
             shown = "required" if field.is_required() else f"`{field.default!r}`"
             kind, bounds = _type_name(field.annotation), _range(list(field.metadata))
-            lines.append(f"| `{name}` | {_cell(kind)} | {_cell(shown)} | {_cell(bounds)} |")
+            lines.append(
+                f"| `{name}` | {_cell(kind)} | {_cell(shown)} | {_cell(bounds)} "
+                f"| {_origin(title, name)} |"
+            )
+        extras: tuple[str, ...] = getattr(model, "handled_extras", ())
+        for name in (n for n in extras if n in STRUCTURED_FIELDS):
+            kind, api = _cell(_EXTRA_TYPES[name]), _origin(title, name)
+            lines.append(f"| `{name}` | {kind} | `None` |  | {api} |")
+        refused = [n for n in extras if n not in STRUCTURED_FIELDS]
+        for name in refused:
+            _origin(title, name)
+        if refused:
+            names = ", ".join(f"`{n}`" for n in refused)
+            lines += ["", f"Refused with a 400 unless off (not served): {names}."]
     return "\n".join(lines) + "\n"
 
 
