@@ -31,8 +31,8 @@ QUESTIONS = [
 
 
 def document(words: int) -> str:
-    """The first `words` words of docs/serving.md: real prose with code and tables."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    """The first `words` words of benchmark/data/document.md: real prose with code and tables."""
+    text = (Path(__file__).resolve().parent / "data" / "document.md").read_text()
     return " ".join(text.split()[:words])
 
 
