@@ -17,7 +17,7 @@ from doc_blocks import Block
 from test_server import API_KEY
 
 # Generation is capped at MAX_TOKENS (an example without a limit gets one), to keep time.
-MAX_TOKENS = 32
+MAX_TOKENS = 8
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens")
 LIMIT_FOR = {  # a generating endpoint or openai method -> its limit's name
     "/v1/chat/completions": "max_tokens",
