@@ -12,10 +12,15 @@ With `--draft-model PATH` a draft model of the same vocabulary (STANDALONE) runs
 columns beside n-gram's. With `--peer llamacpp` (scripts/setup_llamacpp.sh builds it), llama.cpp's prompt lookup decoding
 (`llama-lookup`, one sequence) generates from the same GGUF file and the same chat-templated
 prompt of each kind, without drafts and with as many as ours, for a second table (batch 1).
+With `--peer vllm` (scripts/setup_vllm.sh), vLLM's CPU backend serves the model's HF folder in
+bf16 on the same prompts and batch sizes, without speculation and with its n-gram drafting
+(`speculative_config` method "ngram", as many draft tokens and the same longest match), its
+prompts prefilled into its prefix cache first; a peer that cannot speculate on a CPU says so.
 
     python benchmark/speculative.py                       # default model, batch 1, 4, 16
     python benchmark/speculative.py --batch-sizes 1 --kinds edit,chat --max-tokens 64
     python benchmark/speculative.py --batch-sizes 1 --peer llamacpp
+    python benchmark/speculative.py --peer vllm
     python benchmark/speculative.py --model qwen3-0.6b-random --draft-model DRAFT_DIR
 """
 
@@ -118,7 +123,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--peer", choices=["llamacpp"], default=None)
+    parser.add_argument("--peer", choices=["llamacpp", "vllm"], default=None)
     parser.add_argument(
         "--draft-model",
         default=None,
@@ -175,6 +180,8 @@ def main() -> None:
             print("| " + " | ".join(cells) + " |", flush=True)
     if args.peer == "llamacpp":
         llamacpp_table(plain, kinds, args)
+    if args.peer == "vllm":
+        vllm_table(plain, kinds, batch_sizes, args)
     for llm in engines:
         llm.shutdown()
 
@@ -223,6 +230,61 @@ def llamacpp_table(llm: LLM, kinds: list[str], args: argparse.Namespace) -> None
             f"{on.tokens_per_s / off.tokens_per_s:.2f}x | {per_step} | {kept} |",
             flush=True,
         )
+
+
+def vllm_table(
+    llm: LLM, kinds: list[str], batch_sizes: list[int], args: argparse.Namespace
+) -> None:
+    """vLLM's CPU backend, speculation off and n-gram, each an engine of its own, on the same
+    prompts (token ids, greedy, EOS ignored), all of them prefilled into its prefix cache first."""
+    from phases import Request
+    from runners.vllm import PeerRun, run_vllm_peer
+
+    folder = resolve_bench_model(args.model)
+    if not (folder / "config.json").exists() or not any(folder.glob("*.safetensors")):
+        print(f"# --peer vllm: {folder} holds no safetensors weights; nothing to compare")
+        return
+    batches = {(kind, b): prompts(llm, kind, b) for kind in kinds for b in batch_sizes}
+    warmup = [[Request(ids, 1) for batch in batches.values() for ids in batch]]
+    runs = [
+        PeerRun(f"{kind}-{b}", [[Request(ids, args.max_tokens) for ids in batch]])
+        for (kind, b), batch in batches.items()
+    ]
+    longest = max(len(ids) for batch in batches.values() for ids in batch)
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_draft_tokens - 1,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 6,
+    }
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    results = {}
+    for name, config in (("off", None), ("ngram", ngram)):
+        results[name] = run_vllm_peer(
+            folder,
+            dtype,
+            runs,
+            warmup,
+            max_model_len=longest + args.max_tokens + 16,
+            enable_prefix_caching=True,
+            speculative_config=config,
+            threads=args.threads,
+        )
+    off, on = results["off"], results["ngram"]
+    if off is None:
+        return
+    print(f"\n# vLLM CPU on {folder.name} ({dtype}), greedy, EOS ignored, n-gram drafts")
+    print("| kind | batch | off tok/s | ngram tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    for i, run in enumerate(runs):
+        off_rate = off[i].output_tokens / off[i].wall_s
+        cells = [*run.name.rsplit("-", 1), f"{off_rate:.1f}"]
+        if on is None:
+            cells += ["not run (vLLM refused speculation; its log above)", "-"]
+        else:
+            on_rate = on[i].output_tokens / on[i].wall_s
+            cells += [f"{on_rate:.1f}", f"{on_rate / off_rate:.2f}x"]
+        print("| " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ with PEERS.md's environment (LD_PRELOAD of tcmalloc + libiomp5, VLLM_CPU_KVCACHE
 VLLM_CPU_OMP_THREADS_BIND). Standalone: needs only the standard library and vllm.
 
 SPEC.json: {"model", "dtype", "max_model_len", "enable_prefix_caching", "block_size",
-"warmup": PHASES, "runs": [{"name", "repeat", "phases": PHASES}]}, where PHASES is a list of
+"speculative_config" (vLLM's, or null), "warmup": PHASES, "runs": [{"name", "repeat", "phases": PHASES}]}, where PHASES is a list of
 phases, each a list of {"ids", "max_tokens", "base"}: a request's prompt is the prompt and
 generated tokens of request `base` of the previous phase (when not null) followed by `ids`.
 Each phase is submitted at once; its wall time is the `generate` call. RESULT.json gets the
@@ -73,6 +73,8 @@ def main(spec_path: str, result_path: str) -> None:
     )
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if spec.get("speculative_config"):
+        kwargs["speculative_config"] = spec["speculative_config"]
     start = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     startup = time.perf_counter() - start

@@ -89,6 +89,7 @@ def run_vllm_peer(
     max_model_len: int,
     enable_prefix_caching: bool,
     block_size: int | None = None,
+    speculative_config: dict[str, Any] | None = None,
     kv_gb: float = 4.0,
     threads: int | None = None,
     timeout_s: float = 3600.0,
@@ -99,7 +100,8 @@ def run_vllm_peer(
     """Run the workloads through vLLM's CPU backend in `.peers/vllm`; None when unavailable.
 
     One engine serves every run (its ~60 s start-up is not timed). Run names become the
-    results' workload names; repeats of a name are separate runs. `after_run(i)` is called on
+    results' workload names; repeats of a name are separate runs. `speculative_config`: vLLM's
+    (e.g. n-gram drafting), None for none. `after_run(i)` is called on
     a reader thread when the peer reports that runs[i] ended; the peer does not wait for it, so
     runs[i + 1] sees its effect within the thread's wake-up (about a millisecond). The peer's
     log goes to `out_dir` (the script's --out).
@@ -120,6 +122,7 @@ def run_vllm_peer(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         block_size=block_size,
+        speculative_config=speculative_config,
         warmup=phases_to_json(warmup),
         runs=[dict(name=r.name, repeat=r.repeat, phases=phases_to_json(r.phases)) for r in runs],
     )
@@ -162,6 +165,7 @@ def run_vllm_peer(
         result = json.loads(result_path.read_text())
     log(f"vLLM peer: vllm {result.get('vllm_version')} started in {result['startup_s']:.0f} s")
     name = "vLLM CPU" + (" +prefix cache" if enable_prefix_caching else "")
+    name += " +speculative" if speculative_config else ""
     return [_peer_result(name, run) for run in result["runs"]]
 
 
