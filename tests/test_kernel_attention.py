@@ -183,6 +183,65 @@ def test_decode_attention_continues_from_a_prefix_state(kernels, dtype, heads, k
     assert_within(one, ref.out[2:3], bound, "cascade, one request")
 
 
+# (heads, kv_heads, head_dim, dtypes, KV lengths): SmolLM2's heads (the portable path splits
+# few requests by parts; the AVX-512 path too) with one part, several, and more than 2,048
+# positions (longer parts); kv heads that split evenly over two threads (a task per kv head);
+# a group wider than a task holds (slices of it; on AVX-512, more heads than a task holds).
+INVARIANT_CASES = [
+    (9, 3, 64, DTYPES, [3, 130, 300, 2100]),
+    (8, 2, 128, [torch.bfloat16], [3, 130, 300]),
+    (72, 2, 64, [torch.bfloat16], [3, 130, 300]),
+]
+
+
+def _attend(kernels: CpuKernels, inputs: tuple, picked: slice) -> torch.Tensor:
+    """decode_attention of the requests `picked` of inputs = (q, k_cache, v_cache, table, rows,
+    kv_lens, scale, window, prefix or None)."""
+    q, k_cache, v_cache, table, rows, lens, scale, window, prefix = inputs
+    part = None if prefix is None else tuple(t[picked] for t in prefix)
+    return kernels.decode_attention(
+        q[picked], k_cache, v_cache, table, rows[picked], lens[picked], scale, window, part
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtypes,kv_lens", INVARIANT_CASES)
+def test_a_requests_output_is_the_same_bits_in_any_batch_and_on_any_threads(
+    kernels, heads, kv_heads, head_dim, dtypes, kv_lens
+):
+    """A request's attention alone (its positions split over the threads), among others (a task
+    a request), on one, two or three threads, with a window or a cascade prefix: the same bits,
+    so a speculative verify step's rows give what decoding them one by one gives, whatever the
+    batch and however many threads the engine's load leaves it."""
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    table, rows, slots = paged_table(kv_lens, 4, gen)
+    lens, scale = torch.tensor(kv_lens), 1 / math.sqrt(head_dim)
+    start = 2  # the cascade prefix: positions [0, start) of every request
+    prefix = (
+        torch.full((len(kv_lens),), start),
+        torch.randn(len(kv_lens), heads, head_dim, generator=gen),
+        torch.randn(len(kv_lens), heads, generator=gen),
+    )
+    threads = torch.get_num_threads()
+    for dtype in dtypes:
+        k_cache, v_cache = (
+            torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
+        )
+        q = torch.randn(len(kv_lens), heads, head_dim, generator=gen).to(dtype)
+        for window, seed in ((None, None), (200, None), (None, prefix)):
+            inputs = (q, k_cache, v_cache, table, rows, lens, scale, window, seed)
+            batch = _attend(kernels, inputs, slice(None))
+            for b in range(len(kv_lens)):
+                alone = _attend(kernels, inputs, slice(b, b + 1))
+                assert torch.equal(alone, batch[b : b + 1]), (dtype, window, seed is not None, b)
+            try:
+                for count in (1, 3):
+                    torch.set_num_threads(count)
+                    assert torch.equal(_attend(kernels, inputs, slice(None)), batch), count
+                    assert torch.equal(_attend(kernels, inputs, slice(0, 1)), batch[:1]), count
+            finally:
+                torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_block_equals_its_steps(kernels, dtype):
     """The block (q/k norms, rotary, KV store, attention in one call) gives what this build's

@@ -31,6 +31,8 @@ SOURCES = tuple(
     for name in (
         "attention_blocked.c",
         "attention_decode.c",
+        "attention_decode_avx512.c",
+        "attention_decode_generic.c",
         "common.c",
         "elementwise.c",
         "fused_layer.c",
@@ -46,7 +48,15 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(
-    CSRC / name for name in ("common.h", "emulated.h", "internal.h", "kernels.h", "simd.h")
+    CSRC / name
+    for name in (
+        "attention_decode.h",
+        "common.h",
+        "emulated.h",
+        "internal.h",
+        "kernels.h",
+        "simd.h",
+    )
 )
 # -ffast-math lets gcc vectorise the float reductions and expf; it is given to the compile step
 # only, because linking with it would flush denormals process-wide. Infinities and NaNs stay.
