@@ -245,7 +245,9 @@ def vllm_table(
         print(f"# --peer vllm: {folder} holds no safetensors weights; nothing to compare")
         return
     batches = {(kind, b): prompts(llm, kind, b) for kind in kinds for b in batch_sizes}
-    warmup = [[Request(ids, 1) for batch in batches.values() for ids in batch]]
+    # A kind's prompts are the same first ones at every batch size: its largest batch holds all.
+    widest = [prompts(llm, kind, max(batch_sizes)) for kind in kinds]
+    warmup = [[Request(ids, 1) for batch in widest for ids in batch]]
     runs = [
         PeerRun(f"{kind}-{b}", [[Request(ids, args.max_tokens) for ids in batch]])
         for (kind, b), batch in batches.items()

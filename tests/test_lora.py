@@ -263,7 +263,7 @@ def test_bf16_deltas_are_the_same_bits_in_the_fused_layer_and_module_by_module(
         x = torch.randn(5, slots.lora_a.shape[1]).bfloat16()
         row_slots = torch.tensor([0, -1, 1, 0, 1])
         mask = llm.engine.lora.mask(row_slots)
-        base = torch.randn(5, slots.lora_b.shape[0]).bfloat16()
+        base = torch.randn(5, slots.lora_bt.shape[1]).bfloat16()
         c_sum = slots.add_to(x, base.clone(), mask, row_slots).float()
         reference = base.float() + slots(x.float(), mask)
         assert torch.equal(c_sum[1], base[1].float())  # no adapter: untouched

@@ -6,9 +6,10 @@ with PEERS.md's environment (LD_PRELOAD of tcmalloc + libiomp5, VLLM_CPU_KVCACHE
 VLLM_CPU_OMP_THREADS_BIND). Standalone: needs only the standard library and vllm.
 
 SPEC.json: {"model", "dtype", "max_model_len", "enable_prefix_caching", "block_size",
-"speculative_config" (vLLM's, or null), "warmup": PHASES, "runs": [{"name", "repeat", "phases": PHASES}]}, where PHASES is a list of
-phases, each a list of {"ids", "max_tokens", "base"}: a request's prompt is the prompt and
-generated tokens of request `base` of the previous phase (when not null) followed by `ids`.
+"speculative_config" (vLLM's, or null), "warmup": PHASES, "runs": [{"name", "repeat",
+"phases": PHASES}]}, where PHASES is a list of phases, each a list of {"ids", "max_tokens",
+"base"}: a request's prompt is the prompt and generated tokens of request `base` of the
+previous phase (when not null) followed by `ids`.
 Each phase is submitted at once; its wall time is the `generate` call. RESULT.json gets the
 per-run wall time and token counts.
 """

@@ -101,10 +101,10 @@ def run_vllm_peer(
 
     One engine serves every run (its ~60 s start-up is not timed). Run names become the
     results' workload names; repeats of a name are separate runs. `speculative_config`: vLLM's
-    (e.g. n-gram drafting), None for none. `after_run(i)` is called on
-    a reader thread when the peer reports that runs[i] ended; the peer does not wait for it, so
-    runs[i + 1] sees its effect within the thread's wake-up (about a millisecond). The peer's
-    log goes to `out_dir` (the script's --out).
+    (e.g. n-gram drafting), None for none. `after_run(i)` is called on a reader thread when the
+    peer reports that runs[i] ended; the peer does not wait for it, so runs[i + 1] sees its
+    effect within the thread's wake-up (about a millisecond). The peer's log goes to `out_dir`
+    (the script's --out).
     """
     python = vllm_python()
     if python is None:

@@ -14,8 +14,8 @@ from minisgl.kernel.cpu import CpuKernels
 class LoraSlots(nn.Module):
     """delta(x) = ((x A^T) * mask) B^T for a projection of `in_features` inputs whose output
     stacks `part_features` (qkv: q, k, v; gate_up: gate, up; else one part): A [parts * slots *
-    rank, in_features], each part's slots side by side; B [out, parts * slots * rank], each part's
-    rows reading only its own columns. A slot holds one adapter's A and B (zeros past its rank
+    rank, in_features], each part's slots side by side; B^T [parts * slots * rank, out] (the C
+    decode layer's form), each part's output columns reading only its own rows. A slot holds one adapter's A and B (zeros past its rank
     and for the parts it does not adapt); `mask` [rows, slots * rank] holds each row's scaling
     on its slot's columns (zeros elsewhere: a row without an adapter gets no delta)."""
 
@@ -35,9 +35,7 @@ class LoraSlots(nn.Module):
         self.part_features, self.slots, self.rank = list(part_features), slots, rank
         width = len(part_features) * slots * rank
         self.lora_a = torch.zeros(width, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(sum(part_features), width, dtype=dtype, device=device)
-        # B transposed, the C decode layer's form (layers are made outside inference mode, so
-        # it can be written in place later; a copy made at the first forward could not).
+        # Layers are made outside inference mode, so A and B^T can be written in place later.
         self.lora_bt = torch.zeros(width, sum(part_features), dtype=dtype, device=device)
         self.kernels = kernels if dtype == torch.float32 and device.type == "cpu" else None
         self.part_rows = torch.tensor(part_features, dtype=torch.int64)  # the C form's
@@ -65,23 +63,16 @@ class LoraSlots(nn.Module):
                     )
                 cols = self._columns(index, slot)
                 self.lora_a[cols.start : cols.start + rank] = a.to(self.lora_a.dtype)
-                self.lora_b[row : row + features, cols.start : cols.start + rank] = b.to(
-                    self.lora_b.dtype
+                self.lora_bt[cols.start : cols.start + rank, row : row + features] = b.T.to(
+                    self.lora_bt.dtype
                 )
             row += features
-        self._sync_transposed(slot)
 
     def clear(self, slot: int) -> None:
         for part in range(len(self.part_features)):
             cols = self._columns(part, slot)
             self.lora_a[cols] = 0
-            self.lora_b[:, cols] = 0
-        self._sync_transposed(slot)
-
-    def _sync_transposed(self, slot: int) -> None:
-        for part in range(len(self.part_features)):
-            cols = self._columns(part, slot)
-            self.lora_bt[cols] = self.lora_b[:, cols].T
+            self.lora_bt[cols] = 0
 
     def add_to(
         self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None
@@ -103,7 +94,7 @@ class LoraSlots(nn.Module):
         shrunk = x.to(self.lora_a.dtype) @ self.lora_a.T
         parts = len(self.part_features)
         scaled = shrunk * (mask if parts == 1 else mask.repeat(1, parts))
-        return scaled @ self.lora_b.T
+        return scaled @ self.lora_bt
 
     def fill_params(self, params: ProjectionParams) -> None:
         """Point the C decode layer's projection at these slots (float32 only: its form)."""
