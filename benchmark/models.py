@@ -14,7 +14,7 @@ from typing import Any
 import paths  # noqa: F401  (before minisgl: a checkout without `pip install -e .`)
 import torch
 
-from minisgl.utils.hf import cache_dir, resolve_model_path
+from minisgl.utils.hf import cache_dir, gguf_source, resolve_model_path
 
 QWEN3_RANDOM = "qwen3-0.6b-random"
 # Qwen3-0.6B's shape (random weights): q/k RMSNorm come with the Qwen3 architecture.
@@ -101,6 +101,16 @@ def resolve_bench_model(name: str | None) -> Path:
     if name == QWEN3_MOE_RANDOM:
         return build_random(QWEN3_MOE_RANDOM, "Qwen3MoeConfig", QWEN3_MOE_CONFIG, RANDOM_MODEL_SEED)
     return resolve_model_path(name)
+
+
+def model_source(name: str | None) -> str | None:
+    """What to hand LLM() or the server for `name`: a GGUF file as it is (served from its own
+    quantized tensors; its prepared folder holds only the config and tokenizer), the default
+    model as None, else resolve_bench_model's folder."""
+    if name is None or name == "default":
+        return None
+    gguf = gguf_source(name)
+    return str(gguf) if gguf is not None else str(resolve_bench_model(name))
 
 
 def model_label(path: Path) -> str:

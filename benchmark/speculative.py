@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paths  # noqa: E402,F401  (before minisgl: a checkout without `pip install -e .`)
 import torch  # noqa: E402
 from machine import machine_note, set_threads  # noqa: E402
-from models import model_label, resolve_bench_model  # noqa: E402
+from models import model_label, model_source, resolve_bench_model  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     # The default model as LLM() serves it (its GGUF, quantized, where one is prepared).
-    model = None if args.model in (None, "default") else resolve_bench_model(args.model)
+    model = model_source(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(KINDS)
@@ -151,7 +151,7 @@ def main() -> None:
         drafting = LLM(
             model,
             speculative_algorithm="STANDALONE",
-            speculative_draft_model_path=str(resolve_bench_model(args.draft_model)),
+            speculative_draft_model_path=model_source(args.draft_model),
             speculative_num_draft_tokens=args.num_draft_tokens,
             **common,
         )

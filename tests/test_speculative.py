@@ -39,6 +39,7 @@ def every_draft(request, monkeypatch):
         monkeypatch.setattr(
             Speculator, "_worth_it", lambda self, guesses, rows: [g for g, _ in guesses]
         )
+        monkeypatch.setattr(Speculator, "_catch_up_loses", lambda self, req, drafts, rows: False)
 
 
 def generate(llm: LLM, prompts: list, params: list[SamplingParams] | SamplingParams) -> list[dict]:
@@ -339,7 +340,8 @@ def test_served_with_speculation_reports_it_and_equals_offline(tmp_path) -> None
 def test_cost_model_drafts_where_rows_are_cheap_and_not_where_dear() -> None:
     """The policy: drafts while a row costs little against a step and guesses are good; none
     where a row costs as much as the step (a compute-bound CPU) or guesses are poor."""
-    from minisgl.scheduler.speculative import Speculator, StepCost
+    from minisgl.scheduler.spec_cost import StepCost
+    from minisgl.scheduler.speculative import Speculator
 
     def drafts(row_seconds: float, acceptance: float, batch: int, base: float = 0.010) -> list[int]:
         spec = Speculator(8, 1, 4, 8, 0)

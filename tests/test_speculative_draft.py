@@ -56,6 +56,36 @@ def test_greedy_equals_decoding_without_it(arch: str, draft: str, page_size: int
         assert stats.draft_tokens > stats.accepted_tokens
 
 
+def test_a_short_catch_up_runs_as_a_decode_step_with_the_drafts_of_a_prefill(monkeypatch) -> None:
+    """A catch-up of a few tokens a request (those since its last verify step) runs in the
+    verify step's form; its drafts are those the prefill form gives."""
+    from minisgl.scheduler import draft_model
+
+    def proposals(decode_catch_up: int) -> tuple[list[list[list[int]]], list[int]]:
+        monkeypatch.setattr(draft_model, "DECODE_CATCH_UP", decode_catch_up)
+        llm = draft_llm("qwen3", "qwen3", max_running_req=4)
+        drafter, made, shapes = llm.speculator.drafter, [], []
+        propose = drafter.propose
+
+        def recorded(reqs, counts):
+            made.append(propose(reqs, counts))
+            shapes.append(len(drafter.step_seconds))
+            return made[-1]
+
+        drafter.propose = recorded
+        try:
+            run(llm, PROMPTS, [greedy(n) for n in MAX_NEW])
+        finally:
+            llm.shutdown()
+        return made, shapes
+
+    decoded, decode_forwards = proposals(draft_model.DECODE_CATCH_UP)
+    prefilled, prefill_forwards = proposals(0)
+    assert decoded == prefilled
+    # every proposal's forwards but the prefill one are decode forwards: one more each here
+    assert sum(decode_forwards) > sum(prefill_forwards)
+
+
 def test_radix_hits_chunked_catch_up_and_a_second_round() -> None:
     """Prefill (and the draft's catch-up) in chunks of 16 tokens, then the same prompts again
     from the prefix cache: the draft has none, so it catches up on the whole prompt."""
@@ -246,13 +276,18 @@ def test_cli_flags_reach_the_scheduler_config() -> None:
 class _CountingDrafter:
     """Stands for DraftModelProposer: records the counts it is asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, lag: int = 0) -> None:
         self.asked: list[list[int]] = []
-        self.caught_up = 0
+        self.step_seconds: list[tuple[int, float]] = []
+        self.prefill_seconds: tuple[int, float] | None = None
+        self._lag = lag
 
     def propose(self, reqs: list[Req], counts: list[int]) -> list[list[int]]:
         self.asked.append(counts)
         return [[5] * n for n in counts]
+
+    def lag(self, req: Req) -> int:
+        return self._lag
 
 
 def test_cost_model_counts_draft_model_steps_and_skips_the_run_when_nothing_pays() -> None:
@@ -283,3 +318,27 @@ def test_cost_model_counts_draft_model_steps_and_skips_the_run_when_nothing_pays
     poor, drafter = speculator(0.0005)
     poor.state(req).acceptance = 0.01
     assert poor.propose([req], [40]) == [[]] and drafter.asked == []
+
+
+def test_cost_model_skips_a_long_catch_up_the_tokens_left_cannot_repay() -> None:
+    """The draft has no prefix cache: a new request's whole prompt is its first catch-up. It is
+    run where drafting the tokens the request has left can save more than it costs."""
+    from minisgl.scheduler.speculative import Speculator
+
+    def drafting(max_new: int, catch_up_per_token: float) -> list[int]:
+        drafter = _CountingDrafter(lag=1000)
+        spec = Speculator(8, 1, 4, 8, 0, drafter=drafter, num_steps=7)  # type: ignore[arg-type]
+        for rows in (1, 5):
+            spec.cost.observe(rows, 0.010 + 0.0002 * rows)
+            spec.draft_cost.observe(rows, 0.0005 + 0.0001 * rows)
+        spec.catch_up_seconds.observe(1000, 1000 * catch_up_per_token)
+        ids = torch.arange(1, 1001, dtype=torch.int32)
+        req = Req(0, ids, greedy(max_new), prompt_len=1000, max_device_len=1000 + max_new)
+        req.device_len = 999
+        spec.state(req).acceptance = 0.9
+        return [len(d) for d in spec.propose([req], [max_new])]
+
+    # 1,000 tokens at 1 ms: a second, where 32 tokens can save at most 32 steps of 10 ms
+    assert drafting(32, 0.001) == [0]
+    assert drafting(2000, 0.001)[0] > 0  # 2,000 tokens can repay it
+    assert drafting(32, 0.00001)[0] > 0  # a cheap draft model's catch-up: 10 ms

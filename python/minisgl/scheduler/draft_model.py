@@ -4,131 +4,35 @@ greedily, all of a step's requests batched; the target verifies them as it does 
 
 The draft keeps a KV pool and page table of its own, a request on its target row: KV for
 positions [0, kv_len) of the request's tokens, no prefix cache. A step first catches every
-drafting request's draft KV up to its last token (one extend forward, whose logits give the first
-draft), then runs one decode forward per further draft. The drafts fed back are checked at the
-next step: the draft's KV at a position stays only where the token fed there was kept.
+drafting request's draft KV up to its last token (one forward, whose logits at each request's last
+position give its first draft), then runs one decode forward per further draft. The drafts fed
+back are checked at the next step: the draft's KV at a position stays only where the token fed
+there was kept.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
-from minisgl.engine import Engine, EngineConfig
-from minisgl.kvcache import MHAKVCache, create_prefix_cache
-from minisgl.layers.quantized import LOAD_QUANTIZATIONS
-from minisgl.models import load_model_config
+from minisgl.engine import Engine
+from minisgl.kvcache import create_prefix_cache
 from minisgl.utils import div_ceil
-from minisgl.utils.hf import gguf_source, resolve_model_path
 
 from .cache import CacheManager
-from .config import SchedulerConfig
 from .prepare import prepare_forward_input
 
 # Drafts are the draft model's argmax: the target keeps a draft only where it equals the token
 # it samples there, which is exact for sampled requests too (a point-mass proposal).
 ARGMAX = SamplingParams(temperature=0.0, max_tokens=None)
-# The files a tokenizer is read from; identical ones spare loading both tokenizers.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
-
-
-def check_same_vocabulary(target_dir: Path, draft_dir: Path, target_vocab: int, vocab: int) -> None:
-    """ValueError naming speculative_draft_model_path where the draft's token ids would not mean
-    the target's: where both folders hold a tokenizer, another vocabulary or EOS token; another
-    vocab_size, unless both tokenizers are the same and both sizes hold all its tokens (a
-    family's models padded differently: Qwen2.5-0.5B's 151,936 rows against 7B's 152,064)."""
-    where = f"speculative_draft_model_path={str(draft_dir)!r}"
-    differs = (
-        f"{where}: the draft model's vocab_size {vocab} differs from the target's "
-        f"{target_vocab}; a draft model must share the target's vocabulary"
-    )
-    if not all(any((d / f).exists() for f in TOKENIZER_FILES[:3]) for d in (target_dir, draft_dir)):
-        if vocab != target_vocab:
-            raise ValueError(differs)
-        return
-    names = [f for f in TOKENIZER_FILES if (target_dir / f).exists() or (draft_dir / f).exists()]
-    same_files = all(
-        (target_dir / f).exists()
-        and (draft_dir / f).exists()
-        and (target_dir / f).read_bytes() == (draft_dir / f).read_bytes()
-        for f in names
-    )
-    if same_files and vocab == target_vocab:
-        return
-    from transformers import AutoTokenizer
-
-    ours = AutoTokenizer.from_pretrained(str(target_dir))
-    theirs = ours if same_files else AutoTokenizer.from_pretrained(str(draft_dir))
-    if (len(ours), ours.eos_token_id) != (len(theirs), theirs.eos_token_id) or (
-        ours.get_vocab() != theirs.get_vocab()
-    ):
-        raise ValueError(
-            f"{where}: the draft's tokenizer differs from the target's ({len(theirs)} tokens, "
-            f"EOS id {theirs.eos_token_id}, against {len(ours)} and {ours.eos_token_id}, or "
-            "other token strings)"
-        )
-    if min(vocab, target_vocab) < len(ours):
-        raise ValueError(f"{differs} and does not hold all {len(ours)} of its tokenizer's tokens")
-
-
-@dataclass
-class DraftModelPlan:
-    """The draft engine's settings, checked against the target's, and its KV bytes per token
-    slot (which the target's KV budget pays: the draft gets as many pages as the target)."""
-
-    engine_config: EngineConfig
-    kv_bytes_per_slot: int
-
-    @classmethod
-    def from_config(cls, config: SchedulerConfig) -> DraftModelPlan:
-        source = config.speculative_draft_model_path
-        assert source is not None
-        path = resolve_model_path(source)
-        gguf = gguf_source(source)
-        draft, target = load_model_config(path), load_model_config(config.model_path)
-        check_same_vocabulary(Path(config.model_path), path, target.vocab_size, draft.vocab_size)
-        # Quantized at load like the target; a checkpoint's own format (GGUF) as it comes.
-        quantization = config.quantization
-        if quantization not in (*LOAD_QUANTIZATIONS, "none"):
-            quantization = None
-        engine_config = EngineConfig(
-            model_path=str(path),
-            dtype=config.dtype,
-            device=config.device,
-            page_size=config.page_size,
-            max_running_req=config.max_running_req,
-            attention_backend=config.attention_backend,
-            quantization=quantization,
-            gguf_path=None if gguf is None else str(gguf),
-        )
-        kv_bytes = MHAKVCache.bytes_per_slot(
-            draft.num_layers, draft.num_kv_heads, draft.head_dim, config.dtype
-        )
-        return cls(engine_config, kv_bytes)
-
-    def build(self, target: Engine, max_catch_up: int) -> DraftModelProposer:
-        """The draft engine beside `target` (rank 0's under tensor parallelism): as many pages
-        and rows as the target's, its context length, and its CPU threads."""
-        config = dataclasses.replace(
-            self.engine_config,
-            device=target.device,
-            num_page_override=target.num_pages,
-            max_seq_len_override=target.max_seq_len,
-        )
-        engine = Engine(config, cpu_threads=target.cpu_threads)
-        set_global_ctx(target.ctx)  # the target's between steps, as without a draft
-        return DraftModelProposer(engine, target.ctx, max_catch_up, target.model_config.vocab_size)
+# A catch-up in which every request is this close to its last token (its tokens since the last
+# verify step) runs as a decode forward with several query positions a request, as a verify step
+# does (the fused C decode layer): as a prefill forward it cost the default model 34 ms against a
+# decode step's 12 on Zen 2 (two requests, two tokens each).
+DECODE_CATCH_UP = 16
 
 
 @dataclass
@@ -177,7 +81,10 @@ class DraftModelProposer:
         self._target_ctx = target_ctx
         self._no_prefix = self.pool.prefix_cache.match_prefix(torch.empty(0)).cuda_handle
         self._seqs: dict[Req, DraftSeq] = {}
-        self.caught_up = 0  # tokens the last proposal's catch-up computed
+        # The last proposal's forwards: (requests, seconds) of those shaped as a draft step
+        # (decode forwards, a short catch-up), (tokens, seconds) of a prefill catch-up.
+        self.step_seconds: list[tuple[int, float]] = []
+        self.prefill_seconds: tuple[int, float] | None = None
 
     def propose(self, reqs: list[Req], counts: list[int]) -> list[list[int]]:
         """Up to counts[i] drafts for reqs[i], each caught up to its last token (device_len =
@@ -185,7 +92,7 @@ class DraftModelProposer:
         short or its catch-up needs more than this step's budget."""
         drafts: list[list[int]] = [[] for _ in reqs]
         plans = self._plan(reqs, counts)
-        self.caught_up = sum(p.take for p in plans)
+        self.step_seconds, self.prefill_seconds = [], None
         if not plans:
             return drafts
         self.pool.allocate(
@@ -201,7 +108,9 @@ class DraftModelProposer:
                 shadows = [
                     self._shadow(p.req, p.seq.row, len(p.req.input_ids) + step - 1) for p in active
                 ]
+                started = time.perf_counter()
                 self._forward(Batch(shadows, "decode"))
+                self.step_seconds.append((len(active), time.perf_counter() - started))
         finally:
             set_global_ctx(self._target_ctx)
         for p, tokens in self._read_drafts(plans):
@@ -222,6 +131,12 @@ class DraftModelProposer:
         shadow = self._shadow(req, seq.row, 0, seq.slots_len)
         shadow.cache_handle = self._no_prefix
         self.pool.release_uncached(shadow)
+
+    def lag(self, req: Req) -> int:
+        """Tokens of `req` its draft KV lacks (at most): a catch-up's size before it drafts."""
+        seq = self._seqs.get(req)
+        kept = 0 if seq is None else seq.kv_len - len(seq.fed)
+        return max(0, len(req.input_ids) - kept)
 
     def check_integrity(self) -> None:
         """With no request running: every draft page free."""
@@ -276,8 +191,8 @@ class DraftModelProposer:
         return plans
 
     def _catch_up(self, plans: list[_Planned]) -> None:
-        """One extend forward over each request's tokens not yet in its draft KV; a request
-        caught up to its last token samples its first draft."""
+        """One forward over each request's tokens not yet in its draft KV; a request caught up to
+        its last token samples its first draft there."""
         device = self.engine.device
         rows = torch.tensor([p.seq.row for p in plans], dtype=torch.int64)
         takes = torch.tensor([p.take for p in plans], dtype=torch.int64)
@@ -288,7 +203,17 @@ class DraftModelProposer:
         shadows = [
             self._shadow(p.req, p.seq.row, p.seq.kv_len, p.seq.kv_len + p.take) for p in plans
         ]
-        self._forward(Batch(shadows, "prefill"))
+        started = time.perf_counter()
+        if all(p.steps > 0 and 0 < p.take <= DECODE_CATCH_UP for p in plans):
+            # The verify form: every position's KV, logits at each request's last one only.
+            batch = Batch(shadows, "decode", drafts=[[0] * (p.take - 1) for p in plans])
+            forward = prepare_forward_input(batch, self.engine)
+            batch.logits_indices = (takes.cumsum(0) - 1).to(device)
+            self.engine.forward(forward)
+            self.step_seconds.append((len(plans), time.perf_counter() - started))
+        else:
+            self._forward(Batch(shadows, "prefill"))
+            self.prefill_seconds = (int(takes.sum()), time.perf_counter() - started)
         for p in plans:
             p.seq.kv_len += p.take
 

@@ -21,7 +21,7 @@ from .adapters import AdaptersMixin
 from .budget import PageBudget
 from .cache import CacheManager
 from .config import SchedulerConfig
-from .draft_model import DraftModelPlan
+from .draft_plan import DraftModelPlan
 from .grammar import GrammarQueue
 from .logprobs import logprob_plan
 from .output import InFlight, SchedulerStats, TokenOutput

@@ -17,16 +17,16 @@ batches, long contexts), drafting is dear or guesses poor.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 from minisgl.core import Req
 
 from .config import SchedulerConfig
-from .draft_model import DraftModelProposer
+from .draft_model import DECODE_CATCH_UP, DraftModelProposer
 from .grammar import allowed_prefix
 from .ngram import NgramCache, NgramIndex
+from .spec_cost import Rate, StepCost
 
 # A new request's chance that a draft token is accepted given the one before was, and how fast
 # its measured rate replaces that (per verified step).
@@ -35,8 +35,6 @@ ACCEPTANCE_WEIGHT = 0.3
 # Per step without drafts, an estimate moves this much back toward the prior: a request whose
 # guesses were poor is tried again now and then (its text may turn repetitive).
 RECOVERY = 0.02
-# The cost of one more query row relative to a one-row step, before any step was measured.
-PRIOR_ROW_COST = 0.03
 # A draft-model step's cost relative to a target step, until both were measured: optimistic, so
 # that drafts get tried and measured.
 PRIOR_DRAFT_COST = 0.1
@@ -66,58 +64,6 @@ class DraftState:
     accepted_tokens: int = 0
 
 
-class StepCost:
-    """A decode step's seconds as c0 + c1 * rows: a weighted least-squares line through the
-    mean seconds of each row count seen (means and weights decay, so the line follows a
-    context that grows). Until two row counts are seen, a row costs `row_cost` of the step:
-    optimistic, so that drafts get tried and measured."""
-
-    decay = 0.98
-
-    def __init__(self, row_cost: float = PRIOR_ROW_COST) -> None:
-        self.row_cost = row_cost
-        self._buckets: dict[int, list[float]] = {}  # rows -> [weighted seconds, weight]
-
-    @property
-    def measured(self) -> bool:
-        return bool(self._buckets)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        if seconds <= 0 or rows <= 0:
-            return
-        self.fade()
-        bucket = self._buckets.setdefault(rows, [0.0, 0.0])
-        bucket[0] += seconds
-        bucket[1] += 1.0
-
-    def fade(self) -> None:
-        """Older measurements weigh less; row counts not seen for long weigh nothing and are
-        dropped (all of them: the prior is back, and what was measured dear is tried again)."""
-        for bucket in self._buckets.values():
-            bucket[0] *= self.decay
-            bucket[1] *= self.decay
-        for stale in [r for r, (_, w) in self._buckets.items() if w < 1e-3]:
-            del self._buckets[stale]
-
-    def coefficients(self) -> tuple[float, float]:
-        """(c0, c1) in seconds; (1, row_cost) before any step was measured."""
-        points = [(rows, total / weight, weight) for rows, (total, weight) in self._buckets.items()]
-        if not points:
-            return 1.0, self.row_cost
-        if len(points) == 1:
-            rows, seconds, _ = points[0]
-            c0 = seconds / (1.0 + self.row_cost * rows)
-            return c0, self.row_cost * c0
-        n = sum(w for _, _, w in points)
-        mean_x = sum(w * x for x, _, w in points) / n
-        mean_y = sum(w * y for _, y, w in points) / n
-        var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-        cov = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points)
-        c1 = max(cov / var, 1e-3 * mean_y / mean_x)  # a row is never free
-        c0 = max(mean_y - c1 * mean_x, 1e-3 * mean_y)
-        return c0, c1
-
-
 class Speculator:
     """Drafts for a decode step (n-gram lookup or a draft model), sized by the cost model, and
     what verification teaches it. `num_draft_tokens` counts a request's verified positions, its
@@ -144,6 +90,8 @@ class Speculator:
         # A draft-model step's seconds (a run's over its deepest draft) against the requests
         # it drafted for.
         self.draft_cost = StepCost()
+        # A draft catch-up's seconds per token of a request's prompt (a prefill of the draft).
+        self.catch_up_seconds = Rate()
         self.stats = SpecStats()
         self._states: WeakKeyDictionary[Req, DraftState] = WeakKeyDictionary()
 
@@ -209,18 +157,37 @@ class Speculator:
             for req, limit in zip(reqs, limits)
         ]
         counts = [len(draft) for draft in self._worth_it(slots, len(reqs))]
+        counts = [
+            0 if count and self._catch_up_loses(req, count, len(reqs)) else count
+            for req, count in zip(reqs, counts)
+        ]
         if not any(counts):
             self.draft_cost.fade()  # not run: in a while, tried again
             return [[] for _ in reqs]
-        started = time.perf_counter()
         drafts = self.drafter.propose(reqs, counts)
-        levels = max(len(draft) for draft in drafts)
-        drafted = sum(1 for draft in drafts if draft)
-        # A run that caught up on whole prompts (requests' first drafts) is not what the next
-        # ones cost (a request catches up on 1 or 2 tokens per verify step).
-        if levels and self.drafter.caught_up <= (self.max_drafts + 1) * drafted:
-            self.draft_cost.observe(drafted, (time.perf_counter() - started) / levels)
+        # Each draft step (a short catch-up, a decode forward) against the requests it ran.
+        for requests, seconds in self.drafter.step_seconds:
+            self.draft_cost.observe(requests, seconds)
+        if self.drafter.prefill_seconds is not None:
+            tokens, seconds = self.drafter.prefill_seconds
+            self.catch_up_seconds.observe(tokens, seconds)
         return drafts
+
+    def _catch_up_loses(self, req: Req, drafts: int, rows: int) -> bool:
+        """Whether catching `req`'s draft KV up (a new request's whole prompt: the draft has no
+        prefix cache) before its `drafts` drafts would cost more than drafting can save over
+        the tokens it has left: at most its share of a step of `rows` per token, less the
+        share that verify steps of the expected length (its acceptance) still take."""
+        assert self.drafter is not None
+        lag = self.drafter.lag(req)
+        if lag <= DECODE_CATCH_UP or not self.catch_up_seconds.measured:
+            return False
+        c0, c1 = self.cost.coefficients()
+        acceptance = self.state(req).acceptance
+        expected = sum(acceptance**j for j in range(drafts + 1))
+        saved = (c0 + c1 * rows) / rows * (1.0 - 1.0 / expected)
+        left = req.max_device_len - len(req.input_ids)
+        return self.catch_up_seconds.per_unit() * lag > saved * left
 
     def _draft_coefficients(self) -> tuple[float, float]:
         """(d0, d1): a draft-model step's seconds as d0 + d1 * requests; none without one."""
@@ -234,10 +201,11 @@ class Speculator:
     def _worth_it(self, guesses: list[tuple[list[int], float]], rows: int) -> list[list[int]]:
         """Cut the drafts to the tokens that raise expected tokens per second: the j-th draft of
         a request is accepted with probability a^j; its row costs c1 against a step's c0 + c1 *
-        rows (plus, from a draft model, d1, and d0 for the first request that drafts j), so it
-        pays while a^j * seconds > its cost * expected tokens."""
+        rows, so it pays while a^j * seconds > c1 * expected tokens. With a draft model see
+        _worth_it_by_depth."""
+        if self.drafter is not None:
+            return self._worth_it_by_depth(guesses, rows)
         c0, c1 = self.cost.coefficients()
-        d0, d1 = self._draft_coefficients()
         candidates = [
             (acceptance**j, i, j)
             for i, (draft, acceptance) in enumerate(guesses)
@@ -245,15 +213,48 @@ class Speculator:
         ]
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         taken = [0] * len(guesses)
-        expected, seconds, depth = float(rows), c0 + c1 * rows, 0
+        expected, seconds = float(rows), c0 + c1 * rows
         for gain, i, j in candidates:
-            cost = c1 + d1 + (d0 if j > depth else 0.0)
-            if taken[i] != j - 1 or gain * seconds <= cost * expected:
-                continue  # a cheaper candidate (a draft step already paid for) may still pay
+            if taken[i] != j - 1 or gain * seconds <= c1 * expected:
+                continue
             taken[i] = j
             expected += gain
-            seconds += cost
-            depth = max(depth, j)
+            seconds += c1
+        return [draft[:count] for (draft, _), count in zip(guesses, taken)]
+
+    def _worth_it_by_depth(
+        self, guesses: list[tuple[list[int], float]], rows: int
+    ) -> list[list[int]]:
+        """With a draft model, depth by depth: the requests drafting a j-th token share one
+        draft-model step (d0 + d1 * requests) and each adds a row (c1); a depth runs for the
+        requests of best gain a^j, as many as give the most expected tokens per second, and
+        only if that beats stopping at the depth before (a step's fixed cost is shared: one
+        request alone may not pay it where several do)."""
+        c0, c1 = self.cost.coefficients()
+        d0, d1 = self._draft_coefficients()
+        taken = [0] * len(guesses)
+        expected, seconds = float(rows), c0 + c1 * rows
+        for depth in range(1, max((len(draft) for draft, _ in guesses), default=0) + 1):
+            level = sorted(
+                (
+                    (acceptance**depth, i)
+                    for i, (draft, acceptance) in enumerate(guesses)
+                    if taken[i] == depth - 1 and len(draft) >= depth
+                ),
+                key=lambda c: (-c[0], c[1]),
+            )
+            best_rate, best_count, gains = expected / seconds, 0, 0.0
+            for count, (gain, _) in enumerate(level, 1):
+                gains += gain
+                rate = (expected + gains) / (seconds + d0 + (c1 + d1) * count)
+                if rate > best_rate:
+                    best_rate, best_count = rate, count
+            if best_count == 0:
+                break
+            for gain, i in level[:best_count]:
+                taken[i] = depth
+                expected += gain
+            seconds += d0 + (c1 + d1) * best_count
         return [draft[:count] for (draft, _), count in zip(guesses, taken)]
 
     def skipped(self, req: Req) -> None:
