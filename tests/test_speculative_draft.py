@@ -88,13 +88,18 @@ def test_a_short_catch_up_runs_as_a_decode_step_with_the_drafts_of_a_prefill(mon
 
 def test_radix_hits_chunked_catch_up_and_a_second_round() -> None:
     """Prefill (and the draft's catch-up) in chunks of 16 tokens, then the same prompts again
-    from the prefix cache: the draft has none, so it catches up on the whole prompt."""
+    from the prefix cache: the draft's own cache holds what the first round computed."""
     params = [greedy(n) for n in MAX_NEW]
     llm = draft_llm("qwen3", "qwen3", max_prefill_length=16, page_size=4)
     try:
         first = run(llm, PROMPTS, params)
+        drafter = llm.speculator.drafter
+        hits = drafter.hit_tokens
         again = run(llm, PROMPTS, params)
         assert sum(o["cached_tokens"] for o in again) > 0
+        # (a request of one token never drafts: its prompt has no draft KV to find)
+        drafted = [o["cached_tokens"] for o, n in zip(again, MAX_NEW) if n > 1]
+        assert drafter.hit_tokens - hits >= sum(drafted) > 0
         assert llm.speculator.stats.accepted_tokens > 0
     finally:
         llm.shutdown()

@@ -2,8 +2,9 @@
 algorithm): a second Engine in the scheduler's process decodes each request's next tokens
 greedily, all of a step's requests batched; the target verifies them as it does n-gram drafts.
 
-The draft keeps a KV pool and page table of its own, a request on its target row: KV for
-positions [0, kv_len) of the request's tokens, no prefix cache. A step first catches every
+The draft keeps a KV pool, page table and radix prefix cache of its own, a request on its target
+row: KV for positions [0, kv_len) of the request's tokens, starting from the longest prefix its
+cache holds (a request gives its draft KV to that cache when it ends). A step first catches every
 drafting request's draft KV up to its last token (one forward, whose logits at each request's last
 position give its first draft), then runs one decode forward per further draft. The drafts fed
 back are checked at the next step: the draft's KV at a position stays only where the token fed
@@ -19,7 +20,7 @@ import torch
 
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
 from minisgl.engine import Engine
-from minisgl.kvcache import create_prefix_cache
+from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
 from minisgl.utils import div_ceil
 
 from .cache import CacheManager
@@ -37,10 +38,12 @@ DECODE_CATCH_UP = 16
 
 @dataclass
 class DraftSeq:
-    """One request's draft KV: its row, the positions with KV slots [0, slots_len) and with KV
-    computed [0, kv_len), whose last len(fed) were fed draft tokens (valid where kept)."""
+    """One request's draft KV: its row, its prefix-cache hit (locked while it runs), the
+    positions with KV slots [0, slots_len) and with KV computed [0, kv_len), whose last
+    len(fed) were fed draft tokens (valid where kept)."""
 
     row: int
+    hit: BaseCacheHandle
     slots_len: int = 0
     kv_len: int = 0
     fed: list[int] = field(default_factory=list)
@@ -75,16 +78,16 @@ class DraftModelProposer:
             engine.num_pages,
             engine.page_size,
             engine.page_table,
-            create_prefix_cache("naive", engine.device),
+            create_prefix_cache("radix", engine.device),
         )
         self.max_catch_up = max_catch_up
         self._target_ctx = target_ctx
-        self._no_prefix = self.pool.prefix_cache.match_prefix(torch.empty(0)).cuda_handle
         self._seqs: dict[Req, DraftSeq] = {}
         # The last proposal's forwards: (requests, seconds) of those shaped as a draft step
         # (decode forwards, a short catch-up), (tokens, seconds) of a prefill catch-up.
         self.step_seconds: list[tuple[int, float]] = []
         self.prefill_seconds: tuple[int, float] | None = None
+        self.hit_tokens = 0  # tokens requests found in the draft's prefix cache, all told
 
     def propose(self, reqs: list[Req], counts: list[int]) -> list[list[int]]:
         """Up to counts[i] drafts for reqs[i], each caught up to its last token (device_len =
@@ -123,20 +126,22 @@ class DraftModelProposer:
         return drafts
 
     def release(self, req: Req) -> None:
-        """`req` finished, aborted or was retracted: its draft pages go back (a retracted
-        request catches up again)."""
+        """`req` finished, aborted or was retracted: its computed draft KV goes to the draft's
+        prefix cache (a later request sharing its tokens, or it when it resumes, starts from
+        there), the rest of its pages back to the free list."""
         seq = self._seqs.pop(req, None)
         if seq is None:
             return
-        shadow = self._shadow(req, seq.row, 0, seq.slots_len)
-        shadow.cache_handle = self._no_prefix
-        self.pool.release_uncached(shadow)
+        self._cut(req, seq)
+        shadow = self._shadow(req, seq.row, seq.hit.cached_len, seq.slots_len)
+        shadow.cache_handle = seq.hit
+        self.pool.rewind(shadow, seq.kv_len)  # the slots of drafts past the computed KV
+        self.pool.cache_req(shadow, finished=True)
 
     def lag(self, req: Req) -> int:
         """Tokens of `req` its draft KV lacks (at most): a catch-up's size before it drafts."""
-        seq = self._seqs.get(req)
-        kept = 0 if seq is None else seq.kv_len - len(seq.fed)
-        return max(0, len(req.input_ids) - kept)
+        seq = self._seq(req)
+        return max(0, len(req.input_ids) - (seq.kv_len - len(seq.fed)))
 
     def check_integrity(self) -> None:
         """With no request running: every draft page free."""
@@ -147,13 +152,32 @@ class DraftModelProposer:
         """Let go of the draft engine's memory; unusable afterwards."""
         del self.engine
 
+    def _seq(self, req: Req) -> DraftSeq:
+        """The request's draft KV; a new one starts from the prefix cache's longest hit (its
+        pages locked, its page-table row pointed at them)."""
+        seq = self._seqs.get(req)
+        if seq is None:
+            shadow = self._shadow(req, req.table_idx, 0, 0)
+            hit = self.pool.match_req(shadow)
+            self.pool.lock(hit)
+            self.pool.attach(shadow, hit)
+            seq = DraftSeq(req.table_idx, hit, hit.cached_len, hit.cached_len)
+            self.hit_tokens += hit.cached_len
+            self._seqs[req] = seq
+        assert seq.row == req.table_idx, f"{req} moved rows without releasing its draft KV"
+        return seq
+
     def _sync(self, req: Req) -> DraftSeq:
         """The request's draft KV, cut to the positions whose fed token was kept; its last token
         is always computed again, for the logits of the first draft."""
-        seq = self._seqs.get(req)
-        if seq is None:
-            seq = self._seqs[req] = DraftSeq(req.table_idx)
-        assert seq.row == req.table_idx, f"{req} moved rows without releasing its draft KV"
+        seq = self._seq(req)
+        self._cut(req, seq)
+        seq.kv_len = min(seq.kv_len, len(req.input_ids) - 1)
+        return seq
+
+    @staticmethod
+    def _cut(req: Req, seq: DraftSeq) -> None:
+        """Forget the KV of fed draft tokens that the request did not keep."""
         if seq.fed:
             start = seq.kv_len - len(seq.fed)
             kept = req.input_ids[start : start + len(seq.fed)].tolist()
@@ -161,14 +185,13 @@ class DraftModelProposer:
             while same < len(kept) and kept[same] == seq.fed[same]:
                 same += 1
             seq.kv_len, seq.fed = start + same, []
-        seq.kv_len = min(seq.kv_len, len(req.input_ids) - 1)
-        return seq
 
     def _plan(self, reqs: list[Req], counts: list[int]) -> list[_Planned]:
         """Who drafts how much: the catch-up within its token budget, pages from the free ones
-        (a request they do not fit skips this step)."""
+        and the prefix cache's evictable ones (a request they do not fit skips this step)."""
         plans: list[_Planned] = []
-        budget, free, page = self.max_catch_up, self.pool.num_free_pages, self.engine.page_size
+        page = self.engine.page_size
+        budget, free = self.max_catch_up, self.pool.available_size // page
         for i, (req, count) in enumerate(zip(reqs, counts)):
             length = len(req.input_ids)
             # The last draft's token is written at length + count - 1, inside the draft's row.

@@ -174,8 +174,8 @@ class Speculator:
         return drafts
 
     def _catch_up_loses(self, req: Req, drafts: int, rows: int) -> bool:
-        """Whether catching `req`'s draft KV up (a new request's whole prompt: the draft has no
-        prefix cache) before its `drafts` drafts would cost more than drafting can save over
+        """Whether catching `req`'s draft KV up (a new request's prompt past the draft's prefix
+        cache hit) before its `drafts` drafts would cost more than drafting can save over
         the tokens it has left: at most its share of a step of `rows` per token, less the
         share that verify steps of the expected length (its acceptance) still take."""
         assert self.drafter is not None
