@@ -9,8 +9,10 @@ engine settings. Acceptance: mean tokens per verify step and the share of drafts
 Figures only: nothing is asserted.
 
 With `--draft-model PATH` a draft model of the same vocabulary (STANDALONE) runs too, its
-columns beside n-gram's. With `--peer llamacpp` (scripts/setup_llamacpp.sh builds it), llama.cpp's prompt lookup decoding
-(`llama-lookup`, one sequence) generates from the same GGUF file and the same chat-templated
+columns beside n-gram's; its engine runs each batch once before the timed run, so that the
+draft's own prefix cache holds the prompts too (as a conversation's earlier turns would).
+With `--peer llamacpp` (scripts/setup_llamacpp.sh builds it), llama.cpp's prompt lookup
+decoding (`llama-lookup`, one sequence) generates from the same GGUF file and the same chat-templated
 prompt of each kind, without drafts and with as many as ours, for a second table (batch 1).
 With `--peer vllm` (scripts/setup_vllm.sh), vLLM's CPU backend serves the model's HF folder in
 bf16 on the same prompts and batch sizes, without speculation and with its n-gram drafting
@@ -191,6 +193,9 @@ def speculating_cells(
 ) -> list[str]:
     """tok/s, ratio to off, tokens per verify step, drafts kept and equality of one run."""
     assert llm.speculator is not None
+    if llm.speculator.drafter is not None:
+        # Its prefix cache takes a request's draft KV when the request ends: a whole run first.
+        llm.generate(ids, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
     before = dict(vars(llm.speculator.stats))
     rate, tokens = decode_run(llm, ids, max_tokens)
     after = vars(llm.speculator.stats)

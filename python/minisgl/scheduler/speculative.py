@@ -38,6 +38,10 @@ RECOVERY = 0.02
 # A draft-model step's cost relative to a target step, until both were measured: optimistic, so
 # that drafts get tried and measured.
 PRIOR_DRAFT_COST = 0.1
+# A draft model runs only where it is expected to raise tokens per second by this share:
+# its costs come in lumps (a forward of the draft for a few tokens' gain), so a predicted gain of
+# a few percent was as often a loss (Zen 2, the dense default with its GGUF draft at batch 4).
+DRAFT_MARGIN = 0.1
 
 
 @dataclass
@@ -229,7 +233,8 @@ class Speculator:
         draft-model step (d0 + d1 * requests) and each adds a row (c1); a depth runs for the
         requests of best gain a^j, as many as give the most expected tokens per second, and
         only if that beats stopping at the depth before (a step's fixed cost is shared: one
-        request alone may not pay it where several do)."""
+        request alone may not pay it where several do); none unless all of them together beat
+        no drafts by DRAFT_MARGIN."""
         c0, c1 = self.cost.coefficients()
         d0, d1 = self._draft_coefficients()
         taken = [0] * len(guesses)
@@ -255,6 +260,8 @@ class Speculator:
                 taken[i] = depth
                 expected += gain
             seconds += d0 + (c1 + d1) * best_count
+        if expected / seconds < rows / (c0 + c1 * rows) * (1.0 + DRAFT_MARGIN):
+            return [[] for _ in guesses]
         return [draft[:count] for (draft, _), count in zip(guesses, taken)]
 
     def skipped(self, req: Req) -> None:
