@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paths  # noqa: E402,F401  (before minisgl: a checkout without `pip install -e .`)
 import torch  # noqa: E402
 from machine import machine_note, set_threads  # noqa: E402
-from models import model_label, resolve_bench_model  # noqa: E402
+from models import model_label, model_source  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     set_threads(args.threads)
-    model = None if args.model in (None, "default") else resolve_bench_model(args.model)
+    model = model_source(args.model)
     plain = LLM(model, dtype=args.dtype, max_running_req=args.batch)
     with tempfile.TemporaryDirectory(prefix="minisgl-lora-") as tmp:
         names = [f"adapter{i}" for i in range(args.adapters)]
