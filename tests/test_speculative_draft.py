@@ -112,13 +112,16 @@ def test_radix_hits_chunked_catch_up_and_a_second_round() -> None:
 
 def test_retraction_under_page_pressure() -> None:
     """Pools too small for every request's output: decode retracts (a retracted request's draft
-    KV goes and is caught up again), and a request whose draft KV does not fit drafts nothing."""
+    KV goes to the draft's prefix cache, which it and the requests sharing its prompt find, and
+    which evicts when the draft's pool runs short), and a request whose draft KV does not fit
+    drafts nothing."""
     prompts = [LONG_TEXT, REPEATS, LONG_TEXT[:120], "1, 2, 3, 4, 5,"] * 2
     params = greedy(60, ignore_eos=True)
     spec, plain, llm = spec_and_plain("qwen3", "qwen3", prompts, params, num_page_override=260)
     assert llm.stats.retractions > 0
     assert token_ids(spec) == token_ids(plain)
     assert llm.speculator.stats.accepted_tokens > 0
+    assert llm.speculator.drafter.hit_tokens > 0
 
 
 SCHEMA = {
