@@ -24,6 +24,7 @@ prompts prefilled into its prefix cache first; a peer that cannot speculate on a
     python benchmark/speculative.py --batch-sizes 1 --peer llamacpp
     python benchmark/speculative.py --peer vllm
     python benchmark/speculative.py --model qwen3-0.6b-random --draft-model DRAFT_DIR
+    python benchmark/speculative.py --model MODEL_DIR --draft-model self --draft-quantization int4
 """
 
 from __future__ import annotations
@@ -129,7 +130,13 @@ def main() -> None:
     parser.add_argument(
         "--draft-model",
         default=None,
-        help="a draft model of the model's vocabulary: STANDALONE's columns beside NGRAM's",
+        help="a draft model of the model's vocabulary: STANDALONE's columns beside NGRAM's "
+        "(`self`: the model's own folder, with --draft-quantization a quantized copy)",
+    )
+    parser.add_argument(
+        "--draft-quantization",
+        default=None,
+        help="the draft model's --speculative-draft-model-quantization (int4, int8, ...)",
     )
     args = parser.parse_args()
     set_threads(args.threads)
@@ -153,7 +160,10 @@ def main() -> None:
         drafting = LLM(
             model,
             speculative_algorithm="STANDALONE",
-            speculative_draft_model_path=model_source(args.draft_model),
+            speculative_draft_model_path=str(plain.config.gguf_path or plain.model_path)
+            if args.draft_model == "self"
+            else model_source(args.draft_model),
+            speculative_draft_model_quantization=args.draft_quantization,
             speculative_num_draft_tokens=args.num_draft_tokens,
             **common,
         )

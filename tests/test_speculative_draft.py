@@ -199,6 +199,20 @@ def test_the_draft_pool_has_the_targets_pages_paid_from_its_kv_budget(monkeypatc
         llm.shutdown()
 
 
+def test_a_quantized_copy_of_the_target_drafts_for_it() -> None:
+    """The target's own folder as its draft, quantized at load (int8): the draft engine holds
+    quantized weights, the target dense ones; its guesses are kept mostly, and the output is
+    what decoding without speculation gives."""
+    params = [greedy(n) for n in MAX_NEW]
+    settings = dict(standalone("qwen3"), speculative_draft_model_quantization="int8")
+    spec, plain, llm = speculation_and_plain("qwen3", PROMPTS, params, settings)
+    assert token_ids(spec) == token_ids(plain)
+    assert llm.speculator.drafter.config.quantization == "int8"
+    assert llm.config.quantization is None
+    stats = llm.speculator.stats
+    assert stats.accepted_tokens >= 0.5 * stats.draft_tokens > 0
+
+
 def test_num_steps_caps_the_drafts() -> None:
     """--speculative-num-steps: at most that many drafts per request and verify step."""
     llm = draft_llm("qwen3", "qwen3", speculative_num_steps=2)
@@ -222,6 +236,26 @@ def test_num_steps_caps_the_drafts() -> None:
             "speculative_draft_model_path",
         ),
         (dict(speculative_draft_model_path="/d"), "speculative_draft_model_path"),
+        (
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path="/d",
+                speculative_draft_model_quantization="int3",
+            ),
+            "speculative_draft_model_quantization",
+        ),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_draft_model_quantization="int4"),
+            "speculative_draft_model_quantization",
+        ),
+        (
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path="/d",
+                speculative_draft_model_quantization="gguf",
+            ),
+            "speculative_draft_model_quantization",
+        ),
         (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), "speculative_num_steps"),
         (dict(speculative_num_draft_tokens=1), "speculative_num_draft_tokens"),
         (
@@ -270,11 +304,12 @@ def test_drafts_between_vocab_sizes_padded_differently() -> None:
 def test_cli_flags_reach_the_scheduler_config() -> None:
     args = parse_args(
         ["--speculative-algorithm", "standalone", "--speculative-draft-model-path", "/draft"]
-        + ["--speculative-num-steps", "3"]
+        + ["--speculative-num-steps", "3", "--speculative-draft-model-quantization", "int4"]
     )
     kwargs = args.engine_kwargs()
     assert kwargs["speculative_algorithm"] == "STANDALONE"
     assert kwargs["speculative_draft_model_path"] == "/draft"
+    assert kwargs["speculative_draft_model_quantization"] == "int4"
     config = SchedulerConfig(model_path="unused", **kwargs)
     assert (config.speculative_num_steps, config.speculative_num_draft_tokens) == (3, 4)
     defaults = SchedulerConfig(model_path="unused", **parse_args([]).engine_kwargs())

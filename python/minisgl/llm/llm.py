@@ -64,6 +64,7 @@ class LLM(Scheduler):
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int | None = None,
         speculative_draft_model_path: str | os.PathLike | None = None,
+        speculative_draft_model_quantization: str | None = None,
         speculative_num_steps: int | None = None,
         enable_lora: bool = False,
         lora_modules: dict[str, str | os.PathLike] | None = None,
@@ -74,7 +75,8 @@ class LLM(Scheduler):
         """tp_size: tensor-parallel ranks (this process is rank 0 and starts the others).
         kv_cache_dir: a disk KV tier there (bounded by kv_cache_disk_gb), reused across runs;
         `shutdown()` writes the cache's KV to it. speculative_algorithm "NGRAM" or "STANDALONE"
-        (with speculative_draft_model_path): speculative decoding (SGLang's names;
+        (with speculative_draft_model_path, and its speculative_draft_model_quantization):
+        speculative decoding (SGLang's names;
         `speculative_ngram_*` settings as SchedulerConfig's). lora_modules: LoRA adapters by
         name (PEFT folders; vLLM's `--lora-modules`), `max_loras` resident at once, ranks up to
         `max_lora_rank`; `generate(..., lora=name)` runs prompts under one."""
@@ -120,6 +122,7 @@ class LLM(Scheduler):
             speculative_draft_model_path=None
             if speculative_draft_model_path is None
             else os.fspath(speculative_draft_model_path),
+            speculative_draft_model_quantization=speculative_draft_model_quantization,
             speculative_num_steps=speculative_num_steps,
             enable_lora=enable_lora,
             lora_modules={k: os.fspath(v) for k, v in (lora_modules or {}).items()},

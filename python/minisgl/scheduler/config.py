@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from minisgl.engine import EngineConfig
 from minisgl.kvcache import EVICTION_POLICIES, PREFIX_CACHES
+from minisgl.layers.quantized import QUANTIZATIONS
+from minisgl.utils.hf import gguf_source
 
 # Chosen by measurement (benchmark/overlap.py, docs/cpu-fast-path.md): on a 2-core CPU the
 # worker thread competes with the forward for the cores and W1 ran ~20% slower with overlap.
@@ -35,13 +37,15 @@ class SchedulerConfig(EngineConfig):
     # Speculative decoding (scheduler/speculative.py), SGLang's flags: "NGRAM" drafts from the
     # request's own tokens and recent requests', "STANDALONE" from a small model of the same
     # vocabulary (None: off); the most positions a request verifies per step, its last token
-    # included (None: 8, or speculative_num_steps + 1); the draft model's folder or .gguf, and
-    # its steps (draft tokens) per verify step (None: speculative_num_draft_tokens - 1); the
+    # included (None: 8, or speculative_num_steps + 1); the draft model's folder or .gguf, its
+    # quantization (QUANTIZATIONS; None: the target's load-time method, else as its checkpoint
+    # holds it), and its steps (draft tokens) per verify step (None: num_draft_tokens - 1); the
     # n-gram lengths matched (longest first), the tokens the shared cache keeps after each
     # n-gram, and its size in n-grams.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_draft_model_path: str | None = None
+    speculative_draft_model_quantization: str | None = None
     speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 6
@@ -83,6 +87,29 @@ class SchedulerConfig(EngineConfig):
                 # Every rank holds its own KV heads: a load would have to reach all of them.
                 raise ValueError(f"kv_cache_dir is not supported with tp_size > 1 ({self.tp_size})")
 
+    def _check_draft_quantization(self) -> None:
+        quantization, draft = (
+            self.speculative_draft_model_quantization,
+            self.speculative_draft_model_path,
+        )
+        if quantization is None:
+            return
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown speculative_draft_model_quantization {quantization!r}; choose one of "
+                f"{list(QUANTIZATIONS)}"
+            )
+        if draft is None:
+            raise ValueError(
+                f"speculative_draft_model_quantization={quantization!r} needs a draft model "
+                "(speculative_algorithm STANDALONE and speculative_draft_model_path)"
+            )
+        if quantization == "gguf" and gguf_source(draft) is None:
+            raise ValueError(
+                "speculative_draft_model_quantization='gguf' needs a .gguf file as "
+                f"speculative_draft_model_path, got {draft!r}"
+            )
+
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm
         if algorithm is not None and algorithm.upper() not in SPECULATIVE_ALGORITHMS:
@@ -103,6 +130,7 @@ class SchedulerConfig(EngineConfig):
                 f"STANDALONE only, got speculative_algorithm={algorithm!r}"
             )
         self.speculative_draft_model_path = None if draft is None else str(draft)
+        self._check_draft_quantization()
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
         if tokens is not None and tokens < 2:
             raise ValueError(f"invalid speculative_num_draft_tokens={tokens!r}: at least 2")

@@ -72,6 +72,7 @@ class DraftModelProposer:
         """max_catch_up: the most tokens one catch-up forward computes (the prefill budget);
         target_vocab: the target's vocab_size (the draft's may be padded to another)."""
         self.engine = engine
+        self.config = engine.config  # (kept after close)
         self.vocab = engine.model_config.vocab_size
         self.target_vocab = target_vocab
         self.pool = CacheManager(

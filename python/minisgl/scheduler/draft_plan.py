@@ -83,10 +83,11 @@ class DraftModelPlan:
         gguf = gguf_source(source)
         draft, target = load_model_config(path), load_model_config(config.model_path)
         check_same_vocabulary(Path(config.model_path), path, target.vocab_size, draft.vocab_size)
-        # Quantized at load like the target; a checkpoint's own format (GGUF) as it comes.
-        quantization = config.quantization
-        if quantization not in (*LOAD_QUANTIZATIONS, "none"):
-            quantization = None
+        # As asked; else quantized at load like the target, a checkpoint's own format (GGUF) as
+        # it comes.
+        quantization = config.speculative_draft_model_quantization
+        if quantization is None and config.quantization in (*LOAD_QUANTIZATIONS, "none"):
+            quantization = config.quantization
         engine_config = EngineConfig(
             model_path=str(path),
             dtype=config.dtype,

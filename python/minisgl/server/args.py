@@ -73,6 +73,7 @@ class ServerArgs:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_draft_model_path: str | None = None
+    speculative_draft_model_quantization: str | None = None
     speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 6

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from minisgl.layers.quantized import QUANTIZATIONS
 from minisgl.scheduler.config import SPECULATIVE_ALGORITHMS
 
 
@@ -27,6 +28,14 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         help="STANDALONE's draft model: an HF folder, .gguf file or hub id with the target's "
         "vocabulary, run beside the target (rank 0 only under --tp) with a KV pool of as many "
         "pages as the target's, paid from the same KV budget",
+    )
+    group.add_argument(
+        "--speculative-draft-model-quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="STANDALONE: the draft model's weights, as --quantization takes them (default: "
+        "the target's load-time method, else as the draft's checkpoint holds them); the "
+        "target's own path with int4 or int8 drafts with a quantized copy of the target",
     )
     group.add_argument(
         "--speculative-num-steps",
