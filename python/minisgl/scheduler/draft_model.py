@@ -140,7 +140,9 @@ class DraftModelProposer:
         self.pool.cache_req(shadow, finished=True)
 
     def lag(self, req: Req) -> int:
-        """Tokens of `req` its draft KV lacks (at most): a catch-up's size before it drafts."""
+        """Tokens of `req` its draft KV lacks (at most): a catch-up's size before it drafts.
+        A request without draft KV gets it here, from its prefix-cache hit (held until
+        release)."""
         seq = self._seq(req)
         return max(0, len(req.input_ids) - (seq.kv_len - len(seq.fed)))
 
