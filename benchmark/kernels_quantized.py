@@ -2,7 +2,9 @@
 (the Qwen3-0.6B shape by default): per row count, the time of a layer's four projections as the
 engine multiplies them in bf16 on this CPU and from each quantized layout through the C
 kernel (tiled with int8 activations where the CPU has VNNI, and then the row layout's kernels
-too) and through dequantize + oneDNN, and the ratio bf16 / quantized.
+too) and through dequantize + oneDNN, and the ratio bf16 / quantized. "w8a8" is the int8
+weights with `--quantization int8`'s activations (int8 per row above 5 rows, where the kernels
+tile the weight; the "int8" columns are `int8-wo`'s).
 
 Weights cycle through --layers layers, so they come from memory as in a decode step. Figures
 only: `python benchmark/kernels_quantized.py` (about a minute); --rows 1,8,64.
@@ -22,7 +24,7 @@ from minisgl.layers.linear import CpuProjection, computes_in_float32
 from minisgl.layers.quantized import QuantizedProjection, quantize
 
 BF16 = torch.bfloat16
-FORMATS = ("int8", "int4-g32", "int4-g128")
+FORMATS = ("int8", "w8a8", "int4-g32", "int4-g128")
 
 
 def layer_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -62,8 +64,13 @@ def main() -> None:
     ]
     dense = [CpuProjection(w, kernels) for w in weights]
     formats = args.formats.split(",")
-    quantized = {f: [quantize(w.float(), f) for w in weights] for f in formats}
-    projections = {f: [QuantizedProjection(q, kernels) for q in qs] for f, qs in quantized.items()}  # type: ignore[arg-type]
+    quantized = {
+        f: [quantize(w.float(), "int8" if f == "w8a8" else f) for w in weights] for f in formats
+    }
+    projections = {
+        f: [QuantizedProjection(q, kernels, int8_activations=f == "w8a8") for q in qs]  # type: ignore[arg-type]
+        for f, qs in quantized.items()
+    }
     # Where the C kernels tile the weights (VNNI), the row layout's kernels too, for comparison.
     row_layout = {
         f: [QuantizedProjection(q, kernels, tiled=False) for q in qs]  # type: ignore[arg-type]

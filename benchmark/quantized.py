@@ -80,7 +80,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default, qwen3-0.6b-random, a folder or GGUF")
     p.add_argument("--gguf", default=None, help="the GGUF of --model (default model: its own)")
-    p.add_argument("--formats", default=None, help="bf16,int8,int4[,int4-g32][,gguf][,gguf-q8_0]")
+    p.add_argument(
+        "--formats", default=None, help="bf16,int8,int4[,int8-wo][,int4-g32][,gguf][,gguf-q8_0]"
+    )
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--workloads", default="W1", help="comma list of W1/W2, or none")
     p.add_argument("--repeat", type=int, default=1)

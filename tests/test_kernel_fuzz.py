@@ -94,8 +94,8 @@ def possible_paths(kernels: CpuKernels) -> set[str]:
         needed |= {"avx2-int16"} if kernels.has_avx2 else set()
     if kernels.has_vnni:
         needed |= {"tiled-f32", "tiled-precise", "tiled-amx" if kernels.has_amx else "tiled-int8"}
-    if kernels.has_amx_int8:
-        needed.add("tiled-w8a8")
+    if kernels.has_vnni:
+        needed.add("tiled-w8a8" if kernels.has_amx_int8 else "tiled-w8a8-vnni")
     assert needed <= paths, f"the dispatcher never chooses {sorted(needed - paths)}"
     return paths
 
@@ -121,10 +121,10 @@ def make_weight(layout: tuple, out_features: int, in_features: int, gen) -> Quan
 def weight_params(
     q: QuantizedWeight, tiled: bool, amx: bool
 ) -> tuple[QuantizedWeightParams, object, int]:
-    """The C view (and the tensors it points at, to keep alive) and the layout's bits; on AMX
-    an int8 weight with one scale a row takes a prefill's rows as int8 (W8A8)."""
+    """The C view (and the tensors it points at, to keep alive) and the layout's bits; a tiled
+    int8 weight with one scale a row takes more than W8A8_MIN_ROWS rows as int8 (W8A8)."""
     held = tile_weight(q) if tiled else q
-    int8_x = amx and w8a8_fits(held.bits, q.group, q.in_features, q.mins is not None)
+    int8_x = tiled and w8a8_fits(held.bits, q.group, q.in_features, q.mins is not None)
     params = quantized_weight_params(
         held.values, held.scales, held.mins, held.bits, q.group, tiled, amx, int8_x
     )
@@ -159,7 +159,7 @@ def product_bound(path: str, x: torch.Tensor, dense: torch.Tensor, out_unit: flo
         blocks = x64.abs().view(x.shape[0], -1, 32).amax(dim=2)
         step = blocks.repeat_interleave(32, dim=1) * steps[path]
         bound += step @ w64.abs().T
-    if path == "tiled-w8a8":  # x to int8 per row
+    if path in ("tiled-w8a8", "tiled-w8a8-vnni"):  # x to int8 per row
         bound += (x64.abs().amax(dim=1, keepdim=True) / 127) @ w64.abs().sum(dim=1)[None]
     return want, out_unit * want.abs() + (1 + out_unit) * bound
 
@@ -260,7 +260,8 @@ def test_quantized_rows_are_the_dequantized_weight_and_stay_in_bounds(kernels):
 
 def test_quantized_amx_entry_points_stay_in_bounds(kernels):
     """The tiled weight's packed copy (a prefill's weight on AMX) equals the dequantized weight
-    packed; the gated SiLU on the tiles within its roundings; builds without the tiles refuse."""
+    packed; the gated SiLU on the tiles (and a W8A8 weight's anywhere) within its roundings;
+    builds without the tiles refuse the packed copy."""
     gen = torch.Generator().manual_seed(9)
     for layout, k in itertools.product([LAYOUTS[0], *LAYOUTS[1:8:2]], (32, 96, 160)):
         bits = layout[1]
@@ -272,12 +273,11 @@ def test_quantized_amx_entry_points_stay_in_bounds(kernels):
         buffer, packed = guarded(1, elems, torch.bfloat16)
         try:
             kernels.quantized_packed(params, (64, k), packed.view(-1))
+            assert_guards(buffer, f"quantized_packed {layout[0]} K {k}")
+            assert torch.equal(packed.view(-1), kernels.pack_weight(q.dequantize().bfloat16()))
         except RuntimeError as error:  # built without the tiles
             assert "quantized_packed" in str(error) and not kernels.has_amx, error
-            continue
-        assert_guards(buffer, f"quantized_packed {layout[0]} K {k}")
-        assert torch.equal(packed.view(-1), kernels.pack_weight(q.dequantize().bfloat16()))
-        if not kernels.has_amx:
+        if not kernels.has_amx and not params.int8_x:
             continue
         for rows in (10, 17, 129):
             x = torch.randn(rows, k, generator=gen).bfloat16()

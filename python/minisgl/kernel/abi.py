@@ -33,6 +33,7 @@ QUANTIZED_PATHS = (
     "tiled-int8",
     "tiled-amx",
     "tiled-w8a8",
+    "tiled-w8a8-vnni",
 )
 
 _ptr = ctypes.c_void_p
@@ -267,7 +268,7 @@ class QuantizedWeightParams(ctypes.Structure):
     """A quantized weight's integers, per-group scales and mins (NULL: none) for the C
     kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight, or with
     tiled set quant_tiles.py's TiledWeight; amx: a tiled one meets bf16 rows on the AMX tiles;
-    int8_x: a prefill's bf16 rows as int8 per row on the AMX int8 tiles, W8A8)."""
+    int8_x: more than W8A8_MIN_ROWS bf16 rows as int8 per row, W8A8)."""
 
     _fields_ = [("values", _ptr), ("scales", _ptr), ("mins", _ptr)]
     _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64), ("tiled", _i64)]

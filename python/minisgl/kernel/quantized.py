@@ -25,7 +25,8 @@ from minisgl.kernel.threads import kernel_threads
 # product per row (csrc/internal.h's QUANTIZED_AMX_MIN_ROWS; benchmark/kernels_quantized.py).
 QUANTIZED_AMX_MIN_ROWS = 10
 # W8A8 (csrc/quantized_w8a8.c): rows above which bf16 activations meet an int8 weight with one
-# scale per row as int8 on the AMX int8 tiles, and the widest in_features it takes.
+# scale per row as int8 (on the AMX int8 tiles, else in vpdpbusd), and the widest in_features
+# it takes.
 W8A8_MIN_ROWS, W8A8_MAX_K = 5, 65536
 
 
@@ -52,9 +53,9 @@ def w8a8_fits(bits: int, group: int, in_features: int, has_mins: bool) -> bool:
 
 
 def gated_on_tiles(weight: QuantizedWeightParams, rows: int) -> bool:
-    """Whether `rows` bf16 rows meet this gated weight on the tiles, SiLU in the epilogue: an
-    AMX weight's QUANTIZED_AMX_MIN_ROWS or more, a W8A8 weight's more than W8A8_MIN_ROWS (the
-    C dispatcher's choice, csrc/quantized.c)."""
+    """Whether `rows` bf16 rows meet this gated weight with SiLU in the matmul's epilogue: an
+    AMX weight's QUANTIZED_AMX_MIN_ROWS or more (on the tiles), a W8A8 weight's more than
+    W8A8_MIN_ROWS (the C dispatcher's choice, csrc/quantized.c)."""
     if weight.int8_x and rows > W8A8_MIN_ROWS:
         return True
     return bool(weight.amx) and rows >= QUANTIZED_AMX_MIN_ROWS
@@ -73,8 +74,8 @@ def quantized_weight_params(
     """The C view of a quantized weight's tensors (which the caller keeps alive); tiled: in
     the tile layout (layers/quant_tiles.py); amx: tiled, and multiplied on the AMX tiles from
     QUANTIZED_AMX_MIN_ROWS bf16 rows (where the kernels have them); int8_x: tiled, and more
-    than W8A8_MIN_ROWS bf16 rows rounded to int8 per row on the AMX int8 tiles where the weight
-    fits W8A8 (`w8a8_fits`) and the kernels have them."""
+    than W8A8_MIN_ROWS bf16 rows rounded to int8 per row where the weight fits W8A8
+    (`w8a8_fits`)."""
     for name, tensor in (("values", values), ("scales", scales), ("mins", mins)):
         if tensor is not None and not tensor.is_contiguous():
             raise_not_contiguous("quantized weight", **{name: tensor})
@@ -183,7 +184,7 @@ class QuantizedKernels(KernelLibrary):
         self, x: torch.Tensor, weight: QuantizedWeightParams, inter: int
     ) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) [M, inter] for a tiled gate_up weight ([gate; up],
-        2 * inter rows) with amx set, on the AMX tiles (`gated_on_tiles`)."""
+        2 * inter rows) with amx or int8_x set, SiLU in the matmul (`gated_on_tiles`)."""
         rows, in_features = x.shape
         if not x.is_contiguous() or x.dtype != torch.bfloat16:
             raise ValueError(f"quantized_gated_silu: x must be contiguous bfloat16, got {x.dtype}")

@@ -25,9 +25,9 @@ from minisgl.kernel.quantized import (
 from .quant_tiles import TiledWeight, tile_weight
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
-# Quantized at load: "int8" (a scale per output row; where the CPU has AMX-INT8 the bf16 rows
-# of a decode batch or prefill, more than W8A8_MIN_ROWS, are rounded to int8 per row too:
-# W8A8), "int8-wo" (the same weights, activations never rounded below 16 bits: weight-only),
+# Quantized at load: "int8" (a scale per output row; where the CPU has AVX-512 VNNI or AMX-INT8
+# the bf16 rows of a decode batch or prefill, more than W8A8_MIN_ROWS, are rounded to int8 per
+# row too: W8A8), "int8-wo" (the same weights, activations never rounded below 16 bits: weight-only),
 # "int4" (a float16 scale and offset per 32 columns, Q4_1's scheme; "-g64"/"-g128": per
 # 64/128, fewer bytes, coarser: the default model kept 97% of bf16's top-1 at 32, 74% at
 # 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors.
@@ -110,8 +110,8 @@ class QuantizedProjection:
     ) -> None:
         """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
         is 0), False keeps the row layout. int8_activations: more than W8A8_MIN_ROWS bf16 rows
-        rounded to int8 per row (W8A8) where the kernels have the AMX int8 tiles and the weight
-        is int8 with one scale per row."""
+        rounded to int8 per row (W8A8) where the weight is tiled (the kernels have vpdpbusd)
+        and int8 with one scale per row."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         layout = (weight.bits, weight.group, weight.in_features)
         if kernels is not None and not quantized_fits(*layout, tiled=False):
@@ -127,9 +127,7 @@ class QuantizedProjection:
         self.on_amx = tiled and kernels is not None and kernels.has_amx
         self.int8_x = (
             int8_activations
-            and self.on_amx
-            and kernels is not None
-            and kernels.has_amx_int8
+            and tiled
             and not float_out
             and w8a8_fits(weight.bits, weight.group, weight.in_features, weight.mins is not None)
         )
@@ -143,7 +141,8 @@ class QuantizedProjection:
             self.on_amx,
             self.int8_x,
         )
-        self.gated = gated and self.on_amx and self.out_features % 32 == 0
+        # SiLU in the matmul's epilogue: on the AMX tiles, and in W8A8 (`gated_on_tiles`).
+        self.gated = gated and (self.on_amx or self.int8_x) and self.out_features % 32 == 0
         # Without bf16 dot products (AVX2, AVX-512 without bf16) the C kernels' float32 tiles
         # take bf16 x at every row count: they beat oneDNN's float32 on a bf16 model's copy, and
         # F.linear on a dequantized bf16 weight would run oneDNN's emulation or PyTorch's loop.

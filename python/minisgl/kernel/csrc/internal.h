@@ -111,7 +111,7 @@ MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, c
                                         int out_f32);
 #endif
 
-#ifdef HAVE_AVX512_BF16
+#ifdef HAVE_AVX512
 // matmul.c: rows [m0, m0 + rows) of a 32-column block at n0 (float32 sums, left: columns 0-15,
 // right: 16-31) + bias into y through the epilogue (EPILOGUE_GATED: y [M, N / 2]).
 MINISGL_INTERNAL void packed_store(const float (*left)[16], const float (*right)[16],
@@ -189,20 +189,56 @@ static inline void block_tiles(int64_t b, int64_t N, int gated, int64_t* left, i
 
 // W8A8 (quantized_w8a8.c): an 8-bit tiled weight with one scale per row (group K, no mins)
 // against bf16 x of more than W8A8_MIN_ROWS rows rounded to int8 per row, on the AMX int8
-// tiles (decode batches and prefills: below, the call's fixed costs, the column maxima and the
-// outlier tiles, outweigh the 16-bit products); K up to W8A8_MAX_K keeps every int32 sum exact
-// (127 * 255 * K < 2^31). kernel/quantized.py's W8A8_MIN_ROWS is this number.
+// tiles, or in vpdpbusd where there are none (quantized_w8a8_vnni.c); below that many rows the
+// call's fixed costs, the column maxima and the outlier columns, outweigh the 16-bit products.
+// K up to W8A8_MAX_K keeps every int32 sum exact (127 * 255 * K < 2^31).
+// kernel/quantized.py's W8A8_MIN_ROWS is this number.
 #define W8A8_MIN_ROWS 5
 #define W8A8_MAX_K 65536
 static inline int w8a8_fits(const quantized_weight* w, int64_t K) {
     return w->tiled && w->bits == 8 && w->group == K && !w->mins && K <= W8A8_MAX_K;
 }
+#ifdef HAVE_AVX512_VNNI
+// The most columns of largest magnitude a call keeps out of the int8 rounding.
+#define W8A8_OUTLIERS 64
+#define W8A8_KSTEP 64  // columns an int8 tile product takes (x rows padded to whole ones)
+// x rounded to int8 per row: xq [mpad, ldx] (columns past K, outlier columns and rows past M
+// zero), each row's scale and 128 times its integers' sum (the weight's +128 meets it); the
+// outlier columns' indices (ascending) and x's values there, xout [mpad, W8A8_OUTLIERS] bf16
+// (zeros past the count and M), and the same values to int16 per row, xout16 with oscale (15
+// bits of the row's largest: as fine as bf16; NaN where one is not finite).
+typedef struct {
+    int8_t* xq;
+    float* scale;
+    int32_t* offset;
+    int64_t ldx;
+    int64_t outliers[W8A8_OUTLIERS];
+    int64_t count;  // outlier columns (pick_outliers' count, K when K is fewer)
+    bf16_t* xout;
+    int16_t* xout16;
+    float* oscale;
+} int8_rows;
+// on_tiles: the AMX int8 tiles (HAVE_AMX_INT8 and granted), else vpdpbusd.
+MINISGL_INTERNAL int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w,
+                                           const bf16_t* bias, void* y, int64_t M, int64_t N,
+                                           int64_t K, int epilogue, int on_tiles, int nthreads);
+// quantized_w8a8_vnni.c: rows [m0, m1) of xs (whole 16s) times `blocks` (up to
+// W8A8_VNNI_BLOCKS) 32-column blocks from block b, through the epilogue.
+#define W8A8_VNNI_BLOCKS 2
+MINISGL_INTERNAL void w8a8_vnni_task(const int8_rows* xs, const quantized_weight* w,
+                                     const bf16_t* bias, void* y, int64_t M, int64_t N,
+                                     int64_t K, int64_t b, int64_t blocks, int64_t m0,
+                                     int64_t m1, int epilogue);
+#endif
 #ifdef HAVE_AMX_INT8
 // Whether the CPU has AMX-INT8 (common.c; set by minisgl_has_amx): its tiles are usable too.
 MINISGL_INTERNAL extern int amx_int8_granted;
-MINISGL_INTERNAL int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w,
-                                           const bf16_t* bias, void* y, int64_t M, int64_t N,
-                                           int64_t K, int epilogue, int nthreads);
+// quantized_w8a8_amx.c: rows [m0, m1) of xs (whole 32-row pairs but the last, which may be one
+// 16-row tile) times tiles left and right (-1: none), y's columns n0.., through the epilogue.
+MINISGL_INTERNAL void w8a8_amx_task(const int8_rows* xs, const quantized_weight* w,
+                                    const bf16_t* bias, void* y, int64_t M, int64_t N, int64_t K,
+                                    int64_t left, int64_t right, int64_t n0, int64_t m0,
+                                    int64_t m1, int epilogue);
 #endif
 
 #ifdef HAVE_AVX512_VNNI

@@ -42,7 +42,7 @@ typedef struct {
     int64_t bits, group, scales_f32;  // bits 8 or 4; tiled also 6 (quantized_tiled.c)
     int64_t tiled;  // values, scales and mins in the tile layout instead (quantized_tiled.c)
     int64_t amx;    // tiled: bf16 x of QUANTIZED_AMX_MIN_ROWS rows on the tiles (quantized_amx.c)
-    int64_t int8_x;  // tiled, one scale a row: a prefill's bf16 x as int8 (quantized_w8a8.c)
+    int64_t int8_x;  // tiled, one scale a row: 6+ bf16 rows of x as int8 (quantized_w8a8.c)
 } quantized_weight;
 
 typedef struct {
@@ -122,7 +122,8 @@ enum {
     QPATH_TILED_PRECISE,  // VNNI tile layout: up to 16 bf16 rows in two int8 passes
     QPATH_TILED_INT8,     // VNNI tile layout: more bf16 rows, one int8 pass (Q8_0's x)
     QPATH_TILED_AMX,      // AMX: a tiled weight from 10 bf16 rows, dequantized onto the tiles
-    QPATH_TILED_W8A8,     // AMX-INT8: int8_x, 129+ bf16 rows as int8 per row on the int8 tiles
+    QPATH_TILED_W8A8,     // AMX-INT8: int8_x, 6+ bf16 rows as int8 per row on the int8 tiles
+    QPATH_TILED_W8A8_VNNI,  // VNNI, no int8 tiles: int8_x, 6+ bf16 rows as int8 per row
     QPATH_COUNT
 };
 // Whether a weight of this layout (bits, group, tiled) and K columns is one the kernels take:

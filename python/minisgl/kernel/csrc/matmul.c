@@ -16,7 +16,7 @@
 #define AMX_PREFETCH_STEPS 4  // k-steps ahead the weight tiles are prefetched
 #define VEC_ROWS 6            // x rows per register block without tiles (vec_rows)
 
-#ifdef HAVE_AVX512_BF16
+#ifdef HAVE_AVX512
 // Two accumulator tiles side by side (float32 rows of 16 columns: columns n0.. and n0 + 16..)
 // + bias -> bf16 rows of y, a 64-byte line per row, for valid rows and columns only.
 static inline void amx_store(const float (*left)[16], const float (*right)[16],
@@ -32,9 +32,18 @@ static inline void amx_store(const float (*left)[16], const float (*right)[16],
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
     }
     for (int64_t r = 0; r < rows; r++) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(right[r]), bias_right),
-                                               _mm512_add_ps(_mm512_load_ps(left[r]), bias_left));
-        _mm512_mask_storeu_epi16(y + (m0 + r) * N + n0, cols, (__m512i)v);
+        const __m512 l = _mm512_add_ps(_mm512_load_ps(left[r]), bias_left);
+        const __m512 h = _mm512_add_ps(_mm512_load_ps(right[r]), bias_right);
+#ifdef HAVE_AVX512_BF16
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(h, l);
+#else  // (W8A8 in vpdpbusd on a CPU without bf16: the same rounding, finite lanes)
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_cvtepi32_epi16(
+                _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(l)), 16))),
+            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(h)), 16)),
+            1);
+#endif
+        _mm512_mask_storeu_epi16(y + (m0 + r) * N + n0, cols, v);
     }
 }
 
@@ -94,7 +103,9 @@ void packed_store(const float (*left)[16], const float (*right)[16], const bf16_
     else
         amx_store(left, right, bias, (bf16_t*)y, N, m0, rows, n0);
 }
+#endif
 
+#ifdef HAVE_AVX512_BF16
 // A 32 x 32 block's four accumulator tiles (rows m.. of y, up to m1) through the epilogue.
 static inline void amx_store_block(const float (*acc)[16][16], const bf16_t* bias, void* y,
                                    int64_t M, int64_t N, int64_t m, int64_t m1, int64_t n0,

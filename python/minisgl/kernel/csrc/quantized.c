@@ -446,11 +446,12 @@ int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int 
     if (w->tiled) {
 #ifdef HAVE_AVX512_VNNI
         if (x_dtype == 0) return QPATH_TILED_F32;
+        if (M > W8A8_MIN_ROWS && w8a8_fits(w, K) && w->int8_x) {
 #ifdef HAVE_AMX_INT8
-        if (M > W8A8_MIN_ROWS && w8a8_fits(w, K) && tiles_usable((int)w->int8_x) &&
-            amx_int8_granted)
-            return QPATH_TILED_W8A8;
+            if (tiles_usable((int)w->amx) && amx_int8_granted) return QPATH_TILED_W8A8;
 #endif
+            return QPATH_TILED_W8A8_VNNI;
+        }
 #ifdef HAVE_QUANTIZED_AMX
         if (M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx)) return QPATH_TILED_AMX;
 #endif
@@ -610,10 +611,11 @@ int minisgl_quantized_gated_silu(const bf16_t* x, const quantized_weight* w, bf1
         nthreads < 1)
         return MINISGL_ERR_SHAPE;
     const int path = minisgl_quantized_path(w, M, K, 1);
-#ifdef HAVE_AMX_INT8
-    if (path == QPATH_TILED_W8A8) {
+#ifdef HAVE_AVX512_VNNI
+    if (path == QPATH_TILED_W8A8 || path == QPATH_TILED_W8A8_VNNI) {
         __atomic_add_fetch(&path_runs[path], 1, __ATOMIC_RELAXED);
-        return quantized_w8a8_linear(x, w, NULL, y, M, 2 * inter, K, EPILOGUE_GATED, nthreads);
+        return quantized_w8a8_linear(x, w, NULL, y, M, 2 * inter, K, EPILOGUE_GATED,
+                                     path == QPATH_TILED_W8A8, nthreads);
     }
 #endif
 #ifdef HAVE_QUANTIZED_AMX

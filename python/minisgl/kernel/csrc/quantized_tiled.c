@@ -422,11 +422,10 @@ static void tile_rows_f32(const quantized_weight* w, const float* x, const float
 int quantized_tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
                            int64_t M, int64_t N, int64_t K, int path, int out_f32,
                            int nthreads) {
-#ifdef HAVE_AMX_INT8
-    if (path == QPATH_TILED_W8A8)
+    if (path == QPATH_TILED_W8A8 || path == QPATH_TILED_W8A8_VNNI)
         return quantized_w8a8_linear((const bf16_t*)x, w, (const bf16_t*)bias, y, M, N, K,
-                                     out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16, nthreads);
-#endif
+                                     out_f32 ? EPILOGUE_F32 : EPILOGUE_BF16,
+                                     path == QPATH_TILED_W8A8, nthreads);
 #ifdef HAVE_QUANTIZED_AMX
     if (path == QPATH_TILED_AMX)
         return quantized_amx_linear((const bf16_t*)x, w, (const bf16_t*)bias, y, M, N, K,

@@ -2,45 +2,47 @@
 #include "internal.h"
 #include "simd.h"
 
-// ------------------------------------------------ W8A8: int8 activations on the AMX int8 tiles
+// ------------------------------------------------------------ W8A8: int8 activations, per row
 // A call's bf16 rows (a decode batch's or a prefill's) against an 8-bit tiled weight with one scale
 // per output row (`--quantization int8`): each x row is rounded to int8 with one scale (max|x| /
 // 127, dynamic and symmetric: SmoothQuant's per-token activations) and meets the weight in int8
-// products on the tiles, summed in int32 over the whole of k and scaled once by the two rows'
-// scales. The call's W8A8_OUTLIERS columns of largest magnitude (over all its rows) are left out of
-// the rounding and meet the weight's integers at those columns (exact in bf16, the row scale after
-// the sum) on the bf16 tiles instead, LLM.int8()'s decomposition: on the default model per-row
-// rounding alone cost 3.6% of perplexity, with the columns apart 0.4% over bf16
-// (benchmark/quantized_quality.py). The tile layout's 8-bit values are the int8 tiles' B operand as
-// they lie (a 64-column step of a 16-row tile is 16 k-quads of 16 rows: 1 KB, stride 64), stored
-// +128: tdpbsud takes x signed and the weight unsigned, and 128 * sum(xq) comes off each row's
-// sums. The int8 tiles do twice the bf16 tiles' products a cycle, and nothing else of the weight is
-// dequantized.
+// products, summed in int32 over the whole of k and scaled once by the two rows' scales: on the
+// AMX int8 tiles (here), or in vpdpbusd (quantized_w8a8_vnni.c). The call's W8A8_OUTLIERS
+// columns of largest magnitude (over all its rows) are left out of the rounding and meet the
+// weight's integers at those columns apart (on the tiles in bf16, exact; in vpdpwssd as int16),
+// the row scale after the sum, LLM.int8()'s decomposition: on the default model per-row rounding
+// alone cost 3.6% of perplexity, with the columns apart 0.4% over bf16
+// (benchmark/quantized_quality.py). The tile layout's 8-bit values are the int8 products' weight
+// operand as they lie (a 64-column step of a 16-row tile is 16 k-quads of 16 rows: 1 KB, stride
+// 64), stored +128: tdpbsud and vpdpbusd take x signed and the weight unsigned, and 128 * sum(xq)
+// comes off each row's sums. The int8 products run at twice the bf16 ones' rate, and nothing
+// else of the weight is dequantized.
 
-#ifdef HAVE_AMX_INT8
+#ifdef HAVE_AVX512_VNNI
 #define W8A8_PANEL_BYTES (512 << 10)  // int8 x rows a task takes against a block (L2-resident)
-#define W8A8_KSTEP 64     // columns an int8 tile product takes
-// Columns kept in bf16 (bf16 tile products of AMX_KSTEP): up to W8A8_SERIAL_ROWS rows the
-// smaller count (its cost is the call's, a decode batch shares it among few rows), above it the
-// larger (the default model's whole-text perplexity over bf16: +0.4% with 64).
-#define W8A8_OUTLIERS 64
+// Columns kept apart: up to W8A8_SERIAL_ROWS rows the smaller count (its cost is the call's, a
+// decode batch shares it among few rows), above it the larger (the default model's whole-text
+// perplexity over bf16: +0.4% with 64).
 #define W8A8_FEW_OUTLIERS 32
 #define W8A8_SERIAL_ROWS 32  // rows up to which one thread quantizes them
 #define W8A8_CHUNKS(K) (((K) / 16 + 15) / 16 * 16)  // pick_outliers' 16-column maxima
 
-// x rounded to int8 per row: xq [mpad, ldx] (columns past K, outlier columns and rows past M
-// zero), each row's scale and 128 times its integers' sum (the weight's +128 meets it); the
-// outlier columns' indices (ascending) and x's values there, xout [mpad, W8A8_OUTLIERS] bf16 (zeros
-// past the count and M).
-typedef struct {
-    int8_t* xq;
-    float* scale;
-    int32_t* offset;
-    int64_t ldx;
-    int64_t outliers[W8A8_OUTLIERS];
-    int64_t count;  // outlier columns (pick_outliers' count, K when K is fewer)
-    bf16_t* xout;
-} int8_rows;
+// Row m's outlier values (xout) to int16 with one scale, its largest magnitude / 32767 (NaN
+// where a value is not finite: the row's outputs are then NaN, as a product with it is).
+static void outliers_int16(const int8_rows* xs, int64_t m) {
+    const bf16_t* out = xs->xout + m * W8A8_OUTLIERS;
+    float largest = 0.0f;
+    int finite = 1;
+    for (int64_t j = 0; j < W8A8_OUTLIERS; j++) {
+        const float magnitude = fabsf(bf16_to_f32(out[j]));
+        finite &= isfinite(magnitude) != 0;
+        largest = magnitude > largest ? magnitude : largest;
+    }
+    const float inverse = finite && largest > 0.0f ? 32767.0f / largest : 0.0f;
+    for (int64_t j = 0; j < W8A8_OUTLIERS; j++)
+        xs->xout16[m * W8A8_OUTLIERS + j] = (int16_t)lrintf(bf16_to_f32(out[j]) * inverse);
+    xs->oscale[m] = !finite ? __builtin_nanf("") : largest / 32767.0f;
+}
 
 // Row m of bf16 x [*, K] (K a multiple of 16) into xs: its outlier columns into xout, the rest
 // rounded with scale max|x| / 127, nearest even. skip: 0 on the outlier columns, else -1.
@@ -68,6 +70,7 @@ static void quantize_row(const bf16_t* x, int64_t K, const int8_rows* xs, const 
     memset(row + K, 0, (size_t)(xs->ldx - K));
     xs->scale[m] = largest > 0.0f ? largest / 127.0f : 0.0f;
     xs->offset[m] = 128 * _mm512_reduce_add_epi32(sum);
+    outliers_int16(xs, m);
 }
 
 // Rows [m0, m1) of x [*, K]'s column maxima of magnitude into mine (K floats).
@@ -132,140 +135,6 @@ static void pick_outliers(float* colmax, int team, int64_t K, int64_t M, int16_t
         }
 }
 
-// One tile's integers at outlier column k (in its k-step `step`, 16 k-quads of 16 lanes: the
-// column is byte k % 4 of k-quad (k % 64) / 4, stored +128) into lane halves of the bf16 B tile
-// dst: k-pair row j / 2, the low half for an even j, the high half for an odd one (the tile's
-// other lanes untouched, zero where no column lands). Integers of 8 bits are exact in bf16; the
-// weight's row scales come in at scale_tile.
-static inline void gather_outlier(const uint8_t* step, int64_t k, int64_t j, bf16_t* dst) {
-    const __m512i quad = _mm512_loadu_si512(step + k % W8A8_KSTEP / 4 * 64);
-    const __m512i shift = _mm512_set1_epi32((int)(8 * (k % 4)));
-    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(quad, shift), _mm512_set1_epi32(255));
-    const __m512i exact = _mm512_castps_si512(
-        _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(128))));
-    bf16_t* pair = dst + j / 2 * 32;
-    if (j % 2 == 0)
-        _mm512_mask_storeu_epi16(pair, 0x55555555u, _mm512_srli_epi32(exact, 16));
-    else
-        _mm512_mask_storeu_epi16(pair, 0xAAAAAAAAu, exact);
-}
-
-// Tile t's k-step s (64 columns) as a B tile: in place, or for a last step of 32 columns (K
-// 32 mod 64) its 8 k-quad rows copied into tail with 8 rows of zeros (never read past the tile).
-static inline const uint8_t* weight_step(const quantized_weight* w, int64_t t, int64_t K,
-                                         int64_t s, uint8_t (*tail)[64]) {
-    const uint8_t* step = (const uint8_t*)w->values + t * tile_bytes(8, K) + s * 16 * 64;
-    if ((s + 1) * W8A8_KSTEP <= K) return step;
-    memcpy(tail, step, 8 * 64);
-    memset(tail + 8, 0, 8 * 64);
-    return (const uint8_t*)tail;
-}
-
-// One 16 x 16 tile of y's sums: ((int8 sum - offset[m]) * xscale[m] + the outlier columns'
-// float32 sum over the weight's integers) * wscale[n].
-static inline void scale_tile(const int32_t (*sums)[16], const float (*outlier)[16],
-                              const int8_rows* xs, int64_t m0, __m512 wscale, float (*out)[16]) {
-    for (int r = 0; r < 16; r++) {
-        const __m512i s = _mm512_sub_epi32(_mm512_load_si512(sums[r]),
-                                           _mm512_set1_epi32(xs->offset[m0 + r]));
-        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xs->scale[m0 + r]),
-                                           _mm512_load_ps(outlier[r]));
-        _mm512_store_ps(out[r], _mm512_mul_ps(sum, wscale));
-    }
-}
-
-// Rows [m0, m1) of xs (whole 32-row pairs but the last, which may be one 16-row tile) times
-// block b (tiles left, right; right -1: none) through the epilogue. The first 32 rows' k-steps
-// also gather the block's outlier columns into bf16 B tiles, from the steps as they stream by.
-static void w8a8_task(const int8_rows* xs, const quantized_weight* w, const bf16_t* bias, void* y,
-                      int64_t M, int64_t N, int64_t K, int64_t left, int64_t right, int64_t n0,
-                      int64_t m0, int64_t m1, int epilogue) {
-    int32_t sums[4][16][16] __attribute__((aligned(64)));
-    float outlier[4][16][16] __attribute__((aligned(64)));
-    float block[4][16][16] __attribute__((aligned(64)));
-    uint8_t tails[2][16][64] __attribute__((aligned(64)));
-    // k-pairs of 16 rows: W8A8_OUTLIERS / AMX_KSTEP B tiles a side
-    bf16_t wout[2][16 * W8A8_OUTLIERS] __attribute__((aligned(64)));
-    memset(wout, 0, sizeof wout);
-    const int64_t ksteps = xs->ldx / W8A8_KSTEP;
-    const __m512 wleft = tile_floats(w->scales, w->scales_f32, left);
-    const __m512 wright = right >= 0 ? tile_floats(w->scales, w->scales_f32, right) : wleft;
-    for (int64_t m = m0; m < m1; m += 32) {
-        const int pair = m1 - m >= 32;
-        const int8_t* a0 = xs->xq + m * xs->ldx;
-        const int8_t* a1 = a0 + 16 * xs->ldx;
-        int64_t next = m == m0 ? 0 : xs->count;  // the next outlier to gather
-        // (the tile intrinsics take their registers as literals)
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t s = 0; s < ksteps; s++) {
-            const uint8_t* step_left = weight_step(w, left, K, s, tails[0]);
-            const uint8_t* step_right = right >= 0 ? weight_step(w, right, K, s, tails[1]) : NULL;
-            for (; next < xs->count && xs->outliers[next] < (s + 1) * W8A8_KSTEP; next++) {
-                gather_outlier(step_left, xs->outliers[next], next, wout[0]);
-                if (step_right)
-                    gather_outlier(step_right, xs->outliers[next], next, wout[1]);
-            }
-            _tile_loadd(4, a0 + s * W8A8_KSTEP, xs->ldx);
-            _tile_loadd(6, step_left, 64);
-            _tile_dpbsud(0, 4, 6);
-            if (pair) {
-                _tile_loadd(5, a1 + s * W8A8_KSTEP, xs->ldx);
-                _tile_dpbsud(2, 5, 6);
-            }
-            if (step_right) {
-                _tile_loadd(7, step_right, 64);
-                _tile_dpbsud(1, 4, 7);
-                if (pair) _tile_dpbsud(3, 5, 7);
-            }
-        }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        if (pair) {
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
-        }
-        // The outlier columns: bf16 k-steps of 32 into the same tiles, now float32.
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t q = 0; q < (xs->count + AMX_KSTEP - 1) / AMX_KSTEP; q++) {
-            const bf16_t* xout = xs->xout + m * W8A8_OUTLIERS + q * AMX_KSTEP;
-            _tile_loadd(4, xout, 2 * W8A8_OUTLIERS);
-            _tile_loadd(6, wout[0] + q * 512, 64);
-            _tile_loadd(7, wout[1] + q * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (pair) {
-                _tile_loadd(5, xout + 16 * W8A8_OUTLIERS, 2 * W8A8_OUTLIERS);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, outlier[0], 64);
-        _tile_stored(1, outlier[1], 64);
-        if (pair) {
-            _tile_stored(2, outlier[2], 64);
-            _tile_stored(3, outlier[3], 64);
-        }
-        for (int mt = 0; mt < 1 + pair; mt++) {
-            const int64_t first = m + 16 * mt;
-            if (first >= M) break;
-            scale_tile(sums[2 * mt], outlier[2 * mt], xs, first, wleft, block[2 * mt]);
-            if (right >= 0)
-                scale_tile(sums[2 * mt + 1], outlier[2 * mt + 1], xs, first, wright,
-                           block[2 * mt + 1]);
-            else
-                memset(block[2 * mt + 1], 0, sizeof block[0]);
-            packed_store(block[2 * mt], block[2 * mt + 1], bias, y, N, first,
-                         M - first < 16 ? M - first : 16, n0, epilogue);
-        }
-    }
-}
-
 // Row m of xs: x's row quantized, or (a padding row past M) zeros.
 static void int8_row(const bf16_t* x, int64_t M, int64_t K, int8_rows* xs, const int16_t* skip,
                      int64_t m) {
@@ -275,33 +144,39 @@ static void int8_row(const bf16_t* x, int64_t M, int64_t K, int8_rows* xs, const
     }
     memset(xs->xq + m * xs->ldx, 0, (size_t)xs->ldx);
     memset(xs->xout + m * W8A8_OUTLIERS, 0, W8A8_OUTLIERS * 2);
-    xs->scale[m] = 0.0f;
+    memset(xs->xout16 + m * W8A8_OUTLIERS, 0, W8A8_OUTLIERS * 2);
+    xs->scale[m] = xs->oscale[m] = 0.0f;
     xs->offset[m] = 0;
 }
 
 int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w, const bf16_t* bias, void* y,
-                          int64_t M, int64_t N, int64_t K, int epilogue, int nthreads) {
-    const int gated = epilogue == EPILOGUE_GATED;
+                          int64_t M, int64_t N, int64_t K, int epilogue, int on_tiles,
+                          int nthreads) {
     const int64_t mpad = (M + 15) / 16 * 16, ldx = (K + W8A8_KSTEP - 1) / W8A8_KSTEP * W8A8_KSTEP;
     const int64_t blocks = (N + AMX_NBLOCK - 1) / AMX_NBLOCK;
+    // A task's blocks: a pair of tiles on the int8 tiles, up to W8A8_VNNI_BLOCKS pairs in vpdpbusd.
+    const int64_t task_blocks = on_tiles ? 1 : W8A8_VNNI_BLOCKS;
+    const int64_t block_groups = (blocks + task_blocks - 1) / task_blocks;
     // As few panels as keep one in L2, of even size (whole 32 rows): each panel reads the whole
     // weight once more.
     int64_t panel_rows = W8A8_PANEL_BYTES / ldx / 32 * 32;
     panel_rows = panel_rows < 32 ? 32 : panel_rows;
     const int64_t panels = (mpad + panel_rows - 1) / panel_rows;
     panel_rows = ((mpad + panels - 1) / panels + 31) / 32 * 32;
-    // xq, then (64-byte aligned pieces) xout, scales and offsets, the column maxima, their
-    // chunks' maxima and the skip mask.
+    // xq, then (64-byte aligned pieces) xout and xout16, scales, offsets and outlier scales, the
+    // column maxima, their chunks' maxima and the skip mask.
     const size_t xq_bytes = (size_t)(mpad * ldx), xout_bytes = (size_t)mpad * W8A8_OUTLIERS * 2;
-    const size_t rows_bytes = (size_t)mpad * 8;
+    const size_t rows_bytes = (size_t)mpad * 12;
     const size_t col_bytes = (size_t)(K * (4 * nthreads + 2) + 4 * W8A8_CHUNKS(K) + 63) / 64 * 64;
-    char* buffer = kernel_alloc(xq_bytes + xout_bytes + rows_bytes + col_bytes);
+    char* buffer = kernel_alloc(xq_bytes + 2 * xout_bytes + rows_bytes + col_bytes);
     if (!buffer) return MINISGL_ERR_NOMEM;
     int8_rows xs = {.xq = (int8_t*)buffer, .ldx = ldx};
     xs.xout = (bf16_t*)(buffer + xq_bytes);
-    xs.scale = (float*)(buffer + xq_bytes + xout_bytes);
+    xs.xout16 = (int16_t*)(buffer + xq_bytes + xout_bytes);
+    xs.scale = (float*)(buffer + xq_bytes + 2 * xout_bytes);
     xs.offset = (int32_t*)xs.scale + mpad;
-    float* colmax = (float*)(buffer + xq_bytes + xout_bytes + rows_bytes);
+    xs.oscale = xs.scale + 2 * mpad;
+    float* colmax = (float*)(buffer + xq_bytes + 2 * xout_bytes + rows_bytes);
     float* chunk_max = colmax + nthreads * K;
     int16_t* skip = (int16_t*)(chunk_max + W8A8_CHUNKS(K));
     // A decode batch's rows are quantized by one thread: two barriers fewer than sharing them.
@@ -324,18 +199,29 @@ int quantized_w8a8_linear(const bf16_t* x, const quantized_weight* w, const bf16
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < mpad; m++) int8_row(x, M, K, &xs, skip, m);
         }
-        amx_configure();
+#ifdef HAVE_AMX_INT8
+        if (on_tiles) amx_configure();
+#endif
         // Panel-major: consecutive tasks of a thread share its x panel in L2.
 #pragma omp for schedule(guided)
-        for (int64_t task = 0; task < panels * blocks; task++) {
-            const int64_t panel = task / blocks, b = task % blocks;
-            int64_t left, right;
-            block_tiles(b, N, gated, &left, &right);
+        for (int64_t task = 0; task < panels * block_groups; task++) {
+            const int64_t panel = task / block_groups, b = task % block_groups * task_blocks;
             const int64_t m0 = panel * panel_rows;
             const int64_t m1 = m0 + panel_rows < mpad ? m0 + panel_rows : mpad;
-            w8a8_task(&xs, w, bias, y, M, N, K, left, right, 32 * b, m0, m1, epilogue);
+#ifdef HAVE_AMX_INT8
+            if (on_tiles) {
+                int64_t left, right;
+                block_tiles(b, N, epilogue == EPILOGUE_GATED, &left, &right);
+                w8a8_amx_task(&xs, w, bias, y, M, N, K, left, right, 32 * b, m0, m1, epilogue);
+                continue;
+            }
+#endif
+            const int64_t count = blocks - b < task_blocks ? blocks - b : task_blocks;
+            w8a8_vnni_task(&xs, w, bias, y, M, N, K, b, count, m0, m1, epilogue);
         }
-        _tile_release();
+#ifdef HAVE_AMX_INT8
+        if (on_tiles) _tile_release();
+#endif
     }
     free(buffer);
     return MINISGL_OK;
