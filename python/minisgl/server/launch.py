@@ -153,8 +153,19 @@ def _monitor(procs: list[BaseProcess], on_death: Any, is_stopping: Any) -> None:
     on_death(f"{_describe(dead)}; shutting down the server")
 
 
+# What the worker processes import (start_workers): the fork server loads them once.
+WORKER_MODULES = (
+    "minisgl.scheduler.io",
+    "minisgl.tokenizer.server",
+    "transformers.models.auto.tokenization_auto",
+)
+
+
 def launch_server(args: ServerArgs) -> int:
     """Run the server until a signal or a dead child; returns the exit code."""
+    from minisgl.utils.mp import start_fork_server
+
+    start_fork_server(WORKER_MODULES)  # its imports overlap this process's set-up
     import uvicorn
 
     from minisgl.message.queue import ZmqAddresses

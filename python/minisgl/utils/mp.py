@@ -48,9 +48,27 @@ def worker_setup() -> None:
     watch_parent()
 
 
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def start_fork_server(preload: Iterable[str]) -> None:
+    """Start the process that `spawn` forks workers from, importing the `preload` modules first
+    while this process goes on: a worker then starts with torch and its modules loaded, where a
+    spawned one imports them itself (seconds a worker on two cores, all of them at once)."""
+    if _start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    forkserver.ensure_running()
+
+
 def spawn(target: Callable[..., None], name: str, args: Iterable[Any]) -> BaseProcess:
-    """Start `target(*args)` in a fresh interpreter (spawn: no forked torch/zmq state)."""
-    process = mp.get_context("spawn").Process(target=target, name=name, args=tuple(args))
+    """Start `target(*args)` in a new process: forked from the fork server (a clean process that
+    has only imported modules: none of this one's torch threads or zmq sockets), or where the
+    platform has none, a fresh interpreter."""
+    process = mp.get_context(_start_method()).Process(target=target, name=name, args=tuple(args))
     process.start()
     return process
 
