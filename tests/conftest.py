@@ -49,7 +49,19 @@ def _shared(make):
     try:
         yield server
     finally:
+        # Killed outright, the launcher leaves its workers to notice (utils/mp.watch_parent):
+        # none may outlive it.
+        import psutil
+
+        try:
+            workers = psutil.Process(server.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            workers = []
         server.stop(signal.SIGKILL if server.proc.poll() is None else signal.SIGTERM)
+        _, alive = psutil.wait_procs(workers, timeout=15)
+        for process in alive:
+            process.kill()
+        assert not alive, f"workers outlived their killed launcher: {[p.pid for p in alive]}"
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from multiprocessing.synchronize import Event
 from minisgl.engine import Engine, EngineConfig
 from minisgl.env import ENV
 from minisgl.utils import init_logger
-from minisgl.utils.mp import stop_processes, worker_setup
+from minisgl.utils.mp import start_fork_server, start_method, stop_processes, worker_setup
 
 logger = init_logger(__name__)
 
@@ -43,11 +43,18 @@ def init_method_for(config: EngineConfig) -> str:
     return f"tcp://127.0.0.1:{_free_port()}"
 
 
+def prepare_workers() -> None:
+    """Start the fork server the other ranks' processes fork from, importing this module (the
+    engine, the models, torch) while this process goes on loading rank 0: otherwise each rank
+    imports them after rank 0 has loaded."""
+    start_fork_server([__name__])
+
+
 def _spawn(
     config: EngineConfig, rank: int, init_method: str, timeout_s: float, num_pages: int
 ) -> tuple[BaseProcess, Event]:
     """One rank's process (daemon: its launcher's exit takes it along) and its ready event."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     rank_config = dataclasses.replace(config, tp_rank=rank, num_page_override=num_pages)
     ready = ctx.Event()
     process = ctx.Process(
@@ -64,6 +71,7 @@ def serve_node(config: EngineConfig) -> int:
     """A node other than 0: run its ranks until rank 0 stops them (or they fail); the exit
     code is non-zero if any rank failed."""
     assert config.num_page_override is not None and config.node_rank > 0
+    prepare_workers()
     init_method, timeout_s = init_method_for(config), ENV.TP_TIMEOUT.value
     spawned = [
         _spawn(config, rank, init_method, timeout_s, config.num_page_override)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from minisgl.core import Batch, Req
-from minisgl.distributed.worker import TPWorkerError, TPWorkers
+from minisgl.distributed.worker import TPWorkerError, TPWorkers, prepare_workers
 from minisgl.engine import Engine, ForwardInput, ForwardOutput
 from minisgl.env import ENV
 from minisgl.kvcache import BaseCacheHandle, create_prefix_cache
@@ -53,6 +53,8 @@ class Scheduler(RequestsMixin, PreemptionMixin, ResultsMixin, AdaptersMixin):
         # A draft model (STANDALONE) is checked first and its KV paid from the target's budget.
         draft = DraftModelPlan.from_config(config) if config.speculative_draft_model_path else None
         extra_kv = 0 if draft is None else draft.kv_bytes_per_slot
+        if config.tp_size > 1:
+            prepare_workers()  # the other ranks' imports, while this process loads rank 0
         self.engine = Engine(config, extra_kv_bytes_per_slot=extra_kv)
         # Rank 0 of a tensor-parallel engine: the other ranks replay its steps on their shards.
         self.tp_workers = TPWorkers.start(config, self.engine) if config.tp_size > 1 else None

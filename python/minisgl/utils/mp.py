@@ -25,17 +25,24 @@ def set_worker_threads(num_threads: int = 1) -> None:
 
 
 def watch_parent(poll_s: float = 1.0) -> None:
-    """Exit this process when its parent goes away (e.g. killed with SIGKILL), so that no
-    orphaned worker outlives the server."""
-    parent = os.getppid()
+    """Exit this process when the process that started it goes away (e.g. killed with SIGKILL),
+    so that no orphaned worker outlives the server. That is multiprocessing's parent (its
+    sentinel ends with it), not the OS parent: a worker forked by the fork server has the fork
+    server as OS parent, which lives as long as any of its workers do."""
+    parent = mp.parent_process()
+    os_parent = os.getppid()
+
+    def gone() -> bool:
+        if parent is not None:
+            return not parent.is_alive()
+        return os.getppid() != os_parent
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent:
-                logger.error(
-                    "parent process %d is gone; %s exits", parent, mp.current_process().name
-                )
+            if gone():
+                pid = parent.pid if parent is not None else os_parent
+                logger.error("parent process %s is gone; %s exits", pid, mp.current_process().name)
                 os._exit(1)
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
@@ -48,7 +55,8 @@ def worker_setup() -> None:
     watch_parent()
 
 
-def _start_method() -> str:
+def start_method() -> str:
+    """How worker processes start: forked from the fork server where the platform has one."""
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
@@ -56,7 +64,7 @@ def start_fork_server(preload: Iterable[str]) -> None:
     """Start the process that `spawn` forks workers from, importing the `preload` modules first
     while this process goes on: a worker then starts with torch and its modules loaded, where a
     spawned one imports them itself (seconds a worker on two cores, all of them at once)."""
-    if _start_method() != "forkserver":
+    if start_method() != "forkserver":
         return
     from multiprocessing import forkserver
 
@@ -68,7 +76,7 @@ def spawn(target: Callable[..., None], name: str, args: Iterable[Any]) -> BasePr
     """Start `target(*args)` in a new process: forked from the fork server (a clean process that
     has only imported modules: none of this one's torch threads or zmq sockets), or where the
     platform has none, a fresh interpreter."""
-    process = mp.get_context(_start_method()).Process(target=target, name=name, args=tuple(args))
+    process = mp.get_context(start_method()).Process(target=target, name=name, args=tuple(args))
     process.start()
     return process
 
