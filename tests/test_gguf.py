@@ -344,6 +344,35 @@ def test_a_gguf_path_converts_only_its_config_and_serves_the_file(
         shutil.rmtree(folder)
 
 
+def test_a_touched_file_gets_a_new_cache_and_the_old_one_goes(monkeypatch, tmp_path) -> None:
+    """Touching (or replacing) a GGUF file gives its cache a new name; writing it removes the
+    path's older copy, and leaves another path's alone."""
+    import os
+
+    from minisgl.models import gguf_cache
+
+    monkeypatch.setattr(gguf_cache, "cache_dir", lambda: tmp_path / "cache")
+
+    def load_whole(path: Path) -> Path:
+        with gguf_cache.open_gguf(path) as checkpoint:
+            for name in checkpoint.entries:
+                if checkpoint.quantized(name) is None:
+                    checkpoint.tensor(name)
+        return gguf_cache.cache_file(path)
+
+    gguf, other = tmp_path / "llama.gguf", tmp_path / "other" / "llama.gguf"
+    other.parent.mkdir()
+    _write_gguf(gguf, "llama", _TENSORS)
+    _write_gguf(other, "llama", _TENSORS)
+    first, beside = load_whole(gguf), load_whole(other)
+    assert first.exists() and beside.exists() and first != beside
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    second = load_whole(gguf)
+    assert second != first and second.exists() and beside.exists()
+    assert not first.exists()
+
+
 def test_a_moe_gguf_loads_every_expert_quantized(tmp_path: Path) -> None:
     """The tiny Qwen3-MoE's weights written as a qwen3moe GGUF (Q8_0 matrices, experts in 3-D
     tensors): the model loads every projection and every expert quantized, each equal to

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -28,12 +29,33 @@ LAYOUT_VERSION = 2
 MAX_DENSE_BYTES = 256 << 20
 
 
+# A cache file's name: the GGUF's stem and its path's digest (`source`), then the version's.
+_CACHE_NAME = re.compile(r"(?P<source>.+-[0-9a-f]{8})[0-9a-f]{8}\.safetensors")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def cache_file(gguf: Path) -> Path:
-    """Where the repacked tensors of this GGUF file live."""
+    """Where the repacked tensors of this GGUF file live: named by the file's path, then by its
+    size, modification time and the layout's version (a changed file gets a new name; writing
+    it removes the path's older ones, `_remove_older_copies`)."""
     stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf.stem}-{digest}.safetensors"
+    version = _digest(f"{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}")
+    return cache_dir() / "gguf" / f"{gguf.stem}-{_digest(str(gguf.resolve()))}{version}.safetensors"
+
+
+def _remove_older_copies(target: Path) -> None:
+    """Delete the cache files of target's GGUF path but target: copies of the file before it
+    was replaced or touched, or of an older layout, never read again."""
+    named = _CACHE_NAME.fullmatch(target.name)
+    if named is None:
+        return
+    for old in target.parent.iterdir():
+        other = _CACHE_NAME.fullmatch(old.name)
+        if other is not None and other["source"] == named["source"] and old != target:
+            old.unlink(missing_ok=True)
 
 
 class CachedGguf:
@@ -124,6 +146,7 @@ class CachingGguf(GgufCheckpoint):
         staging = self._target.with_name(self._target.name + f".tmp{os.getpid()}")
         save_file(tensors, str(staging), metadata={"layout": json.dumps(layout)})
         staging.rename(self._target)
+        _remove_older_copies(self._target)
 
 
 def open_gguf(path: Path) -> CachedGguf | CachingGguf:
