@@ -199,6 +199,14 @@ static inline int w8a8_fits(const quantized_weight* w, int64_t K) {
     return w->tiled && w->bits == 8 && w->group == K && !w->mins && K <= W8A8_MAX_K;
 }
 #ifdef HAVE_AVX512_VNNI
+// The 16 rows' integers (-128..127) at column k of 8-bit tile quads from `quads` (quad k / 4,
+// byte k % 4 of each lane, stored +128): the W8A8 tasks' outlier columns.
+static inline __m512i tile_column_integers(const uint8_t* quads, int64_t k) {
+    const __m512i quad = _mm512_loadu_si512(quads + k / 4 * 64);
+    const __m512i shifted = _mm512_srlv_epi32(quad, _mm512_set1_epi32((int)(8 * (k % 4))));
+    return _mm512_sub_epi32(_mm512_and_si512(shifted, _mm512_set1_epi32(255)),
+                            _mm512_set1_epi32(128));
+}
 // The most columns of largest magnitude a call keeps out of the int8 rounding.
 #define W8A8_OUTLIERS 64
 #define W8A8_KSTEP 64  // columns an int8 tile product takes (x rows padded to whole ones)

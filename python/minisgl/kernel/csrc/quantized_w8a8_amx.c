@@ -14,11 +14,8 @@
 // other lanes untouched, zero where no column lands). Integers of 8 bits are exact in bf16; the
 // weight's row scales come in at scale_tile.
 static inline void gather_outlier(const uint8_t* step, int64_t k, int64_t j, bf16_t* dst) {
-    const __m512i quad = _mm512_loadu_si512(step + k % W8A8_KSTEP / 4 * 64);
-    const __m512i shift = _mm512_set1_epi32((int)(8 * (k % 4)));
-    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(quad, shift), _mm512_set1_epi32(255));
-    const __m512i exact = _mm512_castps_si512(
-        _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(128))));
+    const __m512i exact =
+        _mm512_castps_si512(_mm512_cvtepi32_ps(tile_column_integers(step, k % W8A8_KSTEP)));
     bf16_t* pair = dst + j / 2 * 32;
     if (j % 2 == 0)
         _mm512_mask_storeu_epi16(pair, 0x55555555u, _mm512_srli_epi32(exact, 16));

@@ -16,23 +16,15 @@
 #define VNNI_ROWS 4                         // x rows a register block takes
 #define VNNI_TILES (2 * W8A8_VNNI_BLOCKS)  // 16-row weight tiles a task takes, at most
 
-// The 16 rows' integers (-128..127) at column k of a tile (quad k / 4, byte k % 4 of each lane).
-static inline __m512i column_integers(const uint8_t* tile, int64_t k) {
-    const __m512i quad = _mm512_loadu_si512(tile + k / 4 * 64);
-    const __m512i shifted = _mm512_srlv_epi32(quad, _mm512_set1_epi32((int)(8 * (k % 4))));
-    return _mm512_sub_epi32(_mm512_and_si512(shifted, _mm512_set1_epi32(255)),
-                            _mm512_set1_epi32(128));
-}
-
 // A tile's integers at the outlier columns as vpdpwssd's int16 pairs: lane n of pairs[p] holds
 // row n's integers at outliers 2p (low half) and 2p + 1 (high half; zero past the count).
 static void gather_outlier_pairs(const uint8_t* tile, const int8_rows* xs, int32_t (*pairs)[16]) {
     const __m512i low = _mm512_set1_epi32(0xffff);
     for (int64_t j = 0; j < xs->count; j += 2) {
-        __m512i pair = _mm512_and_si512(column_integers(tile, xs->outliers[j]), low);
+        __m512i pair = _mm512_and_si512(tile_column_integers(tile, xs->outliers[j]), low);
         if (j + 1 < xs->count)
             pair = _mm512_or_si512(
-                pair, _mm512_slli_epi32(column_integers(tile, xs->outliers[j + 1]), 16));
+                pair, _mm512_slli_epi32(tile_column_integers(tile, xs->outliers[j + 1]), 16));
         _mm512_store_si512(pairs[j / 2], pair);
     }
 }
