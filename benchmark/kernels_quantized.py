@@ -71,11 +71,11 @@ def main() -> None:
         f: [QuantizedProjection(q, kernels, int8_activations=f == "w8a8") for q in qs]  # type: ignore[arg-type]
         for f, qs in quantized.items()
     }
-    # Where the C kernels tile the weights (VNNI), the row layout's kernels too, for comparison.
+    # Where the C kernels tile the weights (VNNI, AVX2), the row layout's kernels too, to compare.
     row_layout = {
         f: [QuantizedProjection(q, kernels, tiled=False) for q in qs]  # type: ignore[arg-type]
         for f, qs in quantized.items()
-        if kernels.has_vnni
+        if kernels.reads_tiles
     }
     print(
         f"# {torch.get_num_threads()} threads, avx512_bf16: {kernels.has_avx512_bf16}, "

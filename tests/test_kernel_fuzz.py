@@ -94,6 +94,8 @@ def possible_paths(kernels: CpuKernels) -> set[str]:
         needed |= {"avx2-int16"} if kernels.has_avx2 else set()
     if kernels.has_vnni:
         needed |= {"tiled-f32", "tiled-precise", "tiled-amx" if kernels.has_amx else "tiled-int8"}
+    elif kernels.has_avx2:
+        needed |= {"avx2-tiled-int16", "avx2-tiled-f32"}
     if kernels.has_vnni:
         needed.add("tiled-w8a8" if kernels.has_amx_int8 else "tiled-w8a8-vnni")
     assert needed <= paths, f"the dispatcher never chooses {sorted(needed - paths)}"
@@ -154,7 +156,12 @@ def product_bound(path: str, x: torch.Tensor, dense: torch.Tensor, out_unit: flo
     bound = 2 * (x.shape[1] + 2) * U32 * magnitude
     if path in ("avx512-wide", "avx512-packed", "avx512-bf16-block", "tiled-amx"):
         bound += UBF16 * magnitude
-    steps = {"avx2-int16": 1 / 32767, "tiled-precise": 1 / (127 * 128), "tiled-int8": 1 / 127}
+    steps = {
+        "avx2-int16": 1 / 32767,
+        "avx2-tiled-int16": 1 / 32767,
+        "tiled-precise": 1 / (127 * 128),
+        "tiled-int8": 1 / 127,
+    }
     if path in steps:  # half a step of each 32 columns' scale (amax * step), per column
         blocks = x64.abs().view(x.shape[0], -1, 32).amax(dim=2)
         step = blocks.repeat_interleave(32, dim=1) * steps[path]
@@ -203,8 +210,9 @@ def cases(seed: int, tiled: bool) -> Iterator[tuple]:
 
 
 def layouts(kernels: CpuKernels) -> list[bool]:
-    """tiled or not: the row layout, and the tile layout where the build has vpdpbusd."""
-    return [False, True] if kernels.has_vnni else [False]
+    """tiled or not: the row layout, and the tile layout where the build reads it (vpdpbusd,
+    or AVX2)."""
+    return [False, True] if kernels.reads_tiles else [False]
 
 
 def test_quantized_linear_shapes_stay_in_bounds_and_within_their_path(kernels):

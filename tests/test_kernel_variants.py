@@ -30,7 +30,7 @@ from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.kernel.ops import rotate_halves as _rotate
 from minisgl.layers.linear import interleave_gate_up
 from minisgl.layers.quant_weight import quantize_int4, quantize_int8
-from minisgl.layers.quantized import QuantizedProjection
+from minisgl.layers.quantized import AVX2_TILED_MAX_ROWS, QuantizedProjection
 
 ONLY_WHERE_BUILT = pytest.mark.skipif(
     platform.system() != "Linux"
@@ -181,7 +181,7 @@ def test_quantized_products_in_every_form(kernels, bits):
     else:  # 6: 8-bit integers within -32..31, which the tile layout holds in 6 bits
         qweight = quantize_int8(weight, 32, limit=127 if bits == 8 else 31)
     dense = qweight.dequantize().double()
-    for tiled in [False, True] if kernels.has_vnni else [False]:
+    for tiled in [False, True] if kernels.reads_tiles else [False]:
         projection = QuantizedProjection(qweight, kernels, tiled=tiled)
         for rows, dtype in itertools.product((1, 6, 20), DTYPES):
             x = torch.randn(rows, 128, generator=gen).to(dtype)
@@ -194,25 +194,31 @@ def test_quantized_products_in_every_form(kernels, bits):
 
 
 @pytest.mark.skipif("x86-64-v3" not in RUNNABLE, reason="needs AVX2")
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 576)])
-def test_avx2_int16_rows_are_the_same_bits_whatever_the_batch(bits, group):
-    """The AVX2 form's bf16 rows as int16 (up to AVX2_ROWS_MAX rows): a row's output does not
-    depend on the rows beside it (batch 1's four-weight-rows kernel and the few-rows kernel sum
-    in one order), so a speculative verify step's rows give what decoding one by one gives.
-    43 weight rows: batch 1's kernel leaves a tail of 3; 576 columns: 18 groups of 32, the
-    offsets' sums end in a partial vector."""
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 576), (6, 32), (6, 16)])
+def test_avx2_int16_rows_are_the_same_bits_whatever_the_batch(bits, group, tiled):
+    """The AVX2 form's bf16 rows as int16 (the row layout up to AVX2_ROWS_MAX rows, the tiles
+    up to AVX2_TILED_MAX_ROWS): a row's output does not depend on the rows beside it, so a
+    speculative verify step's rows give what decoding one by one gives. 43 weight rows: the row
+    layout's batch-1 kernel leaves a tail of 3, the tiles a partial half; 576 columns: 18
+    groups of 32, the offsets' sums end in a partial vector."""
     kernels = variant("x86-64-v3")
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(43, 576, generator=gen)
-    qweight = quantize_int4(weight, group) if bits == 4 else quantize_int8(weight, group)
+    if bits == 4:
+        qweight = quantize_int4(weight, group)
+    else:  # 6: 8-bit integers within -32..31, which the tiles hold in 6 bits
+        qweight = quantize_int8(weight, group, limit=127 if bits == 8 else 31)
     # float32 outputs: every bit of the sums shows (bf16 outputs would hide most differences)
-    projection = QuantizedProjection(qweight, kernels, float_out=True)
-    x = torch.randn(8, 576, generator=gen).to(torch.bfloat16)
-    alone = torch.cat([projection(x[i : i + 1], torch.empty(0), None) for i in range(8)])
-    for rows in (2, 3, 5, 8):
+    projection = QuantizedProjection(qweight, kernels, float_out=True, tiled=tiled)
+    most = AVX2_TILED_MAX_ROWS if tiled else 8
+    x = torch.randn(most, 576, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([projection(x[i : i + 1], torch.empty(0), None) for i in range(most)])
+    for rows in sorted({2, 3, 5, 8, most}):
         together = projection(x[:rows], torch.empty(0), None)
         assert torch.equal(together, alone[:rows]), (rows, (together - alone[:rows]).abs().max())
-    assert kernels.quantized_path(projection.params, 8, 576, torch.bfloat16) == "avx2-int16"
+    path = kernels.quantized_path(projection.params, most, 576, torch.bfloat16)
+    assert path == ("avx2-tiled-int16" if tiled else "avx2-int16")
 
 
 # ----------------------------------------------------------------------- elementwise kernels

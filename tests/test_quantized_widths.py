@@ -125,7 +125,9 @@ def _generate(model: str, quantization: str, kernels_on: bool, threads: int, mon
             for name, projection in projections.items():
                 assert projection.in_features % 64 == 32, (name, projection.shape)
                 if kernels is not None:  # the layout the kernels under test take
-                    tiles = kernels.has_vnni and ENV.CPU_INT8_ACTIVATIONS.value
+                    tiles = kernels.reads_tiles and (
+                        ENV.CPU_INT8_ACTIVATIONS.value or not kernels.has_vnni
+                    )
                     assert isinstance(projection.weight, TiledWeight) == tiles, name
             prompts = _prompts(llm.engine.model_config.vocab_size)
             params = SamplingParams(

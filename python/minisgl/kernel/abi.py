@@ -34,6 +34,8 @@ QUANTIZED_PATHS = (
     "tiled-amx",
     "tiled-w8a8",
     "tiled-w8a8-vnni",
+    "avx2-tiled-int16",
+    "avx2-tiled-f32",
 )
 
 _ptr = ctypes.c_void_p

@@ -43,6 +43,10 @@ QUANTIZED_GEMV_MAX_ROWS = 128
 # precise as bf16); from here to QUANTIZED_GEMV_MAX_ROWS they round them to int8 per 32 columns
 # (csrc/quantized_tiled.c's PRECISE_MAX_ROWS).
 TILED_PRECISE_MAX_ROWS = 16
+# Rows up to which AVX2's tiled kernel takes bf16 activations as int16 in vpmaddwd (as precise
+# as bf16, and a row's output the same bits at every row count); above, float32 FMA tiles
+# (csrc/internal.h's AVX2_TILED_MAX_ROWS).
+AVX2_TILED_MAX_ROWS = 16
 
 
 # QuantizedProjection.route's answers: the C kernel, the AMX packed matmul, torch on the
@@ -95,7 +99,9 @@ class QuantizedProjection:
     re-laid-out into tiles (quant_tiles.py) and bf16 activations meet it in integer products:
     to 16 bits up to TILED_PRECISE_MAX_ROWS rows, rounded to int8 per 32 columns (llama.cpp's
     Q8_0) above; with AMX, from QUANTIZED_AMX_MIN_ROWS rows as bf16 on the tiles, the weight
-    dequantized block by block (a prefill's: whole, into the packed matmul's layout). gated (a
+    dequantized block by block (a prefill's: whole, into the packed matmul's layout). With AVX2
+    and no VNNI the weight is tiled too: up to AVX2_TILED_MAX_ROWS bf16 rows meet it as int16
+    (16 bits, in vpmaddwd), more rows and float32 x its tiles dequantized to float32. gated (a
     gate_up without bias): with AMX, `silu_and_mul` runs SiLU in the matmul. Without the C
     kernels: dequantized per call."""
 
@@ -118,16 +124,20 @@ class QuantizedProjection:
             kernels = None  # a layout the C kernels refuse: torch multiplies it, dequantized
         self.kernels = kernels
         self.float_out = float_out
-        can_tile = kernels is not None and kernels.has_vnni and quantized_fits(*layout, tiled=True)
+        can_tile = (
+            kernels is not None and kernels.reads_tiles and quantized_fits(*layout, tiled=True)
+        )
         if tiled and not can_tile:
             raise ValueError(f"tiled=True: the kernels or in_features {self.in_features} refuse it")
-        tiled = can_tile and (ENV.CPU_INT8_ACTIVATIONS.value if tiled is None else tiled)
+        if tiled is None:  # AVX2's tiles keep x to 16 bits: no int8 activations to turn off
+            tiled = can_tile and (ENV.CPU_INT8_ACTIVATIONS.value or not kernels.has_vnni)
         self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
         # The AMX paths: a tiled weight on a CPU with tiles.
         self.on_amx = tiled and kernels is not None and kernels.has_amx
         self.int8_x = (
             int8_activations
             and tiled
+            and kernels.has_vnni
             and not float_out
             and w8a8_fits(weight.bits, weight.group, weight.in_features, weight.mins is not None)
         )
@@ -151,7 +161,9 @@ class QuantizedProjection:
         # points of top-1 the other classes keep), so that prefill multiplies the weight
         # dequantized in float32 instead, as exact as the bf16 classes'.
         self.no_bf16_dots = kernels is not None and not kernels.has_avx512_bf16
-        self.c_takes_every_row = self.no_bf16_dots and kernels.has_avx2 and not tiled
+        self.c_takes_every_row = (
+            self.no_bf16_dots and kernels.has_avx2 and not (tiled and kernels.has_vnni)
+        )
 
     @functools.cached_property
     def _all_rows(self) -> torch.Tensor:

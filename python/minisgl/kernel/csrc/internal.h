@@ -88,6 +88,42 @@ MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xscale,
                                           const void* bias, void* y, int64_t M, int64_t N,
                                           int64_t K, int64_t n0, int64_t n1, int x_dtype,
                                           int out_f32, float* scratch);
+// 8 x 8 floats transposed in registers: row i of the result is column i of rows.
+static inline void transpose8(__m256 rows[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        rows[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        rows[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+
+// The x rows quantized_avx2.c's FMA tile multiplies: every row of xf [M, K] float32 against wt
+// [K, AVX2_BLOCK] (weight rows n0..n1-1 dequantized, side by side per column) into y.
+MINISGL_INTERNAL void avx2_block_rows(const float* xf, const float* wt, const void* bias, void* y,
+                                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                                      int x_dtype, int out_f32);
+// quantized_tiled_avx2.c: a tiled weight's matmul and rows where there is no vpdpbusd, their
+// arguments checked; bf16 x of up to AVX2_TILED_MAX_ROWS rows as int16 (path
+// QPATH_AVX2_TILED_INT16), else float32 products (QPATH_AVX2_TILED_F32).
+// layers/quantized.py's AVX2_TILED_MAX_ROWS is this number.
+#define AVX2_TILED_MAX_ROWS 16
+MINISGL_INTERNAL int quantized_tiled_avx2_linear(const void* x, const quantized_weight* w,
+                                                 const void* bias, void* y, int64_t M, int64_t N,
+                                                 int64_t K, int x_dtype, int path, int out_f32,
+                                                 int nthreads);
+MINISGL_INTERNAL int quantized_tiled_avx2_rows(const quantized_weight* w, const int64_t* ids,
+                                               void* out, int64_t count, int64_t K, int dtype,
+                                               int nthreads);
 // Whether M rows of x take the int16 form against w: bf16, up to AVX2_ROWS_MAX rows, K a
 // multiple of 32, each 32 columns within one group (or two groups of 16).
 MINISGL_INTERNAL int avx2_int16_rows(const quantized_weight* w, int64_t M, int64_t K,
@@ -145,9 +181,9 @@ MINISGL_INTERNAL int quantized_amx_linear(const bf16_t* x, const quantized_weigh
 MINISGL_INTERNAL int quantized_tiled_packed(const quantized_weight* w, bf16_t* packed, int64_t N,
                                             int64_t K, int gated, int nthreads);
 
-#ifdef HAVE_AVX512
 // The tile layout of a quantized weight (layers/quant_tiles.py; quantized_tiled.c describes
-// it), which quantized_tiled.c and quantized_amx.c read: TILE_ROWS weight rows a tile.
+// it), which quantized_tiled.c, quantized_amx.c and quantized_tiled_avx2.c read: TILE_ROWS
+// weight rows a tile.
 #define TILE_ROWS 16
 
 // Bytes one tile's values take (bits 8, 6 or 4).
@@ -158,6 +194,7 @@ static inline const void* tile_group_at(const void* src, int64_t scales_f32, int
     return (const char*)src + index * TILE_ROWS * (scales_f32 ? 4 : 2);
 }
 
+#ifdef HAVE_AVX512
 // The 6-bit values (0..63 a byte) of a 6-bit tile's quad vector: its 4 low bits (nibbles, one a
 // byte) and, from the chunk's top-bits vector for its half, crumb j (bits 2j..2j+1) of each byte.
 static inline __m512i six_bits(__m512i nibbles, __m512i tops, int j) {

@@ -405,15 +405,19 @@ int minisgl_quantized_fits(int64_t bits, int64_t group, int64_t K, int64_t tiled
     return rows_fit && (!tiled || K % 32 == 0);
 }
 
-// A tiled weight's matmul and rows: only where vpdpbusd was compiled in (quant_tiles.py tiles
-// only then).
+// A tiled weight's matmul and rows: where vpdpbusd or AVX2 was compiled in (quant_tiles.py
+// tiles only then).
 static int tiled_linear(const void* x, const quantized_weight* w, const void* bias, void* y,
-                        int64_t M, int64_t N, int64_t K, int path, int out_f32, int nthreads) {
+                        int64_t M, int64_t N, int64_t K, int x_dtype, int path, int out_f32,
+                        int nthreads) {
 #ifdef HAVE_AVX512_VNNI
+    (void)x_dtype;
     return quantized_tiled_linear(x, w, bias, y, M, N, K, path, out_f32, nthreads);
+#elif defined(HAVE_AVX2_FMA)
+    return quantized_tiled_avx2_linear(x, w, bias, y, M, N, K, x_dtype, path, out_f32, nthreads);
 #else
-    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)path, (void)out_f32;
-    (void)nthreads;
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)x_dtype, (void)path;
+    (void)out_f32, (void)nthreads;
     return MINISGL_ERR_SHAPE;
 #endif
 }
@@ -422,6 +426,8 @@ static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, 
                       int64_t K, int dtype, int nthreads) {
 #ifdef HAVE_AVX512_VNNI
     return quantized_tiled_rows(w, ids, out, count, K, dtype, nthreads);
+#elif defined(HAVE_AVX2_FMA)
+    return quantized_tiled_avx2_rows(w, ids, out, count, K, dtype, nthreads);
 #else
     (void)w, (void)ids, (void)out, (void)count, (void)K, (void)dtype, (void)nthreads;
     return MINISGL_ERR_SHAPE;
@@ -456,8 +462,11 @@ int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int 
         if (M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx)) return QPATH_TILED_AMX;
 #endif
         return M <= PRECISE_MAX_ROWS ? QPATH_TILED_PRECISE : QPATH_TILED_INT8;
+#elif defined(HAVE_AVX2_FMA)
+        return x_dtype == 1 && M <= AVX2_TILED_MAX_ROWS ? QPATH_AVX2_TILED_INT16
+                                                        : QPATH_AVX2_TILED_F32;
 #else
-        return -1;  // only a build with vpdpbusd reads the tile layout
+        return -1;  // only a build with AVX2 (or vpdpbusd) reads the tile layout
 #endif
     }
 #ifdef HAVE_AVX512_BF16
@@ -490,7 +499,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
     const int path = minisgl_quantized_path(w, M, K, x_dtype);
     if (path < 0 || N <= 0 || nthreads < 1) return MINISGL_ERR_SHAPE;
     __atomic_add_fetch(&path_runs[path], 1, __ATOMIC_RELAXED);
-    if (w->tiled) return tiled_linear(x, w, bias, y, M, N, K, path, out_f32, nthreads);
+    if (w->tiled) return tiled_linear(x, w, bias, y, M, N, K, x_dtype, path, out_f32, nthreads);
     const int64_t groups = K / w->group;
     // x as float32 (QPATH_F32, the AVX2 paths) or, on AVX2 with bf16 x and a few rows, as int16
     // per 32 columns with their scales; and its per-group sums where the kernel takes the offsets

@@ -395,25 +395,6 @@ static inline FORM_INLINE void row_sums_i16(
         row_sums_int4_i16(x16, xscale, xsums, w, n, K, scales, mins, sums, M);
 }
 
-// 8 x 8 floats transposed in registers: row i of the result is column i of rows.
-static inline void transpose8(__m256 rows[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        rows[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
-        rows[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
-    }
-}
-
 // Weight rows n0..n0+15 (zeros past n1) dequantized into wt [K, AVX2_BLOCK]: column k's 16
 // weights side by side. rows: AVX2_BLOCK * K floats of scratch for the rows as they dequantize.
 static void dequant_block_transposed(const quantized_weight* w, int64_t n0, int64_t n1,
@@ -512,6 +493,12 @@ MINISGL_INTERNAL void quantized_rows_avx2(const float* xf, const float* xscale,
     }
     float* wt = wrows + AVX2_BLOCK * K;
     dequant_block_transposed(w, n0, n1, K, scales, mins, wrows, wt);
+    avx2_block_rows(xf, wt, bias, y, M, N, K, n0, n1, x_dtype, out_f32);
+}
+
+MINISGL_INTERNAL void avx2_block_rows(const float* xf, const float* wt, const void* bias, void* y,
+                                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                                      int x_dtype, int out_f32) {
     for (int64_t m = 0; m < M; m += TILE_X) {
         float sums[TILE_X][AVX2_BLOCK];
         const int64_t rows = M - m < TILE_X ? M - m : TILE_X;
