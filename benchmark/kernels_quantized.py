@@ -1,8 +1,8 @@
 """Quantized projections against the bf16 ones they replace, on a model's decoder-layer shapes
 (the Qwen3-0.6B shape by default): per row count, the time of a layer's four projections as the
 engine multiplies them in bf16 on this CPU and from each quantized layout through the C
-kernel (tiled with int8 activations where the CPU has VNNI, and then the row layout's kernels
-too) and through dequantize + oneDNN, and the ratio bf16 / quantized. "w8a8" is the int8
+kernel (tiled: with int8 activations where the CPU has VNNI, int16 ones with AVX2; and then
+the row layout's kernels too) and through dequantize + oneDNN, and the ratio bf16 / quantized. "w8a8" is the int8
 weights with `--quantization int8`'s activations (int8 per row above 5 rows, where the kernels
 tile the weight; the "int8" columns are `int8-wo`'s).
 

@@ -85,7 +85,8 @@ class _Env:
             True,
             _parse_bool,
             "quantized weights in the tile layout met by int8-rounded activations (VNNI) up to "
-            "128 rows (0: the row layout and bf16 activations, weight-only arithmetic, slower)",
+            "128 rows (0: the row layout and bf16 activations, weight-only arithmetic, slower; "
+            "AVX2's tiles keep 16-bit activations and ignore it)",
         )
         self.CPU_TARGET = EnvVar(
             "CPU_TARGET",
