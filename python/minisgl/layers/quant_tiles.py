@@ -102,22 +102,40 @@ def _tiled_groups(table: torch.Tensor, tiles: int) -> torch.Tensor:
     return padded.view(tiles, TILE_ROWS, -1).transpose(1, 2).contiguous()
 
 
+def _stored_bytes(weight: QuantizedWeight, bits: int, tiles: int) -> torch.Tensor:
+    """uint8 [tiles * 16, K]: each integer plus the tile layout's offset (8 bits: 128, 6: 32, 4:
+    none), rows past out_features holding integer 0. In uint8 from the start: the int16 passes
+    took most of a load's tiling (the default model's head: 100 ms)."""
+    rows, cols = weight.out_features, weight.in_features
+    stored = torch.empty(tiles * TILE_ROWS, cols, dtype=torch.uint8)
+    if weight.bits == 4:
+        packed = weight.values.view(rows, cols // 64, 32)
+        body = stored[:rows].view(rows, cols // 64, 2, 32)
+        torch.bitwise_and(packed, 15, out=body[:, :, 0])
+        torch.bitwise_right_shift(packed, 4, out=body[:, :, 1])
+    else:  # int8 values: + 128 is a flip of the top bit; + 32 stays within int8 (-32..31)
+        values = weight.values.view(torch.uint8)
+        if bits == 8:
+            torch.bitwise_xor(values, 128, out=stored[:rows])
+        else:
+            torch.add(weight.values, 32, out=stored[:rows].view(torch.int8))
+    stored[rows:] = {8: 128, 6: 32, 4: 0}[bits]
+    return stored
+
+
 def tile_weight(weight: QuantizedWeight) -> TiledWeight:
     """`weight` in the tile layout (the caller checks tiles_fit)."""
     rows, cols = weight.out_features, weight.in_features
     tiles = -(-rows // TILE_ROWS)
-    ints = torch.zeros(tiles * TILE_ROWS, cols, dtype=torch.int16)
-    ints[:rows] = weight.integers()
     bits = 6 if weight.bits == 8 and fits_6_bits(weight) else weight.bits
+    stored = _stored_bytes(weight, bits, tiles)
     if bits == 8:
-        quads = (ints + 128).to(torch.uint8).view(tiles, TILE_ROWS, cols // 4, 4)
+        quads = stored.view(tiles, TILE_ROWS, cols // 4, 4)
         values = quads.transpose(1, 2).reshape(tiles, cols // 4, 64)
     else:
-        if bits == 6:
-            ints = ints + 32
         # Per 32 columns: vector j holds columns 4j..4j+3 low and 4j+16..4j+19 high.
-        chunks = ints.to(torch.uint8).view(tiles, TILE_ROWS, cols // 32, 2, 4, 4)
-        low = chunks & 15
+        chunks = stored.view(tiles, TILE_ROWS, cols // 32, 2, 4, 4)
+        low = chunks & 15 if bits == 6 else chunks
         packed = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # [tiles, 16, K/32, 4 j, 4 i]
         vectors = [packed]
         if bits == 6:  # vector 4 + h: the top 2 bits of columns 16h + 4j + i, crumb j of byte i
