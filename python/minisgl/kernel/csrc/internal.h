@@ -65,6 +65,19 @@ static inline void group_floats(const quantized_weight* w, const void* src, int6
     for (; g < groups; g++) dst[g] = half_to_f32(half[g]);
 }
 
+// Each group's sum of x [M, K] (float32 where x_dtype is 0, else bf16) into sums [M, K /
+// group], in column order: the offsets' term, x times each group's min.
+static inline void x_group_sums(const void* x, int x_dtype, int64_t M, int64_t K, int64_t group,
+                                float* sums) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < K / group; g++) {
+            float sum = 0.0f;
+            for (int64_t k = m * K + g * group; k < m * K + (g + 1) * group; k++)
+                sum += x_dtype == 0 ? ((const float*)x)[k] : bf16_to_f32(((const bf16_t*)x)[k]);
+            sums[m * (K / group) + g] = sum;
+        }
+}
+
 // Stores row m's sum for output n in y's dtype (bias added in float32).
 static inline void store_out(void* y, int64_t index, float sum, const void* bias, int64_t n,
                              int x_dtype, int out_f32) {

@@ -529,13 +529,7 @@ int minisgl_quantized_linear(const void* x, const quantized_weight* w, const voi
 #endif
     for (int64_t m = 0; m < (x_rows && !int16_x ? M : 0); m++)
         load_row(x, m * K, x_dtype, xf + m * K, K);
-    for (int64_t m = 0; m < (x_sums ? M : 0); m++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int64_t k = m * K + g * w->group; k < m * K + (g + 1) * w->group; k++)
-                sum += x_dtype == 0 ? ((const float*)x)[k] : bf16_to_f32(((const bf16_t*)x)[k]);
-            xsums[m * groups + g] = sum;
-        }
+    if (x_sums) x_group_sums(x, x_dtype, M, K, w->group, xsums);
     int64_t row_block = path == QPATH_PACKED ? 32 : QBLOCK;
 #ifdef HAVE_AVX2_FMA
     if (avx2) row_block = AVX2_BLOCK;

@@ -207,7 +207,7 @@ static void tile_rows_i16(const quantized_weight* w, const tiled_x16* xs, const 
 static void prepare_x16(const bf16_t* x, const quantized_weight* w, int64_t M, int64_t K,
                         int16_t* x16, float* xd, int32_t* neg, float* xsum) {
     avx2_x_int16(x, M, K, x16, xd);
-    const int64_t unit = unit_cols(w->group), units = K / unit, groups = K / w->group;
+    const int64_t unit = unit_cols(w->group), units = K / unit;
     const int32_t offset = w->bits == 8 ? 128 : 32;
     // words 0, 1, 2, 3 of each 4 -> 0, 2, 1, 3 (in each 128-bit lane)
     const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
@@ -220,6 +220,7 @@ static void prepare_x16(const bf16_t* x, const quantized_weight* w, int64_t M, i
                 __m256i* at = (__m256i*)(x16 + m * K + k);
                 const __m256i v = _mm256_loadu_si256(at);
                 _mm256_storeu_si256(at, _mm256_shuffle_epi8(v, order));
+                if (!neg) continue;  // 4 bits: no offset to correct
                 const __m256i pairs = _mm256_madd_epi16(v, ones);
                 const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(pairs),
                                                 _mm256_extracti128_si256(pairs, 1));
@@ -228,13 +229,7 @@ static void prepare_x16(const bf16_t* x, const quantized_weight* w, int64_t M, i
             }
             if (neg) neg[m * units + u] = -offset * total;
         }
-    for (int64_t m = 0; m < (xsum ? M : 0); m++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int64_t k = g * w->group; k < (g + 1) * w->group; k++)
-                sum += bf16_to_f32(x[m * K + k]);
-            xsum[m * groups + g] = sum;
-        }
+    if (xsum) x_group_sums(x, 1, M, K, w->group, xsum);
 }
 
 // Tile t dequantized (q * scale + min in float32, one rounding, as QuantizedWeight.dequantize)
