@@ -124,11 +124,13 @@ def weight_params(
     q: QuantizedWeight, tiled: bool, amx: bool
 ) -> tuple[QuantizedWeightParams, object, int]:
     """The C view (and the tensors it points at, to keep alive) and the layout's bits; a tiled
-    int8 weight with one scale a row takes more than W8A8_MIN_ROWS rows as int8 (W8A8)."""
+    int8 weight with one scale a row takes more than W8A8_MIN_ROWS rows as int8 (W8A8). Half the
+    tiled weights (by their first byte) are precise: x kept to 16 bits on VNNI."""
     held = tile_weight(q) if tiled else q
     int8_x = tiled and w8a8_fits(held.bits, q.group, q.in_features, q.mins is not None)
+    precise = tiled and int(q.values.reshape(-1)[0]) % 2 == 0
     params = quantized_weight_params(
-        held.values, held.scales, held.mins, held.bits, q.group, tiled, amx, int8_x
+        held.values, held.scales, held.mins, held.bits, q.group, tiled, amx, int8_x, precise
     )
     return params, held, held.bits
 

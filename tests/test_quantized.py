@@ -41,8 +41,8 @@ from minisgl.layers.quant_weight import (
     quantize_int8,
 )
 from minisgl.layers.quantized import (
+    AVX2_TILED_MAX_ROWS,
     QUANTIZED_GEMV_MAX_ROWS,
-    TILED_PRECISE_MAX_ROWS,
     QuantizedProjection,
     quantize,
     quantize_head,
@@ -214,6 +214,8 @@ def _without_amx(kernels: CpuKernels | None) -> CpuKernels | None:
 
 
 FORMS = ["rows", "tiled"] if KERNELS is not None and KERNELS.reads_tiles else ["rows"]
+# weight_only: the VNNI tiles' bf16 rows kept to 16 bits (two int8 passes).
+FORMS += ["tiled-precise"] if KERNELS is not None and KERNELS.has_vnni else []
 FORMS += ["tiled-amx"] if KERNELS is not None and KERNELS.has_amx else []
 # The C kernels in each layout and dtype; the torch path (one F.linear) in float32.
 PROJECTION_CASES = [
@@ -236,8 +238,11 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
     weight = torch.randn(54, 256, generator=gen)
     bias = torch.randn(54, generator=gen).to(dtype)
     for name, qweight in _layouts(weight).items():
-        projection = QuantizedProjection(qweight, kernels, tiled=form.startswith("tiled"))
+        projection = QuantizedProjection(
+            qweight, kernels, tiled=form.startswith("tiled"), weight_only=form == "tiled-precise"
+        )
         assert projection.on_amx == (form == "tiled-amx")
+        assert projection.precise == (form == "tiled-precise")
         dense = qweight.dequantize()
         mins = qweight.mins
         offsets = (
@@ -252,23 +257,29 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
             assert got.dtype == dtype and got.shape == (rows, 54)
             # float32: reassociation only. bf16: the output's rounding, and from 5 rows on the
             # row layout's weights dequantized to bf16 once per call (one more bf16 rounding
-            # each); tiled, x to 16 bits (2^-15 of each 32 columns' largest) up to
-            # TILED_PRECISE_MAX_ROWS. Tiled, bf16, more rows (up to QUANTIZED_GEMV_MAX_ROWS): the
-            # integer part meets x rounded to int8 per 32 columns, the offsets x itself; a
-            # rounding tie may fall the other way. On AMX from QUANTIZED_AMX_MIN_ROWS: x as it
-            # is against the weights rounded to bf16 once, then the output's rounding.
+            # each); x to 16 bits (2^-15 of each 32 columns' largest): a precise weight's up to
+            # QUANTIZED_GEMV_MAX_ROWS, AVX2's tiles' up to AVX2_TILED_MAX_ROWS. The VNNI tiles
+            # otherwise, at every row count: the integer part meets x rounded to int8 per 32
+            # columns, the offsets x itself; a rounding tie may fall the other way. On AMX from
+            # QUANTIZED_AMX_MIN_ROWS: x as it is against the weights rounded to bf16 once, then
+            # the output's rounding.
             tol = 1e-5 if dtype == torch.float32 else 2**-8 if rows <= 4 else 2**-6
-            on_amx = form == "tiled-amx" and dtype == torch.bfloat16
-            if on_amx and rows >= QUANTIZED_AMX_MIN_ROWS:
+            bf16 = dtype == torch.bfloat16
+            sixteen_bits = (
+                rows <= QUANTIZED_GEMV_MAX_ROWS
+                if form == "tiled-precise"
+                else form == "tiled" and not kernels.has_vnni and rows <= AVX2_TILED_MAX_ROWS
+            )
+            if form == "tiled-amx" and bf16 and rows >= QUANTIZED_AMX_MIN_ROWS:
                 want = x.float() @ dense.bfloat16().float().T + bias.float()
                 tol = 2**-8
-            elif form.startswith("tiled") and rows <= TILED_PRECISE_MAX_ROWS:
+            elif sixteen_bits:
                 tol = 1e-5 if dtype == torch.float32 else 2**-8
             elif (
-                form == "tiled"
-                and kernels.has_vnni  # AVX2's tiles: float32 products above
-                and dtype == torch.bfloat16
-                and rows <= QUANTIZED_GEMV_MAX_ROWS
+                form in ("tiled", "tiled-amx")
+                and kernels.has_vnni
+                and bf16
+                and rows <= QUANTIZED_GEMV_MAX_ROWS  # a weight-only prefill: dequantized
             ):
                 rounded = _int8_rounded(x) @ (dense - offsets).T
                 want, tol = rounded + x.float() @ offsets.T + bias.float(), 2**-7
@@ -278,18 +289,46 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
 
 @pytest.mark.skipif(not TILE_KERNELS, reason="the C kernels are not built here")
 def test_int8_activations_stay_close_to_the_exact_product() -> None:
-    """On rows whose magnitudes span 100x: up to TILED_PRECISE_MAX_ROWS rows the tiled product
-    is within bf16's rounding of the exact one; above, rounding the activations to int8 per 32
-    columns (llama.cpp's Q8_0) costs under 1%."""
+    """On rows whose magnitudes span 100x: a precise (weight-only) tiled product is within
+    bf16's rounding of the exact one at every row count; rounding the activations to int8 per 32
+    columns (llama.cpp's Q8_0; the VNNI tiles' default) costs about 1% (under 2%)."""
     gen = torch.Generator().manual_seed(5)
     weight = quantize_int4(torch.randn(64, 512, generator=gen), 32)
-    projection = QuantizedProjection(weight, _without_amx(TILE_KERNELS), tiled=True)
-    for rows, bound in ((TILED_PRECISE_MAX_ROWS, 2**-8), (TILED_PRECISE_MAX_ROWS + 1, 0.01)):
+    kernels = _without_amx(TILE_KERNELS)
+    precise = QuantizedProjection(weight, kernels, tiled=True, weight_only=True)
+    default = QuantizedProjection(weight, kernels, tiled=True)
+    # AVX2's tiles keep x to 16 bits up to AVX2_TILED_MAX_ROWS whatever weight_only says.
+    sixteen_bits = not kernels.has_vnni
+    for rows in (1, 16, 17, QUANTIZED_GEMV_MAX_ROWS + 6):
         x = (torch.randn(rows, 512, generator=gen) * torch.logspace(-1, 1, 512)).bfloat16()
-        got = projection(x, torch.empty(0), None).float()
         want = x.float() @ weight.dequantize().T
-        relative = (got - want).norm() / want.norm()
-        assert relative < bound, (rows, relative)
+        for projection in (precise, default):
+            exact = projection.precise or (sixteen_bits and rows <= AVX2_TILED_MAX_ROWS)
+            got = projection(x, torch.empty(0), None).float()
+            relative = (got - want).norm() / want.norm()
+            assert relative < (2**-8 if exact else 0.02), (rows, projection.precise, relative)
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.has_vnni, reason="the int8 prefill needs vpdpbusd"
+)
+def test_int8_prefill_rounds_activations_per_32_columns() -> None:
+    """`int8` (int8_activations) on VNNI without AMX: a prefill's rows (past
+    QUANTIZED_GEMV_MAX_ROWS) meet the tiles in one int8 pass, x rounded per 32 columns, as a
+    decode batch's do; weight-only formats dequantize the weight for such rows instead."""
+    gen = torch.Generator().manual_seed(8)
+    weight = quantize_int8(torch.randn(80, 256, generator=gen))
+    kernels = _without_amx(KERNELS)
+    int8 = QuantizedProjection(weight, kernels, int8_activations=True)
+    weight_only = QuantizedProjection(weight, kernels)
+    rows = QUANTIZED_GEMV_MAX_ROWS * 2
+    assert int8.route(rows, torch.bfloat16) == "kernel"
+    assert weight_only.route(rows, torch.bfloat16) == "dequantized"
+    x = torch.randn(rows, 256, generator=gen).bfloat16()
+    want = _int8_rounded(x) @ weight.dequantize().T
+    got = int8(x, torch.empty(0), None).float()
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    assert kernels.quantized_path(int8.params, rows, 256, torch.bfloat16) == "tiled-int8"
 
 
 @pytest.mark.skipif(not TILE_KERNELS, reason="the C kernels are not built here")

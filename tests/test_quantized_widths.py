@@ -12,8 +12,9 @@ tokens except after a tie (the reference's top two within 1e-4). The projections
 float32 x, K * 2^-24 * sum|x||w| per output (accumulation in any order; every path multiplies x by
 the weight dequantized exactly); bf16 x, also one bf16 rounding of the output and of each product
 (2^-8: the weight dequantized to bf16, or x and w on AMX), and where the tiled kernels round x to
-integers per 32 columns, its step: 2^-15 of the 32 columns' largest |x| up to
-TILED_PRECISE_MAX_ROWS rows (x to 16 bits), 1/254 of it above (int8, Q8_0), times sum|w|."""
+integers per 32 columns, its step: 2^-15 of the 32 columns' largest |x| where x is kept to 16
+bits (a precise weight on VNNI; AVX2 up to AVX2_TILED_MAX_ROWS rows), else 1/254 of it (int8,
+Q8_0), times sum|w|."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_mod
 from minisgl.layers.moe import SparseMoE
 from minisgl.layers.quant_tiles import TiledWeight
-from minisgl.layers.quantized import TILED_PRECISE_MAX_ROWS, QuantizedProjection
+from minisgl.layers.quantized import AVX2_TILED_MAX_ROWS, QuantizedProjection
 
 MODELS = ["qwen3-w96", "qwen3-moe-w96"]
 PROMPT_LENGTHS = (1, 2, 17, 64, 129, 150)
@@ -64,9 +65,11 @@ def _projections(model: torch.nn.Module) -> dict[str, QuantizedProjection]:
     return found
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor, tiled: bool) -> torch.Tensor:
+def _bound(
+    x: torch.Tensor, w: torch.Tensor, want: torch.Tensor, tiled: bool, sixteen_bits: bool
+) -> torch.Tensor:
     """Per output, how far any path's product of x [M, K] and w [N, K] may be from the exact
-    one `want` (see the module docstring)."""
+    one `want` (see the module docstring); sixteen_bits: tiled x kept to 16 bits."""
     k = x.shape[1]
     magnitudes = x.abs().double() @ w.abs().double().T
     bound = k * U32 * magnitudes
@@ -74,7 +77,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor, tiled: bool) ->
         bound = bound + UBF16 * (want.abs() + magnitudes)
         if tiled:
             block_max = x.double().abs().view(x.shape[0], -1, 32).amax(dim=2)
-            step = 2.0**-15 if x.shape[0] <= TILED_PRECISE_MAX_ROWS else 1 / 254
+            step = 2.0**-15 if sixteen_bits else 1 / 254
             bound = bound + step * (block_max.repeat_interleave(32, dim=1) @ w.abs().double().T)
     return bound
 
@@ -88,11 +91,13 @@ def _check_projections(projections: dict[str, QuantizedProjection]) -> None:
         for name, projection in projections.items():
             w = projection.weight.dequantize()
             tiled = isinstance(projection.weight, TiledWeight)
+            vnni = projection.kernels is not None and projection.kernels.has_vnni
             for rows in PROJECTION_ROWS:
                 x32 = torch.randn(rows, projection.in_features, generator=gen)
+                avx2_int16 = not vnni and rows <= AVX2_TILED_MAX_ROWS
                 for x in (x32, x32.bfloat16()):
                     want = x.double() @ w.double().T
-                    bound = _bound(x, w, want, tiled)
+                    bound = _bound(x, w, want, tiled, projection.precise or avx2_int16)
                     for count in (1, 2):
                         torch.set_num_threads(count)
                         got = projection(x, torch.empty(0), None).double()
@@ -125,10 +130,8 @@ def _generate(model: str, quantization: str, kernels_on: bool, threads: int, mon
             for name, projection in projections.items():
                 assert projection.in_features % 64 == 32, (name, projection.shape)
                 if kernels is not None:  # the layout the kernels under test take
-                    tiles = kernels.reads_tiles and (
-                        ENV.CPU_INT8_ACTIVATIONS.value or not kernels.has_vnni
-                    )
-                    assert isinstance(projection.weight, TiledWeight) == tiles, name
+                    tiled = isinstance(projection.weight, TiledWeight)
+                    assert tiled == kernels.reads_tiles, name
             prompts = _prompts(llm.engine.model_config.vocab_size)
             params = SamplingParams(
                 temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2

@@ -84,9 +84,9 @@ class _Env:
             "CPU_INT8_ACTIVATIONS",
             True,
             _parse_bool,
-            "quantized weights in the tile layout met by int8-rounded activations (VNNI) up to "
-            "128 rows (0: the row layout and bf16 activations, weight-only arithmetic, slower; "
-            "AVX2's tiles keep 16-bit activations and ignore it)",
+            "on VNNI, quantized weights' bf16 activations rounded to int8 per 32 columns (one "
+            "pass) at every decode batch (0: kept to 16 bits in two passes, as precise as bf16, "
+            "slower from 2 rows; AVX2 keeps 16 bits up to 16 rows and ignores it)",
         )
         self.CPU_TARGET = EnvVar(
             "CPU_TARGET",

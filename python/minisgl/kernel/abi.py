@@ -270,11 +270,12 @@ class QuantizedWeightParams(ctypes.Structure):
     """A quantized weight's integers, per-group scales and mins (NULL: none) for the C
     kernels (kernels.h's `quantized_weight`; layers/quant_weight.py's QuantizedWeight, or with
     tiled set quant_tiles.py's TiledWeight; amx: a tiled one meets bf16 rows on the AMX tiles;
-    int8_x: more than W8A8_MIN_ROWS bf16 rows as int8 per row, W8A8)."""
+    int8_x: more than W8A8_MIN_ROWS bf16 rows as int8 per row, W8A8; precise: tiled bf16 rows
+    kept to 16 bits, two int8 passes, instead of one pass at int8 per 32 columns)."""
 
     _fields_ = [("values", _ptr), ("scales", _ptr), ("mins", _ptr)]
     _fields_ += [("bits", _i64), ("group", _i64), ("scales_f32", _i64), ("tiled", _i64)]
-    _fields_ += [("amx", _i64), ("int8_x", _i64)]
+    _fields_ += [("amx", _i64), ("int8_x", _i64), ("precise", _i64)]
 
 
 class ProjectionParams(ctypes.Structure):

@@ -70,12 +70,14 @@ def quantized_weight_params(
     tiled: bool = False,
     amx: bool = False,
     int8_x: bool = False,
+    precise: bool = False,
 ) -> QuantizedWeightParams:
     """The C view of a quantized weight's tensors (which the caller keeps alive); tiled: in
     the tile layout (layers/quant_tiles.py); amx: tiled, and multiplied on the AMX tiles from
     QUANTIZED_AMX_MIN_ROWS bf16 rows (where the kernels have them); int8_x: tiled, and more
     than W8A8_MIN_ROWS bf16 rows rounded to int8 per row where the weight fits W8A8
-    (`w8a8_fits`)."""
+    (`w8a8_fits`); precise: tiled, and bf16 rows kept to 16 bits in vpdpbusd (two passes), not
+    rounded to int8 per 32 columns."""
     for name, tensor in (("values", values), ("scales", scales), ("mins", mins)):
         if tensor is not None and not tensor.is_contiguous():
             raise_not_contiguous("quantized weight", **{name: tensor})
@@ -89,6 +91,7 @@ def quantized_weight_params(
         tiled=int(tiled),
         amx=int(tiled and amx),
         int8_x=int(tiled and int8_x),
+        precise=int(tiled and precise),
     )
 
 

@@ -278,7 +278,11 @@ class Linear(nn.Module):
         if isinstance(weight, QuantizedWeight):
             gated = self.gated and self.bias is None  # the fused SiLU takes no bias
             self.cpu_projection = QuantizedProjection(
-                weight, kernels, gated=gated, int8_activations=self.quantization == "int8"
+                weight,
+                kernels,
+                gated=gated,
+                int8_activations=self.quantization == "int8",
+                weight_only=self.quantization == "int8-wo",
             )
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             return

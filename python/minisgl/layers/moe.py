@@ -127,9 +127,12 @@ class SparseMoE(nn.Module):
                 return
             experts = [q for q in quantized if q is not None]
         gated = stack == "w_gate_up"
-        int8_x = self.quantization == "int8"
+        int8_x, weight_only = self.quantization == "int8", self.quantization == "int8-wo"
         projections = [
-            QuantizedProjection(q, kernels, gated=gated, int8_activations=int8_x) for q in experts
+            QuantizedProjection(
+                q, kernels, gated=gated, int8_activations=int8_x, weight_only=weight_only
+            )
+            for q in experts
         ]
         self.quantized[stack] = ExpertStack(None, projections)
         setattr(self, stack, nn.Parameter(torch.empty(0), requires_grad=False))

@@ -25,9 +25,10 @@ from minisgl.kernel.quantized import (
 from .quant_tiles import TiledWeight, tile_weight
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
-# Quantized at load: "int8" (a scale per output row; where the CPU has AVX-512 VNNI or AMX-INT8
-# the bf16 rows of a decode batch or prefill, more than W8A8_MIN_ROWS, are rounded to int8 per
-# row too: W8A8), "int8-wo" (the same weights, activations never rounded below 16 bits: weight-only),
+# Quantized at load: "int8" (a scale per output row; with AMX-INT8 the bf16 rows of a decode
+# batch or prefill, more than W8A8_MIN_ROWS, are rounded to int8 per row too: W8A8; with VNNI
+# alone per 32 columns, as every tiled weight's), "int8-wo" (the same weights, activations kept
+# to 16 bits: weight-only),
 # "int4" (a float16 scale and offset per 32 columns, Q4_1's scheme; "-g64"/"-g128": per
 # 64/128, fewer bytes, coarser: the default model kept 97% of bf16's top-1 at 32, 74% at
 # 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors.
@@ -39,10 +40,6 @@ QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 # dequantizing it to the activations' dtype once per call and multiplying through oneDNN is
 # faster; benchmark/kernels_quantized.py).
 QUANTIZED_GEMV_MAX_ROWS = 128
-# Rows up to which the tiled kernels keep bf16 activations to 16 bits (two int8 passes: as
-# precise as bf16); from here to QUANTIZED_GEMV_MAX_ROWS they round them to int8 per 32 columns
-# (csrc/quantized_tiled.c's PRECISE_MAX_ROWS).
-TILED_PRECISE_MAX_ROWS = 16
 # Rows up to which AVX2's tiled kernel takes bf16 activations as int16 in vpmaddwd (as precise
 # as bf16, and a row's output the same bits at every row count); above, float32 FMA tiles
 # (csrc/internal.h's AVX2_TILED_MAX_ROWS).
@@ -96,9 +93,10 @@ def quantize_head(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
 class QuantizedProjection:
     """x @ W^T (+ bias) for a QuantizedWeight, the module's only copy of its weight. float_out
     (an output head): float32 results. Where the C kernels have AVX-512 VNNI the weight is
-    re-laid-out into tiles (quant_tiles.py) and bf16 activations meet it in integer products:
-    to 16 bits up to TILED_PRECISE_MAX_ROWS rows, rounded to int8 per 32 columns (llama.cpp's
-    Q8_0) above; with AMX, from QUANTIZED_AMX_MIN_ROWS rows as bf16 on the tiles, the weight
+    re-laid-out into tiles (quant_tiles.py) and bf16 activations meet it in integer products,
+    rounded to int8 per 32 columns (llama.cpp's Q8_0) at every decode row count, and for `int8`
+    in prefills too (`int8-wo` or MINISGL_CPU_INT8_ACTIVATIONS=0: kept to 16 bits in two
+    passes); with AMX, from QUANTIZED_AMX_MIN_ROWS rows as bf16 on the tiles, the weight
     dequantized block by block (a prefill's: whole, into the packed matmul's layout). With AVX2
     and no VNNI the weight is tiled too: up to AVX2_TILED_MAX_ROWS bf16 rows meet it as int16
     (16 bits, in vpmaddwd), more rows and float32 x its tiles dequantized to float32. gated (a
@@ -113,11 +111,14 @@ class QuantizedProjection:
         tiled: bool | None = None,
         gated: bool = False,
         int8_activations: bool = False,
+        weight_only: bool = False,
     ) -> None:
-        """tiled: None takes the tile layout wherever it can (unless MINISGL_CPU_INT8_ACTIVATIONS
-        is 0), False keeps the row layout. int8_activations: more than W8A8_MIN_ROWS bf16 rows
-        rounded to int8 per row (W8A8) where the weight is tiled (the kernels have vpdpbusd)
-        and int8 with one scale per row."""
+        """tiled: None takes the tile layout wherever it can, False keeps the row layout.
+        int8_activations: more than W8A8_MIN_ROWS bf16 rows rounded to int8 per row (W8A8) where
+        the weight is tiled, int8 with one scale per row, and the CPU has AMX-INT8 (with VNNI
+        alone the tiled rows' int8 per 32 columns were faster at every row count). weight_only
+        (`int8-wo`): bf16 rows kept to 16 bits on the VNNI tiles, as with
+        MINISGL_CPU_INT8_ACTIVATIONS=0."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         layout = (weight.bits, weight.group, weight.in_features)
         if kernels is not None and not quantized_fits(*layout, tiled=False):
@@ -129,15 +130,18 @@ class QuantizedProjection:
         )
         if tiled and not can_tile:
             raise ValueError(f"tiled=True: the kernels or in_features {self.in_features} refuse it")
-        if tiled is None:  # AVX2's tiles keep x to 16 bits: no int8 activations to turn off
-            tiled = can_tile and (ENV.CPU_INT8_ACTIVATIONS.value or not kernels.has_vnni)
+        if tiled is None:
+            tiled = can_tile
         self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
         # The AMX paths: a tiled weight on a CPU with tiles.
         self.on_amx = tiled and kernels is not None and kernels.has_amx
+        # The tiled VNNI kernels' two passes (x to 16 bits) where int8 activations are off.
+        int8_off = weight_only or not ENV.CPU_INT8_ACTIVATIONS.value
+        self.precise = tiled and kernels.has_vnni and int8_off
         self.int8_x = (
             int8_activations
             and tiled
-            and kernels.has_vnni
+            and kernels.has_amx_int8
             and not float_out
             and w8a8_fits(weight.bits, weight.group, weight.in_features, weight.mins is not None)
         )
@@ -150,6 +154,7 @@ class QuantizedProjection:
             tiled,
             self.on_amx,
             self.int8_x,
+            self.precise,
         )
         # SiLU in the matmul's epilogue: on the AMX tiles, and in W8A8 (`gated_on_tiles`).
         self.gated = gated and (self.on_amx or self.int8_x) and self.out_features % 32 == 0
@@ -163,6 +168,19 @@ class QuantizedProjection:
         self.no_bf16_dots = kernels is not None and not kernels.has_avx512_bf16
         self.c_takes_every_row = (
             self.no_bf16_dots and kernels.has_avx2 and not (tiled and kernels.has_vnni)
+        )
+        # `int8` (W8A8) on VNNI without AMX: a prefill's bf16 rows in one int8 pass too, 1.45x
+        # bf16 through oneDNN on the default model's layer at 256-2048 rows, where the weight
+        # dequantized for oneDNN ran 0.92x (benchmark/kernels_quantized.py, Zen 4). Weight-only
+        # formats keep a prefill's activations exact: int8 ones cost the GGUF default 7 points
+        # of prefill top-1 against HF (tests/test_quantized.py).
+        self.int8_prefill = (
+            int8_activations
+            and tiled
+            and kernels.has_vnni
+            and not self.precise
+            and not self.on_amx
+            and not float_out
         )
 
     @functools.cached_property
@@ -229,8 +247,9 @@ class QuantizedProjection:
         packed layout, or dequantized and multiplied by torch (oneDNN)."""
         kernels = self.kernels
         on_kernels = kernels is not None and kernels.supports(dtype)
-        every_row = self.c_takes_every_row and dtype == torch.bfloat16
-        w8a8 = self.int8_x and dtype == torch.bfloat16 and rows > W8A8_MIN_ROWS
+        bf16 = dtype == torch.bfloat16
+        every_row = bf16 and (self.c_takes_every_row or self.int8_prefill)
+        w8a8 = self.int8_x and bf16 and rows > W8A8_MIN_ROWS
         if on_kernels and (rows <= QUANTIZED_GEMV_MAX_ROWS or every_row or w8a8):
             return "kernel"
         if self.on_amx and dtype == torch.bfloat16 and not self.float_out:

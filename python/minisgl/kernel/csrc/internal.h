@@ -302,10 +302,6 @@ MINISGL_INTERNAL void w8a8_amx_task(const int8_rows* xs, const quantized_weight*
 #ifdef HAVE_AVX512_VNNI
 // quantized_tiled.c: minisgl_quantized_linear and minisgl_quantized_rows for a weight in the
 // tile layout (w->tiled), their arguments checked.
-// Activation rows up to which the tiled kernels keep x to 16 bits (two int8 passes: the
-// rounding's remainder too), as precise as bf16 activations; more rows take one pass (Q8_0's
-// precision). layers/quantized.py's TILED_PRECISE_MAX_ROWS is this number.
-#define PRECISE_MAX_ROWS 16
 // path: minisgl_quantized_path's choice, one of the QPATH_TILED_* (float32 x for TILED_F32).
 MINISGL_INTERNAL int quantized_tiled_linear(const void* x, const quantized_weight* w,
                                             const void* bias, void* y, int64_t M, int64_t N,

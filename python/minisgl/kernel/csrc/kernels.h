@@ -43,6 +43,7 @@ typedef struct {
     int64_t tiled;  // values, scales and mins in the tile layout instead (quantized_tiled.c)
     int64_t amx;    // tiled: bf16 x of QUANTIZED_AMX_MIN_ROWS rows on the tiles (quantized_amx.c)
     int64_t int8_x;  // tiled, one scale a row: 6+ bf16 rows of x as int8 (quantized_w8a8.c)
+    int64_t precise;  // tiled, VNNI: bf16 x to 16 bits (two int8 passes), else int8 per 32 columns
 } quantized_weight;
 
 typedef struct {
@@ -119,8 +120,8 @@ enum {
     QPATH_AVX2_INT16,     // AVX2: up to 8 bf16 rows as int16 per 32 columns (vpmaddwd)
     QPATH_AVX2_TILE,      // AVX2: more rows, 16-row blocks under a 6 x 16 FMA tile
     QPATH_TILED_F32,      // VNNI tile layout: float32 x against the tiles dequantized
-    QPATH_TILED_PRECISE,  // VNNI tile layout: up to 16 bf16 rows in two int8 passes
-    QPATH_TILED_INT8,     // VNNI tile layout: more bf16 rows, one int8 pass (Q8_0's x)
+    QPATH_TILED_PRECISE,  // VNNI tile layout, precise: bf16 rows in two int8 passes
+    QPATH_TILED_INT8,     // VNNI tile layout: bf16 rows in one int8 pass (Q8_0's x)
     QPATH_TILED_AMX,      // AMX: a tiled weight from 10 bf16 rows, dequantized onto the tiles
     QPATH_TILED_W8A8,     // AMX-INT8: int8_x, 6+ bf16 rows as int8 per row on the int8 tiles
     QPATH_TILED_W8A8_VNNI,  // VNNI, no int8 tiles: int8_x, 6+ bf16 rows as int8 per row

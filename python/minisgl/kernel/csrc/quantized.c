@@ -436,7 +436,7 @@ static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, 
 
 // How x meets the weight, the one choice (minisgl_quantized_path; kernels.h names the paths). A
 // tiled weight (quantized_tiled.c): float32 x against its tiles dequantized; bf16 x in int8
-// products, to 16 bits up to PRECISE_MAX_ROWS rows, or with AMX from QUANTIZED_AMX_MIN_ROWS rows
+// products (x to 16 bits where the weight is precise), or with AMX from QUANTIZED_AMX_MIN_ROWS rows
 // on the tiles (quantized_amx.c). The row layout: with bf16 x, up to QROWS rows exactly (4 bits:
 // the nibbles as bf16 integers; 8 bits: dequantized to float32, x converted); up to
 // WIDE_MAX_ROWS rows against each 32 weights dequantized to bf16 in registers (rows_wide); more
@@ -446,7 +446,7 @@ static int tiled_rows(const quantized_weight* w, const int64_t* ids, void* out, 
 // otherwise, with AVX2, the kernels of quantized_avx2.c (every row count: layers/quantized.py
 // sends it prefills too where the CPU has no bf16 dots; a few bf16 rows as int16); else row by
 // row (generic). Layers/quantized.py takes batches above QUANTIZED_GEMV_MAX_ROWS to dequantize +
-// oneDNN instead where the CPU has bf16 dots.
+// oneDNN instead where the CPU has bf16 dots, but for a tiled weight in one int8 pass.
 int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int x_dtype) {
     if (!weight_fits(w, K) || M < 0 || (x_dtype != 0 && x_dtype != 1)) return -1;
     if (w->tiled) {
@@ -461,7 +461,7 @@ int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int 
 #ifdef HAVE_QUANTIZED_AMX
         if (M >= QUANTIZED_AMX_MIN_ROWS && tiles_usable((int)w->amx)) return QPATH_TILED_AMX;
 #endif
-        return M <= PRECISE_MAX_ROWS ? QPATH_TILED_PRECISE : QPATH_TILED_INT8;
+        return w->precise ? QPATH_TILED_PRECISE : QPATH_TILED_INT8;
 #elif defined(HAVE_AVX2_FMA)
         return x_dtype == 1 && M <= AVX2_TILED_MAX_ROWS ? QPATH_AVX2_TILED_INT16
                                                         : QPATH_AVX2_TILED_F32;

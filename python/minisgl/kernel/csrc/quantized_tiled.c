@@ -16,7 +16,7 @@
 //           of byte 4l+i;
 //   scales, mins: [tiles][groups][16], the 16 rows' values per group (float16 or float32).
 // The activations are rounded to int8 per 32 columns (llama.cpp's Q8_0: scale = max|x| / 127,
-// nearest even; up to PRECISE_MAX_ROWS rows their remainders too, a second pass), so within
+// nearest even; for a precise weight their remainders too, a second pass), so within
 // one unit of columns (32, or 16 where groups are 16) a row's sum is exact in integers:
 // y = sum_units scale_w * scale_x * sum(q * xq) + sum_groups min * sum(x), the offsets' x sums
 // taken from x itself. 8-bit values carry +128 (vpdpbusd's unsigned side): each unit's integer
