@@ -166,22 +166,17 @@ class QuantizedProjection:
         # points of top-1 the other classes keep), so that prefill multiplies the weight
         # dequantized in float32 instead, as exact as the bf16 classes'.
         self.no_bf16_dots = kernels is not None and not kernels.has_avx512_bf16
-        self.c_takes_every_row = (
-            self.no_bf16_dots and kernels.has_avx2 and not (tiled and kernels.has_vnni)
-        )
         # `int8` (W8A8) on VNNI without AMX: a prefill's bf16 rows in one int8 pass too, 1.45x
         # bf16 through oneDNN on the default model's layer at 256-2048 rows, where the weight
         # dequantized for oneDNN ran 0.92x (benchmark/kernels_quantized.py, Zen 4). Weight-only
         # formats keep a prefill's activations exact: int8 ones cost the GGUF default 7 points
         # of prefill top-1 against HF (tests/test_quantized.py).
-        self.int8_prefill = (
-            int8_activations
-            and tiled
-            and kernels.has_vnni
-            and not self.precise
-            and not self.on_amx
-            and not float_out
+        int8_prefill = (
+            int8_activations and tiled and kernels.has_vnni and not self.precise and not float_out
         )
+        self.c_takes_every_row = (
+            self.no_bf16_dots and kernels.has_avx2 and not (tiled and kernels.has_vnni)
+        ) or (int8_prefill and not self.on_amx)
 
     @functools.cached_property
     def _all_rows(self) -> torch.Tensor:
@@ -248,11 +243,11 @@ class QuantizedProjection:
         kernels = self.kernels
         on_kernels = kernels is not None and kernels.supports(dtype)
         bf16 = dtype == torch.bfloat16
-        every_row = bf16 and (self.c_takes_every_row or self.int8_prefill)
+        every_row = bf16 and self.c_takes_every_row
         w8a8 = self.int8_x and bf16 and rows > W8A8_MIN_ROWS
         if on_kernels and (rows <= QUANTIZED_GEMV_MAX_ROWS or every_row or w8a8):
             return "kernel"
-        if self.on_amx and dtype == torch.bfloat16 and not self.float_out:
+        if self.on_amx and bf16 and not self.float_out:
             return "amx-packed"
         return "dequantized"
 
