@@ -242,6 +242,56 @@ def test_a_requests_output_is_the_same_bits_in_any_batch_and_on_any_threads(
                 torch.set_num_threads(threads)
 
 
+# Verify steps (base KV length, query rows): a request's rows are one page-table row, KV
+# lengths one apart, which the portable kernels read as runs: runs longer than a task's heads
+# take (9 rows of 9 heads: 7 and 2), rows crossing a 64-key part (62..67), lengths where parts
+# grow past 1,024 positions (1,020..1,027: runs split where part lengths differ), a lone row.
+VERIFY_RUNS = [(3, 9), (62, 6), (300, 1), (1020, 8), (2100, 3)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtypes,kv_lens", INVARIANT_CASES)
+def test_a_verify_steps_rows_are_each_the_same_bits_as_alone(
+    kernels, heads, kv_heads, head_dim, dtypes, kv_lens
+):
+    """The rows of speculative verify steps among other requests (the portable kernels read a
+    request's positions once for all its rows): each row the same bits as decoded alone, on one,
+    two or three threads, with a window or a cascade prefix, and within float32's bounds."""
+    gen = torch.Generator().manual_seed(heads + 7)
+    bases = [(base, count) for base, count in VERIFY_RUNS if base < max(kv_lens)]
+    table, requests, slots = paged_table([base + count for base, count in bases], 4, gen)
+    rows = torch.cat([requests[i : i + 1].repeat(count) for i, (_, count) in enumerate(bases)])
+    lens = torch.tensor([base + 1 + i for base, count in bases for i in range(count)])
+    scale, start = 1 / math.sqrt(head_dim), 2
+    prefix = (
+        torch.full((len(lens),), start),
+        torch.randn(len(lens), heads, head_dim, generator=gen),
+        torch.randn(len(lens), heads, generator=gen),
+    )
+    threads = torch.get_num_threads()
+    for dtype in dtypes:
+        k_cache, v_cache = (
+            torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
+        )
+        q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+        for window, seed in ((None, None), (200, None), (None, prefix)):
+            inputs = (q, k_cache, v_cache, table, rows, lens, scale, window, seed)
+            batch = _attend(kernels, inputs, slice(None))
+            for b in range(len(lens)):
+                alone = _attend(kernels, inputs, slice(b, b + 1))
+                assert torch.equal(alone, batch[b : b + 1]), (dtype, window, seed is not None, b)
+            if seed is None:
+                unit = U32 if dtype == torch.float32 else UBF16
+                ref = _attention_reference(q, k_cache, v_cache, table, rows, lens, window, unit)
+                assert_within(batch, ref.out, ref.bound, f"verify rows, window {window}")
+            try:
+                for count in (1, 3):
+                    torch.set_num_threads(count)
+                    assert torch.equal(_attend(kernels, inputs, slice(None)), batch), count
+                    assert torch.equal(_attend(kernels, inputs, slice(0, 9)), batch[:9]), count
+            finally:
+                torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_block_equals_its_steps(kernels, dtype):
     """The block (q/k norms, rotary, KV store, attention in one call) gives what this build's

@@ -341,14 +341,14 @@ def test_cost_model_drafts_where_rows_are_cheap_and_not_where_dear() -> None:
     """The policy: drafts while a row costs little against a step and guesses are good; none
     where a row costs as much as the step (a compute-bound CPU) or guesses are poor."""
     from minisgl.scheduler.spec_cost import StepCost
-    from minisgl.scheduler.speculative import Speculator
+    from minisgl.scheduler.speculative import Speculator, geometric
 
     def drafts(row_seconds: float, acceptance: float, batch: int, base: float = 0.010) -> list[int]:
         spec = Speculator(8, 1, 4, 8, 0)
         for rows in (batch, batch + 4, batch + 8):
             for _ in range(5):
                 spec.cost.observe(rows, base + row_seconds * rows)
-        guesses = [([1, 2, 3, 4, 5, 6, 7], acceptance)] * batch
+        guesses = [([1, 2, 3, 4, 5, 6, 7], geometric(acceptance, 7))] * batch
         return [len(d) for d in spec._worth_it(guesses, batch)]
 
     assert drafts(0.0002, 0.8, 1) == [7]  # memory-bound: each row ~2% of a step
@@ -357,3 +357,35 @@ def test_cost_model_drafts_where_rows_are_cheap_and_not_where_dear() -> None:
     assert drafts(0.0002, 0.01, 1) == [0]  # guesses that never hold
     fresh = StepCost()
     assert fresh.coefficients() == (1.0, fresh.row_cost)  # nothing measured: optimistic
+    # A row bound (AVX2's quantized tiles past 16 rows): a verify step stays within its batch's.
+    bounded = Speculator(8, 1, 4, 8, 0, row_bounds=[16, 64])
+    for rows in (12, 16, 20):
+        for _ in range(5):
+            bounded.cost.observe(rows, 0.010 + 0.0002 * rows)
+    for batch, most in ((12, 4), (16, 0), (17, 64 - 17), (64, 0), (65, 7 * 65)):
+        guesses = [([1, 2, 3, 4, 5, 6, 7], geometric(0.95, 7))] * batch
+        assert sum(map(len, bounded._worth_it(guesses, batch))) <= most, batch
+    assert sum(map(len, bounded._worth_it([([1, 2, 3], geometric(0.95, 3))] * 12, 12))) == 4
+
+
+def test_cost_model_judges_ngram_drafts_by_their_match_length() -> None:
+    """N-gram drafts of long matches that held, and of 1-token matches that failed: where a row
+    costs a third of a step, the long match's drafts are taken and the short one's not; a depth
+    the cost model never reached is judged by the one before it."""
+    from minisgl.scheduler.speculative import Speculator
+
+    spec = Speculator(8, 1, 4, 8, 0)
+    for rows in (1, 2, 3):
+        for _ in range(5):
+            spec.cost.observe(rows, 0.010 + 0.003 * rows)
+    short, long = spec.matches.key(False, 1), spec.matches.key(False, 9)
+    assert long == spec.matches.key(False, 4)  # lengths past MATCH_LENGTHS share one estimate
+    for _ in range(30):
+        spec.matches.observe(short, 2, 0)
+        spec.matches.observe(long, 2, 2)
+    chances = spec.matches.survival(long)
+    assert chances[0] > 0.9 and chances[6] > 0.5  # depths 3-7 never verified: as depth 2
+    assert spec.matches.survival(short)[0] < 0.1
+    guesses = [([1] * 7, spec.matches.survival(long)), ([2] * 7, spec.matches.survival(short))]
+    taken = [len(draft) for draft in spec._worth_it(guesses, 2)]
+    assert taken[0] >= 2 and taken[1] == 0

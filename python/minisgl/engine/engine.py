@@ -14,6 +14,7 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import ReplicaStep, StepMessage, TPGroup
 from minisgl.env import ENV
 from minisgl.kvcache import MHAKVCache
+from minisgl.layers.quantized import decode_row_bounds
 from minisgl.models import create_model, load_model_config
 from minisgl.utils import div_ceil, init_logger
 from minisgl.utils.memory import keep_freed_memory
@@ -201,6 +202,12 @@ class Engine:
             self.max_seq_len,
             self.num_pages * self.page_size,
         )
+
+    def decode_row_bounds(self) -> list[int]:
+        """Row counts past which a decode step multiplies a row another way (the quantized
+        projections' kernel paths change): within them a row's result does not depend on the
+        step's row count."""
+        return decode_row_bounds(self.model)
 
     def _pages_from_memory_budget(self) -> int:
         mc = self.model_config

@@ -89,7 +89,8 @@ class Scheduler(RequestsMixin, PreemptionMixin, ResultsMixin, AdaptersMixin):
         if config.speculative_algorithm is not None:
             assert config.max_prefill_length is not None
             drafter = None if draft is None else draft.build(self.engine, config.max_prefill_length)
-            self.speculator = Speculator.from_config(config, drafter)
+            row_bounds = self.engine.decode_row_bounds()
+            self.speculator = Speculator.from_config(config, drafter, row_bounds)
 
     @property
     def overlap(self) -> bool:

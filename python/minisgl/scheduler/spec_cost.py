@@ -78,3 +78,43 @@ class Rate:
 
     def per_unit(self) -> float:
         return self._seconds / self._units if self._units else 0.0
+
+
+class MatchStats:
+    """How often an n-gram draft's tokens are kept, by the match that proposed it: its length (up
+    to `longest`) and whether the request's own tokens or the shared cache held it. Per depth j,
+    the share of verified j-th drafts kept when the ones before them were (decaying counts over
+    a prior: `prior` at depth 1, depth j - 1's share after), so drafts cut short by the cost
+    model still teach what they reached."""
+
+    decay = 0.99
+
+    def __init__(self, depth: int, longest: int, prior: float, prior_weight: float = 1.0) -> None:
+        self.depth, self.longest = depth, longest
+        self.prior, self.prior_weight = prior, prior_weight
+        self._counts: dict[tuple[bool, int], tuple[list[float], list[float]]] = {}
+
+    def key(self, shared: bool, length: int) -> tuple[bool, int]:
+        return shared, min(length, self.longest)
+
+    def survival(self, key: tuple[bool, int]) -> list[float]:
+        """For j = 1..depth, the chance that a draft of this match keeps its first j tokens."""
+        kept, tried = self._counts.get(key, ([0.0] * self.depth, [0.0] * self.depth))
+        chances, reach, prior = [], 1.0, self.prior
+        for hits, trials in zip(kept, tried):
+            # A depth seldom reached (the cost model cut drafts there) is judged by the one
+            # before it: a fixed prior would keep drafts short once they were cut.
+            prior = (hits + prior * self.prior_weight) / (trials + self.prior_weight)
+            reach *= prior
+            chances.append(reach)
+        return chances
+
+    def observe(self, key: tuple[bool, int], drafted: int, accepted: int) -> None:
+        """A verify step kept `accepted` of a draft's `drafted` tokens."""
+        kept, tried = self._counts.setdefault(key, ([0.0] * self.depth, [0.0] * self.depth))
+        for j in range(self.depth):
+            kept[j] *= self.decay
+            tried[j] *= self.decay
+        for j in range(min(accepted + 1, drafted, self.depth)):
+            tried[j] += 1.0
+            kept[j] += 1.0 if j < accepted else 0.0

@@ -17,6 +17,7 @@ batches, long contexts), drafting is dear or guesses poor.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
@@ -26,11 +27,16 @@ from .config import SchedulerConfig
 from .draft_model import DECODE_CATCH_UP, DraftModelProposer
 from .grammar import allowed_prefix
 from .ngram import NgramCache, NgramIndex
-from .spec_cost import Rate, StepCost
+from .spec_cost import MatchStats, Rate, StepCost
 
 # A new request's chance that a draft token is accepted given the one before was, and how fast
 # its measured rate replaces that (per verified step).
 PRIOR_ACCEPTANCE = 0.5
+# N-gram drafts are judged by the length of the match that proposed them, up to this: it tells
+# most of whether they hold (the default model's greedy outputs on benchmark/speculative.py's
+# prompts, Zen 3: a first draft kept 18% of the time after a 1-token match, 46% after 2 tokens,
+# 89% after 4 or more; a request's own average mixed them, and its drafts lost on AVX2).
+MATCH_LENGTHS = 4
 ACCEPTANCE_WEIGHT = 0.3
 # Per step without drafts, an estimate moves this much back toward the prior: a request whose
 # guesses were poor is tried again now and then (its text may turn repetitive).
@@ -63,6 +69,7 @@ class DraftState:
     """One request's drafting: its n-gram index (NGRAM), acceptance estimate and counters."""
 
     index: NgramIndex | None = None
+    match: tuple[bool, int] | None = None  # its n-gram drafts' match (MatchStats.key)
     acceptance: float = PRIOR_ACCEPTANCE
     verify_steps: int = 0
     accepted_tokens: int = 0
@@ -83,12 +90,18 @@ class Speculator:
         capacity: int,
         drafter: DraftModelProposer | None = None,
         num_steps: int | None = None,
+        row_bounds: Sequence[int] = (),
     ) -> None:
         self.max_drafts = num_draft_tokens - 1
         if drafter is not None and num_steps is not None:
             self.max_drafts = min(self.max_drafts, num_steps)
         self.min_match, self.max_match = min_match, max_match
+        # Row counts past which the target computes a row another way (decode_row_bounds): a
+        # verify step stays within its batch's, so its rows are what decoding one by one gives
+        # (and the kernel's cost does not jump: AVX2's tiles past 16 rows).
+        self.row_bounds = sorted(row_bounds)
         self.cache = NgramCache(min_match, max_match, branch_length, capacity)
+        self.matches = MatchStats(max(self.max_drafts, 1), MATCH_LENGTHS, PRIOR_ACCEPTANCE)
         self.drafter = drafter
         self.cost = StepCost()
         # A draft-model step's seconds (a run's over its deepest draft) against the requests
@@ -101,7 +114,10 @@ class Speculator:
 
     @classmethod
     def from_config(
-        cls, config: SchedulerConfig, drafter: DraftModelProposer | None = None
+        cls,
+        config: SchedulerConfig,
+        drafter: DraftModelProposer | None = None,
+        row_bounds: Sequence[int] = (),
     ) -> Speculator:
         assert config.speculative_num_draft_tokens is not None
         return cls(
@@ -112,6 +128,7 @@ class Speculator:
             config.speculative_ngram_capacity,
             drafter,
             config.speculative_num_steps,
+            row_bounds,
         )
 
     def state(self, req: Req) -> DraftState:
@@ -130,7 +147,7 @@ class Speculator:
         if self.drafter is None:
             guesses = [self._ngram_guess(req, limit) for req, limit in zip(reqs, limits)]
             drafts = within_grammar(reqs, [draft for draft, _ in guesses])
-            drafts = self._worth_it([(d, a) for d, (_, a) in zip(drafts, guesses)], len(reqs))
+            drafts = self._worth_it([(d, k) for d, (_, k) in zip(drafts, guesses)], len(reqs))
         else:
             # (a constrained request's drafts are cut after the draft model ran: it drafts free)
             drafts = within_grammar(reqs, self._model_drafts(reqs, limits))
@@ -139,25 +156,28 @@ class Speculator:
                 self.skipped(req)
         return drafts
 
-    def _ngram_guess(self, req: Req, limit: int) -> tuple[list[int], float]:
+    def _ngram_guess(self, req: Req, limit: int) -> tuple[list[int], list[float]]:
+        """A request's n-gram draft and each depth's chance to be kept (by its match)."""
         if limit <= 0:
-            return [], 0.0
+            return [], []
         state = self.state(req)
         if state.index is None:
             state.index = NgramIndex(self.min_match, self.max_match)
         known = len(state.index.tokens)
         state.index.extend(req.input_ids[known:].tolist())
-        draft, _ = state.index.propose(limit)
-        if not draft:
-            draft, _ = self.cache.propose(state.index.tokens[-self.max_match :], limit)
-        return draft, state.acceptance
+        draft, length = state.index.propose(limit)
+        shared = not draft
+        if shared:
+            draft, length = self.cache.propose(state.index.tokens[-self.max_match :], limit)
+        state.match = self.matches.key(shared, length) if draft else None
+        return draft, self.matches.survival(state.match)[: len(draft)] if draft else []
 
     def _model_drafts(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
         """The draft model, run for as many tokens of each request as the cost model says pay
         (placeholders stand for the tokens it is not yet run for); not run where none do."""
         assert self.drafter is not None
         slots = [
-            ([0] * limit, self.state(req).acceptance if limit > 0 else 0.0)
+            ([0] * limit, geometric(self.state(req).acceptance, limit))
             for req, limit in zip(reqs, limits)
         ]
         counts = [len(draft) for draft in self._worth_it(slots, len(reqs))]
@@ -193,6 +213,11 @@ class Speculator:
         left = req.max_device_len - len(req.input_ids)
         return self.catch_up_seconds.per_unit() * lag > saved * left
 
+    def _room(self, rows: int) -> int:
+        """Draft rows a step of `rows` requests may add without crossing a row bound."""
+        bound = next((b for b in self.row_bounds if b >= rows), None)
+        return 1 << 30 if bound is None else bound - rows
+
     def _draft_coefficients(self) -> tuple[float, float]:
         """(d0, d1): a draft-model step's seconds as d0 + d1 * requests; none without one."""
         if self.drafter is None:
@@ -202,54 +227,57 @@ class Speculator:
         c0, c1 = self.cost.coefficients()
         return PRIOR_DRAFT_COST * c0, PRIOR_DRAFT_COST * c1
 
-    def _worth_it(self, guesses: list[tuple[list[int], float]], rows: int) -> list[list[int]]:
-        """Cut the drafts to the tokens that raise expected tokens per second: the j-th draft of
-        a request is accepted with probability a^j; its row costs c1 against a step's c0 + c1 *
-        rows, so it pays while a^j * seconds > c1 * expected tokens. With a draft model see
-        _worth_it_by_depth."""
+    def _worth_it(self, guesses: list[tuple[list[int], list[float]]], rows: int) -> list[list[int]]:
+        """Cut the drafts to the tokens that raise expected tokens per second: each guess comes
+        with the chances k_j that its first j tokens are kept; a j-th draft's row costs c1
+        against a step's c0 + c1 * rows, so it pays while k_j * seconds > c1 * expected tokens.
+        With a draft model see _worth_it_by_depth."""
         if self.drafter is not None:
             return self._worth_it_by_depth(guesses, rows)
         c0, c1 = self.cost.coefficients()
         candidates = [
-            (acceptance**j, i, j)
-            for i, (draft, acceptance) in enumerate(guesses)
+            (chances[j - 1], i, j)
+            for i, (draft, chances) in enumerate(guesses)
             for j in range(1, len(draft) + 1)
         ]
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         taken = [0] * len(guesses)
-        expected, seconds = float(rows), c0 + c1 * rows
+        expected, seconds, room = float(rows), c0 + c1 * rows, self._room(rows)
         for gain, i, j in candidates:
+            if room == 0:
+                break
             if taken[i] != j - 1 or gain * seconds <= c1 * expected:
                 continue
+            room -= 1
             taken[i] = j
             expected += gain
             seconds += c1
         return [draft[:count] for (draft, _), count in zip(guesses, taken)]
 
     def _worth_it_by_depth(
-        self, guesses: list[tuple[list[int], float]], rows: int
+        self, guesses: list[tuple[list[int], list[float]]], rows: int
     ) -> list[list[int]]:
         """With a draft model, depth by depth: the requests drafting a j-th token share one
         draft-model step (d0 + d1 * requests) and each adds a row (c1); a depth runs for the
-        requests of best gain a^j, as many as give the most expected tokens per second, and
+        requests of best gain k_j (a^j), as many as give the most expected tokens per second, and
         only if that beats stopping at the depth before (a step's fixed cost is shared: one
         request alone may not pay it where several do); none unless all of them together beat
         no drafts by DRAFT_MARGIN."""
         c0, c1 = self.cost.coefficients()
         d0, d1 = self._draft_coefficients()
         taken = [0] * len(guesses)
-        expected, seconds = float(rows), c0 + c1 * rows
+        expected, seconds, room = float(rows), c0 + c1 * rows, self._room(rows)
         for depth in range(1, max((len(draft) for draft, _ in guesses), default=0) + 1):
             level = sorted(
                 (
-                    (acceptance**depth, i)
-                    for i, (draft, acceptance) in enumerate(guesses)
+                    (chances[depth - 1], i)
+                    for i, (draft, chances) in enumerate(guesses)
                     if taken[i] == depth - 1 and len(draft) >= depth
                 ),
                 key=lambda c: (-c[0], c[1]),
             )
             best_rate, best_count, gains = expected / seconds, 0, 0.0
-            for count, (gain, _) in enumerate(level, 1):
+            for count, (gain, _) in enumerate(level[:room], 1):
                 gains += gain
                 rate = (expected + gains) / (seconds + d0 + (c1 + d1) * count)
                 if rate > best_rate:
@@ -260,6 +288,7 @@ class Speculator:
                 taken[i] = depth
                 expected += gain
             seconds += d0 + (c1 + d1) * best_count
+            room -= best_count
         if expected / seconds < rows / (c0 + c1 * rows) * (1.0 + DRAFT_MARGIN):
             return [[] for _ in guesses]
         return [draft[:count] for (draft, _), count in zip(guesses, taken)]
@@ -278,6 +307,8 @@ class Speculator:
         state.acceptance += ACCEPTANCE_WEIGHT * (accepted / trials - state.acceptance)
         state.verify_steps += 1
         state.accepted_tokens += accepted
+        if state.match is not None and self.drafter is None:
+            self.matches.observe(state.match, drafted, accepted)
         self.stats.verify_steps += 1
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
@@ -306,6 +337,12 @@ class Speculator:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
+
+
+def geometric(acceptance: float, depth: int) -> list[float]:
+    """The chances a^j, j = 1..depth, that a draft keeps its first j tokens where each is kept
+    with probability a when the one before it was."""
+    return [acceptance**j for j in range(1, depth + 1)]
 
 
 def accepted_length(draft: list[int], sampled: list[int]) -> int:

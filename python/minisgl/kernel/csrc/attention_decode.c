@@ -15,6 +15,7 @@ static __attribute__((noinline)) void merge_head(float* acc, float* max, float* 
     *max = top;
 }
 
+#ifdef HAVE_AVX512
 // `from` folded into `into` (the same heads over later positions).
 static void attn_state_merge(attn_state* into, const attn_state* from, int64_t heads,
                              int64_t dim) {
@@ -22,13 +23,16 @@ static void attn_state_merge(attn_state* into, const attn_state* from, int64_t h
         merge_head(into->acc[h], &into->max[h], &into->sum[h], from->acc[h], from->max[h],
                    from->sum[h], dim);
 }
+#endif
 
-// A state's first `heads` heads packed into heads * (dim + 2) floats (sums, maxima, sums of
-// weights), and a packed state folded into a state as attn_state_merge folds one.
-static void attn_state_pack(const attn_state* st, int64_t heads, int64_t dim, float* out) {
-    for (int64_t h = 0; h < heads; h++) memcpy(out + h * dim, st->acc[h], dim * sizeof(float));
-    memcpy(out + heads * dim, st->max, heads * sizeof(float));
-    memcpy(out + heads * (dim + 1), st->sum, heads * sizeof(float));
+// A state's heads [from, from + heads) packed into heads * (dim + 2) floats (sums, maxima, sums
+// of weights), and a packed state folded into a state as attn_state_merge folds one.
+static void attn_state_pack(const attn_state* st, int64_t from, int64_t heads, int64_t dim,
+                            float* out) {
+    for (int64_t h = 0; h < heads; h++)
+        memcpy(out + h * dim, st->acc[from + h], dim * sizeof(float));
+    memcpy(out + heads * dim, st->max + from, heads * sizeof(float));
+    memcpy(out + heads * (dim + 1), st->sum + from, heads * sizeof(float));
 }
 
 static void attn_state_unpack(const float* in, int64_t heads, int64_t dim, attn_state* st) {
@@ -90,6 +94,30 @@ static inline int64_t attn_task_request(const int64_t* first, int64_t num_reqs, 
     return b;
 }
 
+// Whether row b + 1 continues row b's run: the same request's next position (a verify step's
+// rows), whose positions start where b's do and split into parts at the same places.
+static int attn_run_joins(const attn_args* a, int64_t b) {
+    const int64_t start = attn_start(a, b);
+    return a->rows[b + 1] == a->rows[b] && a->kv_lens[b + 1] == a->kv_lens[b] + 1 &&
+           attn_start(a, b + 1) == start &&
+           attn_part_len(a->kv_lens[b + 1] - start) == attn_part_len(a->kv_lens[b] - start);
+}
+
+// The rows as runs of at most max_rows (the portable kernels read a run's positions once for
+// all its rows): run i is rows [runs[i], runs[i + 1]), *num_runs of them. NULL when out of memory.
+static int64_t* attn_runs(const attn_args* a, int64_t num_reqs, int64_t max_rows,
+                          int64_t* num_runs) {
+    int64_t* runs = (int64_t*)kernel_alloc((size_t)(num_reqs + 1) * sizeof(int64_t));
+    if (!runs) return NULL;
+    int64_t count = 0;
+    for (int64_t b = 0; b < num_reqs; b++)
+        if (b == 0 || b - runs[count - 1] >= max_rows || !attn_run_joins(a, b - 1))
+            runs[count++] = b;
+    runs[count] = num_reqs;
+    *num_runs = count;
+    return runs;
+}
+
 #ifdef HAVE_AVX512
 // Kv heads [kvh0, kvh0 + kv_count) of request b over all its positions, part by part; `next`:
 // the positions read after them, or NULL.
@@ -113,85 +141,139 @@ static void attn_task_avx512(const attn_args* a, int64_t b, int64_t kvh0, int64_
 
 #endif
 
-// The task's heads (kv heads [kvh0, kvh0 + kv_count), each one's query heads [first, first +
-// count)) of request b over all its positions, part by part.
-static void attn_task_generic(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
-                              int64_t first, int64_t count) {
-    const int64_t parts = attn_parts(a, b), dim = a->head_dim;
-    int64_t begin, end;
-    attn_part_range(a, b, 0, &begin, &end);
-    if (parts == 1) {
-        attn_part_generic(a, b, kvh0, kv_count, first, count, begin, end, 1, NULL);
-        return;
-    }
-    const int64_t heads = kv_count * count;
+// Part p of a run's rows [b0, b0 + nrows), the portable kernels' heads (kv heads [kvh0, kvh0 +
+// kv_count), each one's query heads [first, first + count)), into st: the rows that have a part
+// p are the run's last ones (lengths grow along it), from *active on; row b0 + r's heads from
+// (r - *active) * kv_count * count.
+static void attn_run_part(const attn_args* a, int64_t b0, int64_t nrows, int64_t kvh0,
+                          int64_t kv_count, int64_t first, int64_t count, int64_t p,
+                          attn_state* st, int64_t* active) {
+    int64_t r0 = 0, begin = 0, ends[ATTN_MAX_HEADS];
+    while (attn_parts(a, b0 + r0) <= p) r0++;
+    for (int64_t r = r0; r < nrows; r++) attn_part_range(a, b0 + r, p, &begin, &ends[r - r0]);
+    attn_part_generic(a, b0 + r0, nrows - r0, kvh0, kv_count, first, count, begin, ends, p == 0,
+                      st);
+    *active = r0;
+}
+
+// The task's heads (as attn_run_part's) of a run's rows over all their positions, part by part,
+// each row's parts merged in order.
+static void attn_task_generic(const attn_args* a, int64_t b0, int64_t nrows, int64_t kvh0,
+                              int64_t kv_count, int64_t first, int64_t count) {
+    const int64_t parts = attn_parts(a, b0 + nrows - 1), dim = a->head_dim;
+    const int64_t row_heads = kv_count * count;
     attn_state whole, part;
-    attn_part_generic(a, b, kvh0, kv_count, first, count, begin, end, 1, &whole);
+    int64_t r0;
+    attn_run_part(a, b0, nrows, kvh0, kv_count, first, count, 0, &whole, &r0);
     for (int64_t p = 1; p < parts; p++) {
-        attn_part_range(a, b, p, &begin, &end);
-        attn_part_generic(a, b, kvh0, kv_count, first, count, begin, end, 0, &part);
-        attn_state_merge(&whole, &part, heads, dim);
+        attn_run_part(a, b0, nrows, kvh0, kv_count, first, count, p, &part, &r0);
+        for (int64_t h = 0; h < (nrows - r0) * row_heads; h++) {
+            const int64_t into = r0 * row_heads + h;
+            merge_head(whole.acc[into], &whole.max[into], &whole.sum[into], part.acc[h],
+                       part.max[h], part.sum[h], dim);
+        }
     }
-    attn_store_generic(a, b, kvh0, kv_count, first, count, &whole);
+    for (int64_t r = 0; r < nrows; r++)
+        attn_store_generic(a, b0 + r, kvh0, kv_count, first, count, &whole, r * row_heads);
 }
 
-// Part p of request b for every head into st: the vector kernels' (`vector`) or the portable
-// ones'; and the outputs from a state.
-static void attn_part_every_head(const attn_args* a, int64_t b, int64_t p, int vector,
-                                 attn_state* st) {
-    int64_t begin, end;
-    attn_part_range(a, b, p, &begin, &end);
-#ifdef HAVE_AVX512
-    if (vector) {
-        attn_state_begin(a, b, 0, a->num_heads, p == 0, st);
-        attn_range(a, b, 0, a->num_kv_heads, begin, end, NULL, st);
-        return;
-    }
-#endif
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    attn_part_generic(a, b, 0, a->num_kv_heads, 0, group, begin, end, p == 0, st);
-}
-
-static void attn_store_every_head(const attn_args* a, int64_t b, int vector,
-                                  const attn_state* st) {
-#ifdef HAVE_AVX512
-    if (vector) {
-        attn_state_store(a, b, 0, a->num_heads, st);
-        return;
-    }
-#endif
-    attn_store_generic(a, b, 0, a->num_kv_heads, 0, a->num_heads / a->num_kv_heads, st);
-}
-
-// Few requests on several threads: every part of every request a task (every head of a
-// position read at once), packed, then each request's parts merged in order (by a task per kv
+// Few requests on several threads: every part of every run a task (every head of a position
+// read at once), each row's part packed, then each row's parts merged in order (by a task per kv
 // head instead, a thread sat idle where the heads do not split evenly: SmolLM2's 3 on 2
-// threads, batch 1 over 2,000 positions 161 -> 136 µs a layer).
-static int attn_split(const attn_args* a, int64_t num_reqs, int nthreads, int vector) {
+// threads, batch 1 over 2,000 positions 161 -> 136 µs a layer). vector: the AVX-512 kernels,
+// whose runs are single rows.
+static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
+                      int64_t num_runs, int nthreads, int vector) {
     const int64_t heads = a->num_heads, dim = a->head_dim, packed = heads * (dim + 2);
+    const int64_t group = heads / a->num_kv_heads;
     int64_t* first = attn_part_tasks(a, num_reqs);
-    float* packs = first ? (float*)kernel_alloc((size_t)(first[num_reqs] * packed) * 4) : NULL;
+    // run i's tasks: the parts of its last row, [run_tasks[i], run_tasks[i + 1])
+    int64_t* run_tasks = (int64_t*)kernel_alloc((size_t)(num_runs + 1) * sizeof(int64_t));
+    float* packs = first && run_tasks
+                       ? (float*)kernel_alloc((size_t)(first[num_reqs] * packed) * 4)
+                       : NULL;
     if (!packs) {
+        free(run_tasks);
         free(first);
         return MINISGL_ERR_NOMEM;
     }
+    run_tasks[0] = 0;
+    for (int64_t i = 0; i < num_runs; i++)
+        run_tasks[i + 1] = run_tasks[i] + attn_parts(a, runs[i + 1] - 1);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < first[num_reqs]; task++) {
-        const int64_t b = attn_task_request(first, num_reqs, task);
+    for (int64_t task = 0; task < run_tasks[num_runs]; task++) {
+        const int64_t i = attn_task_request(run_tasks, num_runs, task), p = task - run_tasks[i];
+        const int64_t b0 = runs[i], nrows = runs[i + 1] - b0;
         attn_state st;
-        attn_part_every_head(a, b, task - first[b], vector, &st);
-        attn_state_pack(&st, heads, dim, packs + task * packed);
+        int64_t r0 = 0;
+#ifdef HAVE_AVX512
+        if (vector) {
+            int64_t begin, end;
+            attn_part_range(a, b0, p, &begin, &end);
+            attn_state_begin(a, b0, 0, heads, p == 0, &st);
+            attn_range(a, b0, 0, a->num_kv_heads, begin, end, NULL, &st);
+        } else
+#endif
+            attn_run_part(a, b0, nrows, 0, a->num_kv_heads, 0, group, p, &st, &r0);
+        for (int64_t r = r0; r < nrows; r++)
+            attn_state_pack(&st, (r - r0) * heads, heads, dim,
+                            packs + (first[b0 + r] + p) * packed);
     }
     for (int64_t b = 0; b < num_reqs; b++) {  // (few: another parallel region cost more)
         attn_state whole;
         attn_state_unpack(packs + first[b] * packed, heads, dim, &whole);
         for (int64_t task = first[b] + 1; task < first[b + 1]; task++)
             attn_state_merge_packed(&whole, packs + task * packed, heads, dim);
-        attn_store_every_head(a, b, vector, &whole);
+#ifdef HAVE_AVX512
+        if (vector) {
+            attn_state_store(a, b, 0, heads, &whole);
+            continue;
+        }
+#endif
+        attn_store_generic(a, b, 0, a->num_kv_heads, 0, group, &whole, 0);
     }
     free(packs);
+    free(run_tasks);
     free(first);
     return MINISGL_OK;
+}
+
+// The portable path: rows in runs (attn_runs), tasks of runs' parts (attn_split), whole runs or
+// a run's kv heads (a slice of a wide group).
+static int attn_portable(const attn_args* a, int64_t num_reqs, int nthreads) {
+    const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t max_rows = num_heads <= ATTN_MAX_HEADS ? ATTN_MAX_HEADS / num_heads : 1;
+    int64_t num_runs;
+    int64_t* runs = attn_runs(a, num_reqs, max_rows, &num_runs);
+    if (!runs) return MINISGL_ERR_NOMEM;
+    int status = MINISGL_OK;
+    // Few runs whose kv heads do not split evenly over the threads: by parts.
+    const int64_t head_tasks = num_runs * num_kv_heads;
+    if (nthreads > 1 && num_runs < 2 * nthreads && head_tasks % nthreads != 0 &&
+        group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS) {
+        status = attn_split(a, num_reqs, runs, num_runs, nthreads, 0);
+    } else if (num_runs >= 2 * nthreads && group <= ATTN_MAX_GROUP &&
+               num_heads <= ATTN_MAX_HEADS) {
+        // With two runs per thread or more, a task is a whole run (whole rows read once, in slot
+        // order): batch 64 x 160 x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build,
+        // alternated in one process) against a task per kv head, which fewer requests and heads
+        // past a task's arrays keep (a slice of a wide group per task).
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_runs; i++)
+            attn_task_generic(a, runs[i], runs[i + 1] - runs[i], 0, num_kv_heads, 0, group);
+    } else {
+        const int64_t slices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_runs * num_kv_heads * slices; task++) {
+            const int64_t head = task / slices, first = task % slices * ATTN_MAX_GROUP;
+            const int64_t i = head / num_kv_heads;
+            attn_task_generic(a, runs[i], runs[i + 1] - runs[i], head % num_kv_heads, 1, first,
+                              group - first < ATTN_MAX_GROUP ? group - first : ATTN_MAX_GROUP);
+        }
+    }
+    free(runs);
+    return status;
 }
 
 // Returns MINISGL_OK, MINISGL_ERR_SHAPE (heads not a whole group per kv head, head_dim above
@@ -210,31 +292,8 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
                    rows,       kv_lens,    kv_starts, prefix_out,   prefix_lse, num_heads,
                    num_kv_heads, head_dim, window,    scale,        dtype};
     const int64_t group = num_heads / num_kv_heads;
-    if (!attn_chunks(head_dim) || group > ATTN_MAX_HEADS) {  // the portable path
-        // Few requests whose kv heads do not split evenly over the threads: by parts.
-        const int64_t head_tasks = num_reqs * num_kv_heads;
-        if (nthreads > 1 && num_reqs < 2 * nthreads && head_tasks % nthreads != 0 &&
-            group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS)
-            return attn_split(&a, num_reqs, nthreads, 0);
-        // With two requests per thread or more, a task is a whole request (whole rows read once,
-        // in slot order): batch 64 x 160 x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build,
-        // alternated in one process) against a task per kv head, which fewer requests and
-        // heads past a task's arrays keep (a slice of a wide group per task).
-        if (num_reqs >= 2 * nthreads && group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS) {
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-            for (int64_t b = 0; b < num_reqs; b++)
-                attn_task_generic(&a, b, 0, num_kv_heads, 0, group);
-            return MINISGL_OK;
-        }
-        const int64_t slices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_reqs * num_kv_heads * slices; task++) {
-            const int64_t head = task / slices, first = task % slices * ATTN_MAX_GROUP;
-            attn_task_generic(&a, head / num_kv_heads, head % num_kv_heads, 1, first,
-                              group - first < ATTN_MAX_GROUP ? group - first : ATTN_MAX_GROUP);
-        }
-        return MINISGL_OK;
-    }
+    if (!attn_chunks(head_dim) || group > ATTN_MAX_HEADS)  // the portable path
+        return attn_portable(&a, num_reqs, nthreads);
 #ifdef HAVE_AVX512
     if (num_heads > ATTN_MAX_HEADS) {  // more heads than a task holds: one kv head per task
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
@@ -243,7 +302,14 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
         return MINISGL_OK;
     }
     if (num_reqs == 0) return MINISGL_OK;
-    if (num_reqs < 2 * nthreads) return attn_split(&a, num_reqs, nthreads, 1);
+    if (num_reqs < 2 * nthreads) {
+        int64_t num_runs;
+        int64_t* runs = attn_runs(&a, num_reqs, 1, &num_runs);  // (single rows)
+        if (!runs) return MINISGL_ERR_NOMEM;
+        const int status = attn_split(&a, num_reqs, runs, num_runs, nthreads, 1);
+        free(runs);
+        return status;
+    }
     // Otherwise a task is a whole request (each position's rows are read once for all its
     // heads), and a run of consecutive requests holding an equal share of the positions is read
     // as one sweep along the slots (consecutive when requests' slots follow each other). Runs

@@ -70,16 +70,19 @@ static inline int attn_chunks(int64_t head_dim) {
 #endif
 }
 
-// One part of a request's positions, for some of its heads (attention_decode_generic.c): kv heads
-// [kvh0, kvh0 + kv_count), each one's query heads [first, first + count); positions [begin, end)
-// from an empty state (seeded: the cascade prefix's) into st (NULL: the heads' outputs stored).
-MINISGL_INTERNAL void attn_part_generic(const attn_args* a, int64_t b, int64_t kvh0,
-                                        int64_t kv_count, int64_t first, int64_t count,
-                                        int64_t begin, int64_t end, int seeded, attn_state* st);
-// Those heads' outputs from their state.
+// One part of the positions of a run of rows [b0, b0 + nrows) of one request (attn_run), for
+// some of their heads (attention_decode_generic.c): kv heads [kvh0, kvh0 + kv_count), each one's
+// query heads [first, first + count); row r's positions [begin, ends[r]) from an empty state
+// (seeded: the cascade prefix's) into st, row r's heads from r * kv_count * count (NULL: the
+// heads' outputs stored).
+MINISGL_INTERNAL void attn_part_generic(const attn_args* a, int64_t b0, int64_t nrows,
+                                        int64_t kvh0, int64_t kv_count, int64_t first,
+                                        int64_t count, int64_t begin, const int64_t* ends,
+                                        int seeded, attn_state* st);
+// Row b's outputs for those heads from a state whose heads for it start at st_head.
 MINISGL_INTERNAL void attn_store_generic(const attn_args* a, int64_t b, int64_t kvh0,
                                          int64_t kv_count, int64_t first, int64_t count,
-                                         const attn_state* st);
+                                         const attn_state* st, int64_t st_head);
 
 #ifdef HAVE_AVX512
 // The vector kernels (attention_decode_avx512.c), for query heads [head0, head0 + heads) and kv

@@ -11,41 +11,56 @@ static inline void store_normalized(const attn_args* a, int64_t offset, float* a
     store_row(a->out, offset, a->dtype, acc, dim);
 }
 
-// Portable version of the same computation (any head_dim up to ATTN_MAX_DIM) for kv heads
-// [kvh0, kvh0 + kv_count) of request b, and of each one's group the query heads [first, first +
-// count) (count at most ATTN_MAX_GROUP, kv_count * count at most ATTN_MAX_HEADS: a wider group is
-// taken a slice per task, each reading the group's keys and values again). Every kv head of a
-// position before the next, so a task holding them all reads whole rows in slot order.
+// Portable version of the same computation (any head_dim up to ATTN_MAX_DIM) for a run of
+// rows [b0, b0 + nrows) of one request (attn_run: a verify step's positions, kv_lens one apart;
+// one row elsewhere), kv heads [kvh0, kvh0 + kv_count), and of each one's group the query heads
+// [first, first + count) (count at most ATTN_MAX_GROUP, nrows * kv_count * count at most
+// ATTN_MAX_HEADS: a wider group is taken a slice per task, each reading the group's keys and
+// values again). Row r reads positions [begin, ends[r]): each position's keys and values are
+// read once for every row of the run (a verify step's rows re-read them, a row alone, at about
+// a sixth of a batch-1 step on AVX2), and each row's arithmetic is what it is alone. Every kv
+// head of a position before the next, so a task holding them all reads whole rows in slot order.
 // DIM: head_dim as a constant (0: read it from a), so that the row loops unroll.
-static inline FORM_INLINE void attn_generic_body(
-    const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count, int64_t first, int64_t count,
-    int64_t begin, int64_t end, int seeded, attn_state* st, const int64_t DIM) {
+static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0, int64_t nrows,
+                                                 int64_t kvh0, int64_t kv_count, int64_t first,
+                                                 int64_t count, int64_t begin,
+                                                 const int64_t* ends, int seeded, attn_state* st,
+                                                 const int64_t DIM) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = DIM ? DIM : a->head_dim;
-    const int64_t heads = kv_count * count;  // task head h: kv head kvh0 + h / count
+    const int64_t row_heads = kv_count * count;  // a row's task head h: kv head kvh0 + h / count
+    const int64_t heads = nrows * row_heads;     // task head r * row_heads + h: row b0 + r's
     float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
     float scores[ATTN_MAX_HEADS][ATTN_BLOCK], row[ATTN_MAX_DIM];
     float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
     int64_t out_offset[ATTN_MAX_HEADS];
-    for (int64_t h = 0; h < heads; h++) {
+    int64_t end = begin;
+    for (int64_t r = 0; r < nrows; r++) end = ends[r] > end ? ends[r] : end;
+    for (int64_t hh = 0; hh < heads; hh++) {
+        const int64_t b = b0 + hh / row_heads, h = hh % row_heads;
         const int64_t head = (kvh0 + h / count) * group + first + h % count;
         const int64_t offset = (b * a->num_heads + head) * dim;
-        out_offset[h] = offset;
-        load_row(a->q, offset, a->dtype, qf[h], dim);
+        out_offset[hh] = offset;
+        load_row(a->q, offset, a->dtype, qf[hh], dim);
         for (int64_t d = 0; d < dim; d++) {
-            qf[h][d] *= a->scale;
-            acc[h][d] = seeded && a->prefix_out ? a->prefix_out[offset + d] : 0.0f;
+            qf[hh][d] *= a->scale;
+            acc[hh][d] = seeded && a->prefix_out ? a->prefix_out[offset + d] : 0.0f;
         }
-        run_max[h] = seeded && a->prefix_lse ? a->prefix_lse[b * a->num_heads + head] : 0.0f;
-        run_sum[h] = seeded && a->prefix_lse ? 1.0f : 0.0f;
+        run_max[hh] = seeded && a->prefix_lse ? a->prefix_lse[b * a->num_heads + head] : 0.0f;
+        run_sum[hh] = seeded && a->prefix_lse ? 1.0f : 0.0f;
     }
     int has_state = seeded && a->prefix_lse != NULL;
-    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
+    const int32_t* slots = a->page_table + a->rows[b0] * a->table_stride;
     // The task's part of each row, asked for GENERIC_PREFETCH positions ahead: no prefetcher
     // follows a part, and waiting on each load took ~55% of this loop (AVX2 build).
     const int64_t elem = a->dtype == 0 ? 4 : 2, part_bytes = kv_count * dim * elem;
     const int64_t part_offset = kvh0 * dim * elem, row_bytes = a->num_kv_heads * dim * elem;
     for (int64_t t0 = begin; t0 < end; t0 += ATTN_BLOCK) {
-        int64_t block = end - t0 < ATTN_BLOCK ? end - t0 : ATTN_BLOCK;
+        const int64_t block = end - t0 < ATTN_BLOCK ? end - t0 : ATTN_BLOCK;
+        int64_t blocks[ATTN_MAX_HEADS];  // each run row's positions in this block (0: none)
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t left = ends[r] - t0;
+            blocks[r] = left <= 0 ? 0 : left < ATTN_BLOCK ? left : ATTN_BLOCK;
+        }
         for (int64_t j = 0; j < block; j++) {
             if (t0 + j + GENERIC_PREFETCH < end)
                 prefetch_rows(a->k_cache, row_bytes, part_offset, part_bytes,
@@ -53,28 +68,34 @@ static inline FORM_INLINE void attn_generic_body(
             for (int64_t kv = 0; kv < kv_count; kv++) {
                 const int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh0 + kv) * dim;
                 load_row(a->k_cache, offset, a->dtype, row, dim);
-                for (int64_t g = 0; g < count; g++) {
-                    const float* qh = qf[kv * count + g];
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < dim; d++) dot += qh[d] * row[d];
-                    scores[kv * count + g][j] = dot;
+                for (int64_t r = 0; r < nrows; r++) {
+                    if (j >= blocks[r]) continue;
+                    for (int64_t g = 0; g < count; g++) {
+                        const int64_t hh = r * row_heads + kv * count + g;
+                        const float* qh = qf[hh];
+                        float dot = 0.0f;
+                        for (int64_t d = 0; d < dim; d++) dot += qh[d] * row[d];
+                        scores[hh][j] = dot;
+                    }
                 }
             }
         }
-        for (int64_t h = 0; h < heads; h++) {
-            float new_max = scores[h][0];
-            for (int64_t j = 1; j < block; j++)
-                new_max = scores[h][j] > new_max ? scores[h][j] : new_max;
-            if (has_state && run_max[h] > new_max) new_max = run_max[h];
-            float correction = has_state ? expf(run_max[h] - new_max) : 0.0f;
+        for (int64_t hh = 0; hh < heads; hh++) {
+            const int64_t valid = blocks[hh / row_heads];
+            if (valid == 0) continue;  // the row ended before this block
+            float new_max = scores[hh][0];
+            for (int64_t j = 1; j < valid; j++)
+                new_max = scores[hh][j] > new_max ? scores[hh][j] : new_max;
+            if (has_state && run_max[hh] > new_max) new_max = run_max[hh];
+            float correction = has_state ? expf(run_max[hh] - new_max) : 0.0f;
             float block_sum = 0.0f;
-            for (int64_t j = 0; j < block; j++) {
-                scores[h][j] = exp_portable(scores[h][j] - new_max);
-                block_sum += scores[h][j];
+            for (int64_t j = 0; j < valid; j++) {
+                scores[hh][j] = exp_portable(scores[hh][j] - new_max);
+                block_sum += scores[hh][j];
             }
-            run_sum[h] = run_sum[h] * correction + block_sum;
-            run_max[h] = new_max;
-            for (int64_t d = 0; d < dim; d++) acc[h][d] *= correction;
+            run_sum[hh] = run_sum[hh] * correction + block_sum;
+            run_max[hh] = new_max;
+            for (int64_t d = 0; d < dim; d++) acc[hh][d] *= correction;
         }
         has_state = 1;
         for (int64_t j = 0; j < block; j++) {
@@ -84,48 +105,56 @@ static inline FORM_INLINE void attn_generic_body(
             for (int64_t kv = 0; kv < kv_count; kv++) {
                 const int64_t offset = ((int64_t)slots[t0 + j] * a->num_kv_heads + kvh0 + kv) * dim;
                 load_row(a->v_cache, offset, a->dtype, row, dim);
-                for (int64_t g = 0; g < count; g++) {
-                    float* sums = acc[kv * count + g];
-                    const float p = scores[kv * count + g][j];
-                    for (int64_t d = 0; d < dim; d++) sums[d] += p * row[d];
+                for (int64_t r = 0; r < nrows; r++) {
+                    if (j >= blocks[r]) continue;
+                    for (int64_t g = 0; g < count; g++) {
+                        float* sums = acc[r * row_heads + kv * count + g];
+                        const float p = scores[r * row_heads + kv * count + g][j];
+                        for (int64_t d = 0; d < dim; d++) sums[d] += p * row[d];
+                    }
                 }
             }
         }
     }
-    for (int64_t h = 0; h < heads; h++) {
+    for (int64_t hh = 0; hh < heads; hh++) {
         if (st) {  // a part of the positions: its state, merged by the caller
-            memcpy(st->acc[h], acc[h], (size_t)dim * sizeof(float));
-            st->max[h] = has_state ? run_max[h] : -3.0e38f;
-            st->sum[h] = has_state ? run_sum[h] : 0.0f;
+            memcpy(st->acc[hh], acc[hh], (size_t)dim * sizeof(float));
+            st->max[hh] = has_state ? run_max[hh] : -3.0e38f;
+            st->sum[hh] = has_state ? run_sum[hh] : 0.0f;
             continue;
         }
-        store_normalized(a, out_offset[h], acc[h], run_sum[h], dim);
+        store_normalized(a, out_offset[hh], acc[hh], run_sum[hh], dim);
     }
 }
 
-// Positions [begin, end) (seeded: the first part, which starts from the cascade prefix); st:
-// where the part's state goes (NULL: the whole range, its output stored). head_dim 64 and 128
-// with constant loop bounds, so the score and value loops unroll: batch 64 x 160 positions x 30
-// layers (SmolLM2's W1 decode) 50 -> 36 ms in an AVX2 build, with the prefetch 68 ms before.
-MINISGL_INTERNAL void attn_part_generic(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
-                              int64_t first, int64_t count, int64_t begin, int64_t end,
-                              int seeded, attn_state* st) {
+// Positions [begin, ends[r]) of run rows b0 + r (seeded: the first part, which starts from the
+// cascade prefix); st: where the part's state goes, row r's heads from r * kv_count * count
+// (NULL: the whole range, its outputs stored). head_dim 64 and 128 with constant loop bounds, so
+// the score and value loops unroll: batch 64 x 160 positions x 30 layers (SmolLM2's W1 decode)
+// 50 -> 36 ms in an AVX2 build, with the prefetch 68 ms before.
+MINISGL_INTERNAL void attn_part_generic(const attn_args* a, int64_t b0, int64_t nrows,
+                                        int64_t kvh0, int64_t kv_count, int64_t first,
+                                        int64_t count, int64_t begin, const int64_t* ends,
+                                        int seeded, attn_state* st) {
     if (a->head_dim == 64)
-        attn_generic_body(a, b, kvh0, kv_count, first, count, begin, end, seeded, st, 64);
+        attn_generic_body(a, b0, nrows, kvh0, kv_count, first, count, begin, ends, seeded, st,
+                          64);
     else if (a->head_dim == 128)
-        attn_generic_body(a, b, kvh0, kv_count, first, count, begin, end, seeded, st, 128);
+        attn_generic_body(a, b0, nrows, kvh0, kv_count, first, count, begin, ends, seeded, st,
+                          128);
     else
-        attn_generic_body(a, b, kvh0, kv_count, first, count, begin, end, seeded, st, 0);
+        attn_generic_body(a, b0, nrows, kvh0, kv_count, first, count, begin, ends, seeded, st,
+                          0);
 }
 
 MINISGL_INTERNAL void attn_store_generic(const attn_args* a, int64_t b, int64_t kvh0,
                                          int64_t kv_count, int64_t first, int64_t count,
-                                         const attn_state* st) {
+                                         const attn_state* st, int64_t st_head) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
     for (int64_t h = 0; h < kv_count * count; h++) {
         const int64_t head = (kvh0 + h / count) * group + first + h % count;
         float acc[ATTN_MAX_DIM];
-        memcpy(acc, st->acc[h], (size_t)dim * sizeof(float));
-        store_normalized(a, (b * a->num_heads + head) * dim, acc, st->sum[h], dim);
+        memcpy(acc, st->acc[st_head + h], (size_t)dim * sizeof(float));
+        store_normalized(a, (b * a->num_heads + head) * dim, acc, st->sum[st_head + h], dim);
     }
 }
