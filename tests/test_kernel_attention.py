@@ -214,30 +214,44 @@ def test_a_requests_output_is_the_same_bits_in_any_batch_and_on_any_threads(
     batch and however many threads the engine's load leaves it."""
     gen = torch.Generator().manual_seed(heads + head_dim)
     table, rows, slots = paged_table(kv_lens, 4, gen)
-    lens, scale = torch.tensor(kv_lens), 1 / math.sqrt(head_dim)
-    start = 2  # the cascade prefix: positions [0, start) of every request
+    shape = (heads, kv_heads, head_dim)
+    _assert_rows_as_alone(kernels, gen, (table, rows, torch.tensor(kv_lens), slots), shape, dtypes)
+
+
+def _assert_rows_as_alone(kernels, gen, paged, shape, dtypes, leading=1, bounded=False) -> None:
+    """Each row of a batch (paged: page table, table rows, KV lengths, slots) the same bits as
+    decoded alone, the batch and its first `leading` rows the same on one and three threads,
+    with no window, a window of 200 or a cascade prefix of 2 positions; bounded: the batch also
+    within float32's bounds of float64."""
+    (table, rows, lens, slots), (heads, kv_heads, head_dim) = paged, shape
+    scale, start = 1 / math.sqrt(head_dim), 2  # the cascade prefix: positions [0, start)
     prefix = (
-        torch.full((len(kv_lens),), start),
-        torch.randn(len(kv_lens), heads, head_dim, generator=gen),
-        torch.randn(len(kv_lens), heads, generator=gen),
+        torch.full((len(lens),), start),
+        torch.randn(len(lens), heads, head_dim, generator=gen),
+        torch.randn(len(lens), heads, generator=gen),
     )
     threads = torch.get_num_threads()
     for dtype in dtypes:
         k_cache, v_cache = (
             torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
         )
-        q = torch.randn(len(kv_lens), heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
         for window, seed in ((None, None), (200, None), (None, prefix)):
             inputs = (q, k_cache, v_cache, table, rows, lens, scale, window, seed)
             batch = _attend(kernels, inputs, slice(None))
-            for b in range(len(kv_lens)):
+            for b in range(len(lens)):
                 alone = _attend(kernels, inputs, slice(b, b + 1))
                 assert torch.equal(alone, batch[b : b + 1]), (dtype, window, seed is not None, b)
+            if bounded and seed is None:
+                unit = U32 if dtype == torch.float32 else UBF16
+                ref = _attention_reference(q, k_cache, v_cache, table, rows, lens, window, unit)
+                assert_within(batch, ref.out, ref.bound, f"window {window}")
             try:
                 for count in (1, 3):
                     torch.set_num_threads(count)
                     assert torch.equal(_attend(kernels, inputs, slice(None)), batch), count
-                    assert torch.equal(_attend(kernels, inputs, slice(0, 1)), batch[:1]), count
+                    lead = slice(0, leading)
+                    assert torch.equal(_attend(kernels, inputs, lead), batch[lead]), count
             finally:
                 torch.set_num_threads(threads)
 
@@ -261,35 +275,8 @@ def test_a_verify_steps_rows_are_each_the_same_bits_as_alone(
     table, requests, slots = paged_table([base + count for base, count in bases], 4, gen)
     rows = torch.cat([requests[i : i + 1].repeat(count) for i, (_, count) in enumerate(bases)])
     lens = torch.tensor([base + 1 + i for base, count in bases for i in range(count)])
-    scale, start = 1 / math.sqrt(head_dim), 2
-    prefix = (
-        torch.full((len(lens),), start),
-        torch.randn(len(lens), heads, head_dim, generator=gen),
-        torch.randn(len(lens), heads, generator=gen),
-    )
-    threads = torch.get_num_threads()
-    for dtype in dtypes:
-        k_cache, v_cache = (
-            torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
-        )
-        q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
-        for window, seed in ((None, None), (200, None), (None, prefix)):
-            inputs = (q, k_cache, v_cache, table, rows, lens, scale, window, seed)
-            batch = _attend(kernels, inputs, slice(None))
-            for b in range(len(lens)):
-                alone = _attend(kernels, inputs, slice(b, b + 1))
-                assert torch.equal(alone, batch[b : b + 1]), (dtype, window, seed is not None, b)
-            if seed is None:
-                unit = U32 if dtype == torch.float32 else UBF16
-                ref = _attention_reference(q, k_cache, v_cache, table, rows, lens, window, unit)
-                assert_within(batch, ref.out, ref.bound, f"verify rows, window {window}")
-            try:
-                for count in (1, 3):
-                    torch.set_num_threads(count)
-                    assert torch.equal(_attend(kernels, inputs, slice(None)), batch), count
-                    assert torch.equal(_attend(kernels, inputs, slice(0, 9)), batch[:9]), count
-            finally:
-                torch.set_num_threads(threads)
+    paged, shape = (table, rows, lens, slots), (heads, kv_heads, head_dim)
+    _assert_rows_as_alone(kernels, gen, paged, shape, dtypes, leading=9, bounded=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
