@@ -307,7 +307,7 @@ class Speculator:
         state.acceptance += ACCEPTANCE_WEIGHT * (accepted / trials - state.acceptance)
         state.verify_steps += 1
         state.accepted_tokens += accepted
-        if state.match is not None and self.drafter is None:
+        if state.match is not None:  # (an n-gram draft's)
             self.matches.observe(state.match, drafted, accepted)
         self.stats.verify_steps += 1
         self.stats.draft_tokens += drafted
