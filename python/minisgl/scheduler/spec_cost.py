@@ -5,6 +5,8 @@ from __future__ import annotations
 
 # The cost of one more query row relative to a one-row step, before any step was measured.
 PRIOR_ROW_COST = 0.03
+# A row count's (decaying) weight of measurements from which its own mean time stands for it.
+SEEN_WEIGHT = 1.0
 
 
 class StepCost:
@@ -39,6 +41,15 @@ class StepCost:
             bucket[1] *= self.decay
         for stale in [r for r, (_, w) in self._buckets.items() if w < 1e-3]:
             del self._buckets[stale]
+
+    def seconds(self, rows: int, line: tuple[float, float]) -> float:
+        """A step of `rows` rows: its row count's measured mean where it was seen lately (the
+        kernels' cost is lumpy: AVX2's tiles take rows 4 at a time, so a 5th row cost ~3x a 4th
+        on Zen 3), else the line (c0, c1) of `coefficients`."""
+        bucket = self._buckets.get(rows)
+        if bucket is not None and bucket[1] >= SEEN_WEIGHT:
+            return bucket[0] / bucket[1]
+        return line[0] + line[1] * rows
 
     def coefficients(self) -> tuple[float, float]:
         """(c0, c1) in seconds; (1, row_cost) before any step was measured."""

@@ -228,30 +228,33 @@ class Speculator:
         return PRIOR_DRAFT_COST * c0, PRIOR_DRAFT_COST * c1
 
     def _worth_it(self, guesses: list[tuple[list[int], list[float]]], rows: int) -> list[list[int]]:
-        """Cut the drafts to the tokens that raise expected tokens per second: each guess comes
-        with the chances k_j that its first j tokens are kept; a j-th draft's row costs c1
-        against a step's c0 + c1 * rows, so it pays while k_j * seconds > c1 * expected tokens.
-        With a draft model see _worth_it_by_depth."""
+        """Cut the drafts to the tokens that give the most expected tokens per second: each
+        guess comes with the chances k_j that its first j tokens are kept; drafts are taken best
+        chance first, as many as maximize (rows + sum of their k_j) / seconds(rows + drafts), the
+        step's time per row count measured (StepCost.seconds: lumpy costs, where one row more
+        loses and four more win, are seen). With a draft model see _worth_it_by_depth."""
         if self.drafter is not None:
             return self._worth_it_by_depth(guesses, rows)
-        c0, c1 = self.cost.coefficients()
-        candidates = [
-            (chances[j - 1], i, j)
-            for i, (draft, chances) in enumerate(guesses)
-            for j in range(1, len(draft) + 1)
-        ]
-        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        line = self.cost.coefficients()
+        candidates = sorted(
+            (
+                (chances[j - 1], i, j)
+                for i, (draft, chances) in enumerate(guesses)
+                for j in range(1, len(draft) + 1)
+            ),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )[: self._room(rows)]
+        best_rate, best_count = rows / self.cost.seconds(rows, line), 0
+        expected = float(rows)
+        for count, (chance, _, _) in enumerate(candidates, 1):
+            expected += chance
+            rate = expected / self.cost.seconds(rows + count, line)
+            if rate > best_rate:
+                best_rate, best_count = rate, count
+        # (chances fall with depth, so a request's j-th draft comes after its first j - 1)
         taken = [0] * len(guesses)
-        expected, seconds, room = float(rows), c0 + c1 * rows, self._room(rows)
-        for gain, i, j in candidates:
-            if room == 0:
-                break
-            if taken[i] != j - 1 or gain * seconds <= c1 * expected:
-                continue
-            room -= 1
-            taken[i] = j
-            expected += gain
-            seconds += c1
+        for _, i, j in candidates[:best_count]:
+            taken[i] = max(taken[i], j)
         return [draft[:count] for (draft, _), count in zip(guesses, taken)]
 
     def _worth_it_by_depth(
