@@ -44,8 +44,8 @@ class StepCost:
 
     def seconds(self, rows: int, line: tuple[float, float]) -> float:
         """A step of `rows` rows: its row count's measured mean where it was seen lately (the
-        kernels' cost is lumpy: AVX2's tiles take rows 4 at a time, so a 5th row cost ~3x a 4th
-        on Zen 3), else the line (c0, c1) of `coefficients`."""
+        kernels' cost is lumpy: AVX2's tiles take rows 4 at a time, and on Zen 3 a step's 5th row
+        cost ~1.5x its 4th, its 6th half of that), else the line (c0, c1) of `coefficients`."""
         bucket = self._buckets.get(rows)
         if bucket is not None and bucket[1] >= SEEN_WEIGHT:
             return bucket[0] / bucket[1]
