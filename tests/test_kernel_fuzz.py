@@ -95,7 +95,7 @@ def possible_paths(kernels: CpuKernels) -> set[str]:
     if kernels.has_vnni:
         needed |= {"tiled-f32", "tiled-precise", "tiled-amx" if kernels.has_amx else "tiled-int8"}
     elif kernels.has_avx2:
-        needed |= {"avx2-tiled-int16", "avx2-tiled-f32"}
+        needed |= {"avx2-tiled-int16", "avx2-tiled-f32", "avx2-tiled-int8"}
     if kernels.has_vnni:
         needed.add("tiled-w8a8" if kernels.has_amx_int8 else "tiled-w8a8-vnni")
     assert needed <= paths, f"the dispatcher never chooses {sorted(needed - paths)}"
@@ -125,7 +125,7 @@ def weight_params(
 ) -> tuple[QuantizedWeightParams, object, int]:
     """The C view (and the tensors it points at, to keep alive) and the layout's bits; a tiled
     int8 weight with one scale a row takes more than W8A8_MIN_ROWS rows as int8 (W8A8). Half the
-    tiled weights (by their first byte) are precise: x kept to 16 bits on VNNI."""
+    tiled weights (by their first byte) are precise: x kept to 16 bits (VNNI, AVX2)."""
     held = tile_weight(q) if tiled else q
     int8_x = tiled and w8a8_fits(held.bits, q.group, q.in_features, q.mins is not None)
     precise = tiled and int(q.values.reshape(-1)[0]) % 2 == 0
@@ -150,8 +150,8 @@ def product_bound(path: str, x: torch.Tensor, dense: torch.Tensor, out_unit: flo
     """float64 x @ dense^T and the bound on what `path` computes: float32 sums of the products
     in any order (twice: the scale's multiply), plus where the path rounds them: the weights to
     bf16 (wide, packed, GEMV blocks, AMX), x to int16 per 32 columns (AVX2 int16), to int8
-    per 32 columns (tiled: one pass; two where precise) or per row (W8A8), and the output to
-    its dtype."""
+    per 32 columns (tiled, AVX2 int8: one pass; two where precise) or per row (W8A8), and the
+    output to its dtype."""
     x64, w64 = x.double(), dense.double()
     want = x64 @ w64.T
     magnitude = x64.abs() @ w64.abs().T
@@ -163,6 +163,7 @@ def product_bound(path: str, x: torch.Tensor, dense: torch.Tensor, out_unit: flo
         "avx2-tiled-int16": 1 / 32767,
         "tiled-precise": 1 / (127 * 128),
         "tiled-int8": 1 / 127,
+        "avx2-tiled-int8": 1 / 127,
     }
     if path in steps:  # half a step of each 32 columns' scale (amax * step), per column
         blocks = x64.abs().view(x.shape[0], -1, 32).amax(dim=2)

@@ -194,14 +194,17 @@ def test_quantized_products_in_every_form(kernels, bits):
 
 
 @pytest.mark.skipif("x86-64-v3" not in RUNNABLE, reason="needs AVX2")
-@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
+@pytest.mark.parametrize(
+    "tiled,weight_only", [(False, False), (True, False), (True, True)], ids=["rows", "tiles", "wo"]
+)
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 576), (6, 32), (6, 16)])
-def test_avx2_int16_rows_are_the_same_bits_whatever_the_batch(bits, group, tiled):
-    """The AVX2 form's bf16 rows as int16 (the row layout up to AVX2_ROWS_MAX rows, the tiles
-    up to AVX2_TILED_MAX_ROWS): a row's output does not depend on the rows beside it, so a
-    speculative verify step's rows give what decoding one by one gives. 43 weight rows: the row
-    layout's batch-1 kernel leaves a tail of 3, the tiles a partial half; 576 columns: 18
-    groups of 32, the offsets' sums end in a partial vector."""
+def test_avx2_integer_rows_are_the_same_bits_whatever_the_batch(bits, group, tiled, weight_only):
+    """The AVX2 form's bf16 rows as integers (the row layout's int16 up to AVX2_ROWS_MAX rows,
+    the tiles' int8 for 4 and 6 bits, else int16, up to AVX2_TILED_MAX_ROWS): a row's output
+    does not depend on the rows beside it, so a speculative verify step's rows give what
+    decoding one by one gives. 43 weight rows: the row layout's batch-1 kernel leaves a tail of
+    3, the tiles a partial half; 576 columns: 18 groups of 32, the offsets' sums end in a
+    partial vector."""
     kernels = variant("x86-64-v3")
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(43, 576, generator=gen)
@@ -210,7 +213,9 @@ def test_avx2_int16_rows_are_the_same_bits_whatever_the_batch(bits, group, tiled
     else:  # 6: 8-bit integers within -32..31, which the tiles hold in 6 bits
         qweight = quantize_int8(weight, group, limit=127 if bits == 8 else 31)
     # float32 outputs: every bit of the sums shows (bf16 outputs would hide most differences)
-    projection = QuantizedProjection(qweight, kernels, float_out=True, tiled=tiled)
+    projection = QuantizedProjection(
+        qweight, kernels, float_out=True, tiled=tiled, weight_only=weight_only
+    )
     most = AVX2_TILED_MAX_ROWS if tiled else 8
     x = torch.randn(most, 576, generator=gen).to(torch.bfloat16)
     alone = torch.cat([projection(x[i : i + 1], torch.empty(0), None) for i in range(most)])
@@ -218,7 +223,8 @@ def test_avx2_int16_rows_are_the_same_bits_whatever_the_batch(bits, group, tiled
         together = projection(x[:rows], torch.empty(0), None)
         assert torch.equal(together, alone[:rows]), (rows, (together - alone[:rows]).abs().max())
     path = kernels.quantized_path(projection.params, most, 576, torch.bfloat16)
-    assert path == ("avx2-tiled-int16" if tiled else "avx2-int16")
+    int8 = tiled and bits != 8 and not weight_only
+    assert path == ("avx2-tiled-int8" if int8 else "avx2-tiled-int16" if tiled else "avx2-int16")
 
 
 # ----------------------------------------------------------------------- elementwise kernels

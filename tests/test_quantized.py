@@ -214,8 +214,8 @@ def _without_amx(kernels: CpuKernels | None) -> CpuKernels | None:
 
 
 FORMS = ["rows", "tiled"] if KERNELS is not None and KERNELS.reads_tiles else ["rows"]
-# weight_only: the VNNI tiles' bf16 rows kept to 16 bits (two int8 passes).
-FORMS += ["tiled-precise"] if KERNELS is not None and KERNELS.has_vnni else []
+# weight_only: the tiles' bf16 rows kept to 16 bits (VNNI: two int8 passes; AVX2: vpmaddwd).
+FORMS += ["tiled-precise"] if KERNELS is not None and KERNELS.reads_tiles else []
 FORMS += ["tiled-amx"] if KERNELS is not None and KERNELS.has_amx else []
 # The C kernels in each layout and dtype; the torch path (one F.linear) in float32.
 PROJECTION_CASES = [
@@ -257,29 +257,35 @@ def test_quantized_projection_equals_dequantize_then_matmul(kernels, dtype, form
             assert got.dtype == dtype and got.shape == (rows, 54)
             # float32: reassociation only. bf16: the output's rounding, and from 5 rows on the
             # row layout's weights dequantized to bf16 once per call (one more bf16 rounding
-            # each); x to 16 bits (2^-15 of each 32 columns' largest): a precise weight's up to
-            # QUANTIZED_GEMV_MAX_ROWS, AVX2's tiles' up to AVX2_TILED_MAX_ROWS. The VNNI tiles
-            # otherwise, at every row count: the integer part meets x rounded to int8 per 32
-            # columns, the offsets x itself; a rounding tie may fall the other way. On AMX from
+            # each); x to 16 bits (2^-15 of each 32 columns' largest), or exact in float32 on
+            # AVX2's tiles past AVX2_TILED_MAX_ROWS: a precise weight's up to
+            # QUANTIZED_GEMV_MAX_ROWS (AVX2: every row count), AVX2's 8-bit tiles'. The VNNI
+            # tiles otherwise, at every row count, and AVX2's 4- and 6-bit tiles up to
+            # AVX2_TILED_MAX_ROWS: the integer part meets x rounded to int8 per 32 columns, the
+            # offsets x itself; a rounding tie may fall the other way. On AMX from
             # QUANTIZED_AMX_MIN_ROWS: x as it is against the weights rounded to bf16 once, then
             # the output's rounding.
             tol = 1e-5 if dtype == torch.float32 else 2**-8 if rows <= 4 else 2**-6
             bf16 = dtype == torch.bfloat16
+            avx2_tiles = form == "tiled" and not kernels.has_vnni
+            avx2_int8 = avx2_tiles and rows <= AVX2_TILED_MAX_ROWS and projection.weight.bits != 8
             sixteen_bits = (
-                rows <= QUANTIZED_GEMV_MAX_ROWS
+                rows <= QUANTIZED_GEMV_MAX_ROWS or not kernels.has_vnni
                 if form == "tiled-precise"
-                else form == "tiled" and not kernels.has_vnni and rows <= AVX2_TILED_MAX_ROWS
+                else avx2_tiles and not avx2_int8
             )
             if form == "tiled-amx" and bf16 and rows >= QUANTIZED_AMX_MIN_ROWS:
                 want = x.float() @ dense.bfloat16().float().T + bias.float()
                 tol = 2**-8
             elif sixteen_bits:
                 tol = 1e-5 if dtype == torch.float32 else 2**-8
-            elif (
-                form in ("tiled", "tiled-amx")
-                and kernels.has_vnni
-                and bf16
-                and rows <= QUANTIZED_GEMV_MAX_ROWS  # a weight-only prefill: dequantized
+            elif bf16 and (
+                avx2_int8
+                or (
+                    form in ("tiled", "tiled-amx")
+                    and kernels.has_vnni
+                    and rows <= QUANTIZED_GEMV_MAX_ROWS  # a weight-only prefill: dequantized
+                )
             ):
                 rounded = _int8_rounded(x) @ (dense - offsets).T
                 want, tol = rounded + x.float() @ offsets.T + bias.float(), 2**-7
@@ -297,13 +303,13 @@ def test_int8_activations_stay_close_to_the_exact_product() -> None:
     kernels = _without_amx(TILE_KERNELS)
     precise = QuantizedProjection(weight, kernels, tiled=True, weight_only=True)
     default = QuantizedProjection(weight, kernels, tiled=True)
-    # AVX2's tiles keep x to 16 bits up to AVX2_TILED_MAX_ROWS whatever weight_only says.
-    sixteen_bits = not kernels.has_vnni
+    # AVX2's tiles multiply more than AVX2_TILED_MAX_ROWS rows in float32.
     for rows in (1, 16, 17, QUANTIZED_GEMV_MAX_ROWS + 6):
         x = (torch.randn(rows, 512, generator=gen) * torch.logspace(-1, 1, 512)).bfloat16()
         want = x.float() @ weight.dequantize().T
         for projection in (precise, default):
-            exact = projection.precise or (sixteen_bits and rows <= AVX2_TILED_MAX_ROWS)
+            wide = not kernels.has_vnni and rows > AVX2_TILED_MAX_ROWS
+            exact = projection.precise or wide
             got = projection(x, torch.empty(0), None).float()
             relative = (got - want).norm() / want.norm()
             assert relative < (2**-8 if exact else 0.02), (rows, projection.precise, relative)

@@ -13,8 +13,8 @@ float32 x, K * 2^-24 * sum|x||w| per output (accumulation in any order; every pa
 the weight dequantized exactly); bf16 x, also one bf16 rounding of the output and of each product
 (2^-8: the weight dequantized to bf16, or x and w on AMX), and where the tiled kernels round x to
 integers per 32 columns, its step: 2^-15 of the 32 columns' largest |x| where x is kept to 16
-bits (a precise weight on VNNI; AVX2 up to AVX2_TILED_MAX_ROWS rows), else 1/254 of it (int8,
-Q8_0), times sum|w|."""
+bits (a precise weight; AVX2's 8-bit tiles up to AVX2_TILED_MAX_ROWS rows), else 1/254 of it
+(int8, Q8_0), times sum|w|."""
 
 from __future__ import annotations
 
@@ -94,10 +94,12 @@ def _check_projections(projections: dict[str, QuantizedProjection]) -> None:
             vnni = projection.kernels is not None and projection.kernels.has_vnni
             for rows in PROJECTION_ROWS:
                 x32 = torch.randn(rows, projection.in_features, generator=gen)
-                avx2_int16 = not vnni and rows <= AVX2_TILED_MAX_ROWS
+                # AVX2's tiles: 8-bit weights meet x as int16, more rows in float32.
+                wide = rows > AVX2_TILED_MAX_ROWS or projection.weight.bits == 8
+                avx2_sixteen_bits = not vnni and wide
                 for x in (x32, x32.bfloat16()):
                     want = x.double() @ w.double().T
-                    bound = _bound(x, w, want, tiled, projection.precise or avx2_int16)
+                    bound = _bound(x, w, want, tiled, projection.precise or avx2_sixteen_bits)
                     for count in (1, 2):
                         torch.set_num_threads(count)
                         got = projection(x, torch.empty(0), None).double()

@@ -84,9 +84,9 @@ class _Env:
             "CPU_INT8_ACTIVATIONS",
             True,
             _parse_bool,
-            "on VNNI, quantized weights' bf16 activations rounded to int8 per 32 columns (one "
-            "pass) at every decode batch (0: kept to 16 bits in two passes, as precise as bf16, "
-            "slower from 2 rows; AVX2 keeps 16 bits up to 16 rows and ignores it)",
+            "quantized weights' bf16 activations rounded to int8 per 32 columns (one pass) at "
+            "every decode batch: VNNI's tiles, and AVX2's for 4- and 6-bit weights up to 16 rows "
+            "(0: kept to 16 bits, as precise as bf16, slower from 2 rows)",
         )
         self.CPU_TARGET = EnvVar(
             "CPU_TARGET",

@@ -36,6 +36,7 @@ QUANTIZED_PATHS = (
     "tiled-w8a8-vnni",
     "avx2-tiled-int16",
     "avx2-tiled-f32",
+    "avx2-tiled-int8",
 )
 
 _ptr = ctypes.c_void_p

@@ -44,6 +44,7 @@ SOURCES = tuple(
         "quantized_avx2.c",
         "quantized_tiled.c",
         "quantized_tiled_avx2.c",
+        "quantized_tiled_avx2_int8.c",
         "quantized_w8a8.c",
         "quantized_w8a8_amx.c",
         "quantized_w8a8_vnni.c",

@@ -26,8 +26,8 @@ class KernelLibrary:
         self.has_avx512 = bool(lib.minisgl_has_avx512())
         # vpdpbusd: quantized weights take the tile layout and int8 activations (quant_tiles.py).
         self.has_vnni = bool(lib.minisgl_has_vnni())
-        # The tile layout's readers: vpdpbusd's int8 products, else AVX2's int16 ones
-        # (csrc/quantized_tiled_avx2.c).
+        # The tile layout's readers: vpdpbusd's int8 products, else AVX2's int8 and int16 ones
+        # (csrc/quantized_tiled_avx2*.c).
         self.reads_tiles = self.has_vnni or self.has_avx2
         # Built with the tile instructions and granted the tile state by the kernel.
         self.has_amx = ENV.CPU_AMX.value and bool(lib.minisgl_has_amx())

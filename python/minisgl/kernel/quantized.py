@@ -76,8 +76,8 @@ def quantized_weight_params(
     the tile layout (layers/quant_tiles.py); amx: tiled, and multiplied on the AMX tiles from
     QUANTIZED_AMX_MIN_ROWS bf16 rows (where the kernels have them); int8_x: tiled, and more
     than W8A8_MIN_ROWS bf16 rows rounded to int8 per row where the weight fits W8A8
-    (`w8a8_fits`); precise: tiled, and bf16 rows kept to 16 bits in vpdpbusd (two passes), not
-    rounded to int8 per 32 columns."""
+    (`w8a8_fits`); precise: tiled, and bf16 rows kept to 16 bits (VNNI: vpdpbusd in two passes;
+    AVX2: vpmaddwd), not rounded to int8 per 32 columns."""
     for name, tensor in (("values", values), ("scales", scales), ("mins", mins)):
         if tensor is not None and not tensor.is_contiguous():
             raise_not_contiguous("quantized weight", **{name: tensor})

@@ -40,8 +40,9 @@ QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 # dequantizing it to the activations' dtype once per call and multiplying through oneDNN is
 # faster; benchmark/kernels_quantized.py).
 QUANTIZED_GEMV_MAX_ROWS = 128
-# Rows up to which AVX2's tiled kernel takes bf16 activations as int16 in vpmaddwd (as precise
-# as bf16, and a row's output the same bits at every row count); above, float32 FMA tiles
+# Rows up to which AVX2's tiled kernels take bf16 activations as integers, a row's output the
+# same bits at every row count: int8 per 32 columns in vpmaddubsw for 4- and 6-bit weights,
+# int16 in vpmaddwd for 8-bit ones and where precise (weight-only); above, float32 FMA tiles
 # (csrc/internal.h's AVX2_TILED_MAX_ROWS).
 AVX2_TILED_MAX_ROWS = 16
 
@@ -98,8 +99,9 @@ class QuantizedProjection:
     in prefills too (`int8-wo` or MINISGL_CPU_INT8_ACTIVATIONS=0: kept to 16 bits in two
     passes); with AMX, from QUANTIZED_AMX_MIN_ROWS rows as bf16 on the tiles, the weight
     dequantized block by block (a prefill's: whole, into the packed matmul's layout). With AVX2
-    and no VNNI the weight is tiled too: up to AVX2_TILED_MAX_ROWS bf16 rows meet it as int16
-    (16 bits, in vpmaddwd), more rows and float32 x its tiles dequantized to float32. gated (a
+    and no VNNI the weight is tiled too: up to AVX2_TILED_MAX_ROWS bf16 rows meet 4- and 6-bit
+    weights as int8 per 32 columns (vpmaddubsw), 8-bit ones (and all, where 16 bits are kept) as
+    int16 (vpmaddwd); more rows and float32 x its tiles dequantized to float32. gated (a
     gate_up without bias): with AMX, `silu_and_mul` runs SiLU in the matmul. Without the C
     kernels: dequantized per call."""
 
@@ -117,7 +119,7 @@ class QuantizedProjection:
         int8_activations: more than W8A8_MIN_ROWS bf16 rows rounded to int8 per row (W8A8) where
         the weight is tiled, int8 with one scale per row, and the CPU has AMX-INT8 (with VNNI
         alone the tiled rows' int8 per 32 columns were faster at every row count). weight_only
-        (`int8-wo`): bf16 rows kept to 16 bits on the VNNI tiles, as with
+        (`int8-wo`): bf16 rows kept to 16 bits on the tiles (VNNI, AVX2), as with
         MINISGL_CPU_INT8_ACTIVATIONS=0."""
         self.out_features, self.in_features = weight.out_features, weight.in_features
         layout = (weight.bits, weight.group, weight.in_features)
@@ -135,9 +137,10 @@ class QuantizedProjection:
         self.weight: QuantizedWeight | TiledWeight = tile_weight(weight) if tiled else weight
         # The AMX paths: a tiled weight on a CPU with tiles.
         self.on_amx = tiled and kernels is not None and kernels.has_amx
-        # The tiled VNNI kernels' two passes (x to 16 bits) where int8 activations are off.
+        # x kept to 16 bits where int8 activations are off: the VNNI tiles' two passes, AVX2's
+        # vpmaddwd (which 8-bit weights take anyway).
         int8_off = weight_only or not ENV.CPU_INT8_ACTIVATIONS.value
-        self.precise = tiled and kernels.has_vnni and int8_off
+        self.precise = tiled and int8_off
         self.int8_x = (
             int8_activations
             and tiled

@@ -207,6 +207,25 @@ static inline const void* tile_group_at(const void* src, int64_t scales_f32, int
     return (const char*)src + index * TILE_ROWS * (scales_f32 ? 4 : 2);
 }
 
+// Columns a unit of the tiled kernels holds: within one x scale (32 columns) and one weight group.
+static inline int64_t unit_cols(int64_t group) { return group % 32 == 0 ? 32 : 16; }
+
+#ifdef HAVE_AVX2_FMA
+// The 8 rows' (half h of the tile) scales or mins of tile t, group g (index t * groups + g).
+static inline __m256 half_floats(const void* src, int64_t scales_f32, int64_t index, int64_t h) {
+    const char* at = (const char*)tile_group_at(src, scales_f32, index);
+    if (scales_f32) return _mm256_loadu_ps((const float*)at + 8 * h);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)at + 8 * h)));
+}
+
+// quantized_tiled_avx2_int8.c: bf16 x of up to AVX2_TILED_MAX_ROWS rows against a 4- or 6-bit
+// tiled weight in one int8 pass (path QPATH_AVX2_TILED_INT8), its arguments checked.
+MINISGL_INTERNAL int quantized_tiled_avx2_int8_linear(const bf16_t* x, const quantized_weight* w,
+                                                      const void* bias, void* y, int64_t M,
+                                                      int64_t N, int64_t K, int out_f32,
+                                                      int nthreads);
+#endif
+
 #ifdef HAVE_AVX512
 // The 6-bit values (0..63 a byte) of a 6-bit tile's quad vector: its 4 low bits (nibbles, one a
 // byte) and, from the chunk's top-bits vector for its half, crumb j (bits 2j..2j+1) of each byte.

@@ -43,7 +43,7 @@ typedef struct {
     int64_t tiled;  // values, scales and mins in the tile layout instead (quantized_tiled.c)
     int64_t amx;    // tiled: bf16 x of QUANTIZED_AMX_MIN_ROWS rows on the tiles (quantized_amx.c)
     int64_t int8_x;  // tiled, one scale a row: 6+ bf16 rows of x as int8 (quantized_w8a8.c)
-    int64_t precise;  // tiled, VNNI: bf16 x to 16 bits (two int8 passes), else int8 per 32 columns
+    int64_t precise;  // tiled: bf16 x to 16 bits (VNNI: two int8 passes), else int8 per 32 columns
 } quantized_weight;
 
 typedef struct {
@@ -127,6 +127,7 @@ enum {
     QPATH_TILED_W8A8_VNNI,  // VNNI, no int8 tiles: int8_x, 6+ bf16 rows as int8 per row
     QPATH_AVX2_TILED_INT16,  // AVX2, tile layout: up to 16 bf16 rows as int16 (vpmaddwd)
     QPATH_AVX2_TILED_F32,    // AVX2, tile layout: float32 x, more bf16 rows: tiles to float32
+    QPATH_AVX2_TILED_INT8,   // AVX2, tile layout, 4/6 bits, not precise: up to 16 bf16 rows int8
     QPATH_COUNT
 };
 // Whether a weight of this layout (bits, group, tiled) and K columns is one the kernels take:

@@ -414,6 +414,8 @@ static int tiled_linear(const void* x, const quantized_weight* w, const void* bi
     (void)x_dtype;
     return quantized_tiled_linear(x, w, bias, y, M, N, K, path, out_f32, nthreads);
 #elif defined(HAVE_AVX2_FMA)
+    if (path == QPATH_AVX2_TILED_INT8)
+        return quantized_tiled_avx2_int8_linear(x, w, bias, y, M, N, K, out_f32, nthreads);
     return quantized_tiled_avx2_linear(x, w, bias, y, M, N, K, x_dtype, path, out_f32, nthreads);
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)x_dtype, (void)path;
@@ -463,8 +465,8 @@ int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int 
 #endif
         return w->precise ? QPATH_TILED_PRECISE : QPATH_TILED_INT8;
 #elif defined(HAVE_AVX2_FMA)
-        return x_dtype == 1 && M <= AVX2_TILED_MAX_ROWS ? QPATH_AVX2_TILED_INT16
-                                                        : QPATH_AVX2_TILED_F32;
+        if (x_dtype == 0 || M > AVX2_TILED_MAX_ROWS) return QPATH_AVX2_TILED_F32;
+        return w->bits == 8 || w->precise ? QPATH_AVX2_TILED_INT16 : QPATH_AVX2_TILED_INT8;
 #else
         return -1;  // only a build with AVX2 (or vpdpbusd) reads the tile layout
 #endif

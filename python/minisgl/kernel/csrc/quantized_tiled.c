@@ -29,9 +29,6 @@
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 
 #ifdef HAVE_AVX512_VNNI
-// Columns a unit holds: within one x scale (32 columns) and one weight group.
-static inline int64_t unit_cols(int64_t group) { return group % 32 == 0 ? 32 : 16; }
-
 // The activations as the tiled kernel takes them (per row m).
 typedef struct {
     int8_t* xq;    // [M, K]: x rounded to int8, each 32 columns by its own scale

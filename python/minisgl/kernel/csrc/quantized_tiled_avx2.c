@@ -29,16 +29,6 @@ typedef struct {
     const float* xsum;   // [M, groups]: x's group sums (the mins' term), or NULL
 } tiled_x16;
 
-// Columns a unit holds: within one x scale (32 columns) and one weight group.
-static inline int64_t unit_cols(int64_t group) { return group % 32 == 0 ? 32 : 16; }
-
-// The 8 rows' (half h of the tile) scales or mins of tile t, group g (index t * groups + g).
-static inline __m256 half_floats(const void* src, int64_t scales_f32, int64_t index, int64_t h) {
-    const char* at = (const char*)tile_group_at(src, scales_f32, index);
-    if (scales_f32) return _mm256_loadu_ps((const float*)at + 8 * h);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)at + 8 * h)));
-}
-
 // x's dword (two int16 columns) at p, broadcast.
 static inline __m256i pair_x(const int16_t* p) {
     return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p));
