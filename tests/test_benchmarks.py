@@ -158,5 +158,7 @@ def test_kv_tier_benchmark_smoke_run() -> None:
         for r in (line.split("|") for line in proc.stdout.splitlines())
         if len(r) == 7
     }
-    assert int(rows["cold"][4]) == 0 and int(rows["restored"][4]) == 192
-    assert "outputs equal: yes" in proc.stdout and "tier cost over naive" in proc.stdout
+    # The whole output on failure: the shutdown line says what the first server wrote.
+    report = proc.stdout + proc.stderr[-3000:]
+    assert int(rows["cold"][4]) == 0 and int(rows["restored"][4]) == 192, report
+    assert "outputs equal: yes" in proc.stdout and "tier cost over naive" in proc.stdout, report
