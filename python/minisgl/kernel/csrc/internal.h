@@ -210,6 +210,14 @@ static inline const void* tile_group_at(const void* src, int64_t scales_f32, int
 // Columns a unit of the tiled kernels holds: within one x scale (32 columns) and one weight group.
 static inline int64_t unit_cols(int64_t group) { return group % 32 == 0 ? 32 : 16; }
 
+// Rows of the pass over a tile that starts at x row m0 of M, in passes of up to `most` rows as
+// even in size as they can be (5 rows, 4 at most: 3 + 2, not 4 + 1, whose one-row pass would
+// unpack the whole tile again for a single row).
+static inline int64_t even_pass_rows(int64_t M, int64_t m0, int64_t most) {
+    const int64_t left = M - m0, passes = (left + most - 1) / most;
+    return (left + passes - 1) / passes;
+}
+
 #ifdef HAVE_AVX2_FMA
 // The 8 rows' (half h of the tile) scales or mins of tile t, group g (index t * groups + g).
 static inline __m256 half_floats(const void* src, int64_t scales_f32, int64_t index, int64_t h) {

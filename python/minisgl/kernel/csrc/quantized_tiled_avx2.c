@@ -171,13 +171,13 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
         }
 }
 
-// Every row of y for tile t, in passes of up to TILED_MR rows. Each (rows, bits, unit) is its
-// own compiled form.
+// Every row of y for tile t, in even passes of up to TILED_MR rows (even_pass_rows). Each
+// (rows, bits, unit) is its own compiled form.
 static void tile_rows_i16(const quantized_weight* w, const tiled_x16* xs, const void* bias,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
     const int form = w->bits == 4 ? 0 : (w->bits == 8 ? 1 : 3) + (unit_cols(w->group) == 16);
-    for (int64_t m0 = 0; m0 < M; m0 += TILED_MR) {
-        const int64_t rows = M - m0 < TILED_MR ? M - m0 : TILED_MR;
+    for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
+        rows = even_pass_rows(M, m0, TILED_MR);
         switch (rows * 5 + form) {
 #define ROWS_FORM(r, f, bits, quads)                                             \
     case r * 5 + f:                                                              \

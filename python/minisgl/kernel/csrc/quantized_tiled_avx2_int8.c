@@ -149,15 +149,13 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
         }
 }
 
-// Every row of y for tile t, in passes of up to I8_MR rows as even in size as they can be (5
-// rows: 3 + 2, not 4 + 1, whose pass of one unpacks the tile for a single row). Each (rows,
+// Every row of y for tile t, in even passes of up to I8_MR rows (even_pass_rows). Each (rows,
 // bits, unit) is its own compiled form.
 static void tile_rows_i8(const quantized_weight* w, const tiled_x8* xs, const void* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
     const int form = w->bits == 4 ? 0 : 1 + (unit_cols(w->group) == 16);
-    const int64_t passes = (M + I8_MR - 1) / I8_MR;
-    for (int64_t pass = 0, m0 = 0; pass < passes; pass++) {
-        const int64_t rows = (M - m0) / (passes - pass) + ((M - m0) % (passes - pass) != 0);
+    for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
+        rows = even_pass_rows(M, m0, I8_MR);
         switch (rows * 3 + form) {
 #define ROWS_FORM(r, f, bits, quads)                                             \
     case r * 3 + f:                                                              \
@@ -168,7 +166,6 @@ static void tile_rows_i8(const quantized_weight* w, const tiled_x8* xs, const vo
 #undef ROWS_CASES
 #undef ROWS_FORM
         }
-        m0 += rows;
     }
 }
 
