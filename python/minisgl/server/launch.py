@@ -19,15 +19,17 @@ import threading
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from minisgl.utils import init_logger
 
-from .args import ServerArgs, parse_args
-from .tools import tool_parser_for
+from .prestart import WORKER_MODULES, prestart_workers
 
+if TYPE_CHECKING:
+    from .args import ServerArgs
+
+# torch, FastAPI and the arguments' modules are imported where used: `main` starts the workers'
+# fork server first (prestart.py), so that its imports overlap these.
 logger = init_logger(__name__)
 
 
@@ -51,6 +53,8 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def build_scheduler_config(args: ServerArgs, model_path: str) -> Any:
+    import torch
+
     from minisgl.llm.llm import parse_dtype
     from minisgl.scheduler import SchedulerConfig
     from minisgl.utils.hf import gguf_source
@@ -154,13 +158,6 @@ def _monitor(procs: list[BaseProcess], on_death: Any, is_stopping: Any) -> None:
 
 
 # What the worker processes import (start_workers): the fork server loads them once.
-WORKER_MODULES = (
-    "minisgl.scheduler.io",
-    "minisgl.tokenizer.server",
-    "transformers.models.auto.tokenization_auto",
-)
-
-
 def launch_server(args: ServerArgs) -> int:
     """Run the server until a signal or a dead child; returns the exit code."""
     from minisgl.utils.mp import start_fork_server
@@ -177,6 +174,7 @@ def launch_server(args: ServerArgs) -> int:
     from .frontend import FrontendManager
     from .metrics import ServerMetrics
     from .response_store import ResponseStore
+    from .tools import tool_parser_for
 
     path = resolve_model_path(args.model_path)
     config = build_scheduler_config(args, str(path))
@@ -258,6 +256,9 @@ def launch_server(args: ServerArgs) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m minisgl` and the `minisgl` console script."""
+    prestart_workers(sys.argv[1:] if argv is None else argv)
+    from .args import parse_args
+
     args = parse_args(argv)
     # Children inherit the environment, so they log at the same level.
     os.environ["MINISGL_LOG_LEVEL"] = args.log_level.upper()
