@@ -1,6 +1,7 @@
 """The kernel tests again, in a process whose kernels are built under ASan and UBSan
 (MINISGL_CPU_SANITIZE=1, libasan preloaded): every form this machine executes, the emulated
-AVX-512/VNNI/AMX ones included, fuzzed over shapes (test_kernel_fuzz.py), through their error
+AVX-512/VNNI/AMX ones included (a CPU without AVX-512: its native build's code once, as
+x86-64-v3's; test_kernel_variants.py), fuzzed over shapes (test_kernel_fuzz.py), through their error
 paths (test_kernel_errors.py), their products, elementwise and sampling kernels
 (test_kernel_variants.py) and their attention kernels (test_kernel_attention.py). A read or
 write outside a buffer, or an undefined operation, aborts that process with a report, which
