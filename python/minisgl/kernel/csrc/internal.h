@@ -226,6 +226,53 @@ static inline __m256 half_floats(const void* src, int64_t scales_f32, int64_t in
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)at + 8 * h)));
 }
 
+// x rows one pass of AVX2's tiled kernels multiplies against a tile (quantized_tiled_avx2*.c):
+// its two halves' float sums of 4 rows fill half the registers; more spilled and ran slower.
+#define AVX2_TILE_MR 4
+
+// The offsets' term of group g for x rows m0..m0+R-1 of a pass (acc: each half's 8 weight rows
+// per x row): the half's mins times x's own group sums (xsum [M, groups]).
+static inline __attribute__((always_inline)) void add_group_mins(
+    __m256 acc[2][AVX2_TILE_MR], const quantized_weight* w, const float* xsum, int64_t t,
+    int64_t g, int64_t groups, int64_t m0, const int R) {
+    for (int p = 0; p < 2; p++) {
+        const __m256 mins = half_floats(w->mins, w->scales_f32, t * groups + g, p);
+        for (int r = 0; r < R; r++)
+            acc[p][r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xsum[(m0 + r) * groups + g]),
+                                        acc[p][r]);
+    }
+}
+
+// A pass's sums (acc) into rows m0..m0+R-1 of y [M, N], tile t's outputs below N.
+static inline __attribute__((always_inline)) void store_tile_rows(
+    __m256 acc[2][AVX2_TILE_MR], const void* bias, void* y, int64_t N, int64_t t, int64_t m0,
+    int out_f32, const int R) {
+    for (int p = 0; p < 2; p++)
+        for (int r = 0; r < R; r++) {
+            float sums[8];
+            _mm256_storeu_ps(sums, acc[p][r]);
+            const int64_t n0 = t * TILE_ROWS + 8 * p;
+            for (int64_t l = 0; l < 8 && n0 + l < N; l++)
+                store_out(y, (m0 + r) * N + n0 + l, sums[l], bias, n0 + l, 1, out_f32);
+        }
+}
+
+// 32 bf16 columns at src as float32 (v: 4 vectors of 8) and their largest magnitude: a block
+// of x as the integer forms round it.
+static inline float bf16_block_absmax(const bf16_t* src, __m256 v[4]) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        const __m128i half = _mm_loadu_si128((const __m128i*)(src + 8 * i));
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+        top = _mm256_max_ps(top, _mm256_and_ps(v[i], abs_mask));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+
 // quantized_tiled_avx2_int8.c: bf16 x of up to AVX2_TILED_MAX_ROWS rows against a 4- or 6-bit
 // tiled weight in one int8 pass (path QPATH_AVX2_TILED_INT8), its arguments checked.
 MINISGL_INTERNAL int quantized_tiled_avx2_int8_linear(const bf16_t* x, const quantized_weight* w,

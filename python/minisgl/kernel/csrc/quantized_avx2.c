@@ -191,20 +191,10 @@ MINISGL_INTERNAL int avx2_int16_rows(const quantized_weight* w, int64_t M, int64
 
 MINISGL_INTERNAL void avx2_x_int16(const bf16_t* x, int64_t M, int64_t K, int16_t* x16,
                                    float* xscale) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 32; b++) {
-            const bf16_t* src = x + m * K + b * 32;
-            __m256 v[4], top = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                const __m128i half = _mm_loadu_si128((const __m128i*)(src + 8 * i));
-                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-                top = _mm256_max_ps(top, _mm256_and_ps(v[i], abs_mask));
-            }
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            t = _mm_max_ss(t, _mm_movehdup_ps(t));
-            const float scale = _mm_cvtss_f32(t) / 32767.0f;
+            __m256 v[4];
+            const float scale = bf16_block_absmax(x + m * K + b * 32, v) / 32767.0f;
             const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
             xscale[m * (K / 32) + b] = scale;
             __m256i ints[4];

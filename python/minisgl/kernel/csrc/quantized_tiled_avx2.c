@@ -17,7 +17,6 @@
 // by side per column (the block quantized_avx2.c's FMA tile takes), nothing transposed.
 
 #ifdef HAVE_AVX2_FMA
-#define TILED_MR 4         // x rows one pass over a tile multiplies
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 
 // x as the int16 kernel takes it (rows m: M of them).
@@ -50,7 +49,7 @@ static inline __m256i six_bit_pair(__m256i v, __m256i tops, int hh, int j, int o
 // The empty asm keeps each sum in its register as it goes: integer adds reassociate, and gcc
 // summed a unit's products as a tree at its end, every product held until then and spilled
 // (half the speed).
-static inline void accumulate_pairs(__m256i sums[2][TILED_MR], const __m256i* even,
+static inline void accumulate_pairs(__m256i sums[2][AVX2_TILE_MR], const __m256i* even,
                                     const __m256i* odd, const int16_t* xq, int64_t K,
                                     const int R) {
 #pragma GCC unroll 4
@@ -79,7 +78,7 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
     // The scales and mins as far ahead as the values (unfetched, their misses cost the VNNI
     // kernel a tenth of a batch of 1's time).
     const int64_t groups_ahead = (PREFETCH_UNITS * unit + group - 1) / group;
-    __m256 acc[2][TILED_MR];
+    __m256 acc[2][AVX2_TILE_MR];
     for (int p = 0; p < 2; p++)
         for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -98,7 +97,7 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
                 for (int line = 0; line < unit * BITS * 2; line += 64)
                     _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
             }
-            __m256i sums[2][TILED_MR];
+            __m256i sums[2][AVX2_TILE_MR];
             for (int r = 0; r < R; r++) {
                 const __m256i start = xs->neg ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
                                               : _mm256_setzero_si256();
@@ -152,32 +151,18 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
                                                 _mm256_mul_ps(scale[p], xd), acc[p][r]);
             }
         }
-        if (w->mins) {
-            for (int p = 0; p < 2; p++) {
-                const __m256 mins = half_floats(w->mins, w->scales_f32, t * groups + g, p);
-                for (int r = 0; r < R; r++)
-                    acc[p][r] = _mm256_fmadd_ps(
-                        mins, _mm256_set1_ps(xs->xsum[(m0 + r) * groups + g]), acc[p][r]);
-            }
-        }
+        if (w->mins) add_group_mins(acc, w, xs->xsum, t, g, groups, m0, R);
     }
-    for (int p = 0; p < 2; p++)
-        for (int r = 0; r < R; r++) {
-            float sums[8];
-            _mm256_storeu_ps(sums, acc[p][r]);
-            const int64_t n0 = t * TILE_ROWS + 8 * p;
-            for (int64_t l = 0; l < 8 && n0 + l < N; l++)
-                store_out(y, (m0 + r) * N + n0 + l, sums[l], bias, n0 + l, 1, out_f32);
-        }
+    store_tile_rows(acc, bias, y, N, t, m0, out_f32, R);
 }
 
-// Every row of y for tile t, in even passes of up to TILED_MR rows (even_pass_rows). Each
+// Every row of y for tile t, in even passes of up to AVX2_TILE_MR rows (even_pass_rows). Each
 // (rows, bits, unit) is its own compiled form.
 static void tile_rows_i16(const quantized_weight* w, const tiled_x16* xs, const void* bias,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
     const int form = w->bits == 4 ? 0 : (w->bits == 8 ? 1 : 3) + (unit_cols(w->group) == 16);
     for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
-        rows = even_pass_rows(M, m0, TILED_MR);
+        rows = even_pass_rows(M, m0, AVX2_TILE_MR);
         switch (rows * 5 + form) {
 #define ROWS_FORM(r, f, bits, quads)                                             \
     case r * 5 + f:                                                              \

@@ -13,7 +13,6 @@
 // same at every row count, and its integers are the VNNI kernels' (tiled-int8).
 
 #ifdef HAVE_AVX2_FMA
-#define I8_MR 4            // x rows one pass over a tile multiplies (more spilled: slower)
 #define I8_PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 
 // x as the int8 kernel takes it (rows m: M of them).
@@ -54,7 +53,7 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
     const uint8_t* tile = (const uint8_t*)w->values + t * tile_bytes(BITS, K);
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups_ahead = (I8_PREFETCH_UNITS * unit + group - 1) / group;
-    __m256 acc[2][I8_MR];
+    __m256 acc[2][AVX2_TILE_MR];
     for (int p = 0; p < 2; p++)
         for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -76,7 +75,7 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
                 for (int line = 0; line < unit * BITS * 2; line += 64)
                     _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
             }
-            __m256i sums[2][I8_MR], pairs[2][I8_MR];
+            __m256i sums[2][AVX2_TILE_MR], pairs[2][AVX2_TILE_MR];
             for (int r = 0; r < R; r++) {
                 const __m256i start = BITS == 6 ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
                                                 : _mm256_setzero_si256();
@@ -130,32 +129,18 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
                 }
             }
         }
-        if (w->mins) {
-            for (int p = 0; p < 2; p++) {
-                const __m256 mins = half_floats(w->mins, w->scales_f32, t * groups + g, p);
-                for (int r = 0; r < R; r++)
-                    acc[p][r] = _mm256_fmadd_ps(
-                        mins, _mm256_set1_ps(xs->xsum[(m0 + r) * groups + g]), acc[p][r]);
-            }
-        }
+        if (w->mins) add_group_mins(acc, w, xs->xsum, t, g, groups, m0, R);
     }
-    for (int p = 0; p < 2; p++)
-        for (int r = 0; r < R; r++) {
-            float out[8];
-            _mm256_storeu_ps(out, acc[p][r]);
-            const int64_t n0 = t * TILE_ROWS + 8 * p;
-            for (int64_t l = 0; l < 8 && n0 + l < N; l++)
-                store_out(y, (m0 + r) * N + n0 + l, out[l], bias, n0 + l, 1, out_f32);
-        }
+    store_tile_rows(acc, bias, y, N, t, m0, out_f32, R);
 }
 
-// Every row of y for tile t, in even passes of up to I8_MR rows (even_pass_rows). Each (rows,
-// bits, unit) is its own compiled form.
+// Every row of y for tile t, in even passes of up to AVX2_TILE_MR rows (even_pass_rows). Each
+// (rows, bits, unit) is its own compiled form.
 static void tile_rows_i8(const quantized_weight* w, const tiled_x8* xs, const void* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int64_t t, int out_f32) {
     const int form = w->bits == 4 ? 0 : 1 + (unit_cols(w->group) == 16);
     for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
-        rows = even_pass_rows(M, m0, I8_MR);
+        rows = even_pass_rows(M, m0, AVX2_TILE_MR);
         switch (rows * 3 + form) {
 #define ROWS_FORM(r, f, bits, quads)                                             \
     case r * 3 + f:                                                              \
@@ -174,21 +159,11 @@ static void tile_rows_i8(const quantized_weight* w, const tiled_x8* xs, const vo
 // operation (float32 max|x| / 127, x times its inverse, nearest even).
 static void prepare_x8(const bf16_t* x, const quantized_weight* w, int64_t M, int64_t K,
                        int8_t* xq, float* xd, int32_t* neg, float* xsum) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int64_t unit = unit_cols(w->group), units = K / unit;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 32; b++) {
-            const bf16_t* src = x + m * K + b * 32;
-            __m256 v[4], top = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                const __m128i half = _mm_loadu_si128((const __m128i*)(src + 8 * i));
-                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-                top = _mm256_max_ps(top, _mm256_and_ps(v[i], abs_mask));
-            }
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            t = _mm_max_ss(t, _mm_movehdup_ps(t));
-            const float d = _mm_cvtss_f32(t) / 127.0f;
+            __m256 v[4];
+            const float d = bf16_block_absmax(x + m * K + b * 32, v) / 127.0f;
             const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
             xd[m * (K / 32) + b] = d;
             __m256i ints[4];
