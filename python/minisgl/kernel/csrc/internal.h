@@ -257,11 +257,11 @@ static inline __attribute__((always_inline)) void store_tile_rows(
         }
 }
 
-// 32 bf16 columns at src as float32 (v: 4 vectors of 8) and their largest magnitude: a block
-// of x as the integer forms round it.
-static inline float bf16_block_absmax(const bf16_t* src, __m256 v[4]) {
+// 32 bf16 columns at src rounded to integers of at most `limit` in magnitude (nearest even):
+// into ints (4 vectors of 8, in column order); returns their scale, max|x| / limit (0: all 0).
+static inline float bf16_block_round(const bf16_t* src, float limit, __m256i ints[4]) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 top = _mm256_setzero_ps();
+    __m256 v[4], top = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
         const __m128i half = _mm_loadu_si128((const __m128i*)(src + 8 * i));
         v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
@@ -270,7 +270,34 @@ static inline float bf16_block_absmax(const bf16_t* src, __m256 v[4]) {
     __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     t = _mm_max_ps(t, _mm_movehl_ps(t, t));
     t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    return _mm_cvtss_f32(t);
+    const float scale = _mm_cvtss_f32(t) / limit;
+    const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    for (int i = 0; i < 4; i++) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    return scale;
+}
+
+// A pass's start on group g of tile t: the two halves' scales; the first pass (m0 0) also
+// fetches the scales and mins `ahead` groups on (unfetched, their misses cost the VNNI kernel a
+// tenth of a batch of 1's time).
+static inline __attribute__((always_inline)) void group_scales(
+    __m256 scale[2], const quantized_weight* w, int64_t t, int64_t g, int64_t groups,
+    int64_t ahead, int64_t m0) {
+    const int64_t index = t * groups + g;
+    for (int p = 0; p < 2; p++) scale[p] = half_floats(w->scales, w->scales_f32, index, p);
+    if (m0 == 0) {
+        __builtin_prefetch(tile_group_at(w->scales, w->scales_f32, index + ahead));
+        if (w->mins) __builtin_prefetch(tile_group_at(w->mins, w->scales_f32, index + ahead));
+    }
+}
+
+// The first pass (m0 0) over a tile fetches its values `ahead` units of `bytes` on (past the
+// tile's end: the next tile, the same thread's).
+static inline void prefetch_unit(const uint8_t* tile, int64_t u, int64_t ahead, int64_t bytes,
+                                 int64_t m0) {
+    if (m0 != 0) return;
+    const uint8_t* next = tile + (u + ahead) * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+        _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
 }
 
 // quantized_tiled_avx2_int8.c: bf16 x of up to AVX2_TILED_MAX_ROWS rows against a 4- or 6-bit

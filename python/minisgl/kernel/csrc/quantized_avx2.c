@@ -193,12 +193,8 @@ MINISGL_INTERNAL void avx2_x_int16(const bf16_t* x, int64_t M, int64_t K, int16_
                                    float* xscale) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 32; b++) {
-            __m256 v[4];
-            const float scale = bf16_block_absmax(x + m * K + b * 32, v) / 32767.0f;
-            const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-            xscale[m * (K / 32) + b] = scale;
             __m256i ints[4];
-            for (int i = 0; i < 4; i++) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+            xscale[m * (K / 32) + b] = bf16_block_round(x + m * K + b * 32, 32767.0f, ints);
             // packs interleaves the 128-bit halves: 0xD8 puts the columns back in order
             const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[0], ints[1]), 0xD8);
             const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[2], ints[3]), 0xD8);

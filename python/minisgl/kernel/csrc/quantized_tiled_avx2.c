@@ -75,28 +75,17 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
     const int64_t units = K / unit, units_per_group = group / unit, xblocks = K / 32;
     const uint8_t* tile = (const uint8_t*)w->values + t * tile_bytes(BITS, K);
     const __m256i low4 = _mm256_set1_epi32(0x000F000F), low8 = _mm256_set1_epi32(0x00FF00FF);
-    // The scales and mins as far ahead as the values (unfetched, their misses cost the VNNI
-    // kernel a tenth of a batch of 1's time).
+    // The scales and mins as far ahead as the values.
     const int64_t groups_ahead = (PREFETCH_UNITS * unit + group - 1) / group;
     __m256 acc[2][AVX2_TILE_MR];
     for (int p = 0; p < 2; p++)
         for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 scale[2];
-        for (int p = 0; p < 2; p++)
-            scale[p] = half_floats(w->scales, w->scales_f32, t * groups + g, p);
-        if (m0 == 0) {  // the first pass over the tile fetches ahead
-            const int64_t ahead = t * groups + g + groups_ahead;
-            __builtin_prefetch(tile_group_at(w->scales, w->scales_f32, ahead));
-            if (w->mins) __builtin_prefetch(tile_group_at(w->mins, w->scales_f32, ahead));
-        }
+        group_scales(scale, w, t, g, groups, groups_ahead, m0);
         for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
             const int16_t* xu = xs->x16 + m0 * K + u * unit;  // row m0's first column of u
-            if (m0 == 0) {  // (past the tile's end: the next tile, this thread's)
-                const uint8_t* next = tile + (u + PREFETCH_UNITS) * unit * BITS * 2;
-                for (int line = 0; line < unit * BITS * 2; line += 64)
-                    _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
-            }
+            prefetch_unit(tile, u, PREFETCH_UNITS, unit * BITS * 2, m0);
             __m256i sums[2][AVX2_TILE_MR];
             for (int r = 0; r < R; r++) {
                 const __m256i start = xs->neg ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])

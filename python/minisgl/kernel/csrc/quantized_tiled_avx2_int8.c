@@ -58,23 +58,13 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
         for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 scale[2];
-        for (int p = 0; p < 2; p++)
-            scale[p] = half_floats(w->scales, w->scales_f32, t * groups + g, p);
-        if (m0 == 0) {  // the first pass over the tile fetches ahead
-            const int64_t ahead = t * groups + g + groups_ahead;
-            __builtin_prefetch(tile_group_at(w->scales, w->scales_f32, ahead));
-            if (w->mins) __builtin_prefetch(tile_group_at(w->mins, w->scales_f32, ahead));
-        }
+        group_scales(scale, w, t, g, groups, groups_ahead, m0);
         for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
             // The unit's chunk (a 16-column unit: nibble half u % 2 of it).
             const int64_t chunk = QUADS == 8 ? u : u / 2;
             const uint8_t* at = tile + chunk * 64 * BITS;
             const int8_t* xc = xs->xq + m0 * K + chunk * 32;  // row m0's column 0 of the chunk
-            if (m0 == 0) {  // (past the tile's end: the next tile, this thread's)
-                const uint8_t* next = tile + (u + I8_PREFETCH_UNITS) * unit * BITS * 2;
-                for (int line = 0; line < unit * BITS * 2; line += 64)
-                    _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
-            }
+            prefetch_unit(tile, u, I8_PREFETCH_UNITS, unit * BITS * 2, m0);
             __m256i sums[2][AVX2_TILE_MR], pairs[2][AVX2_TILE_MR];
             for (int r = 0; r < R; r++) {
                 const __m256i start = BITS == 6 ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
@@ -162,12 +152,8 @@ static void prepare_x8(const bf16_t* x, const quantized_weight* w, int64_t M, in
     const int64_t unit = unit_cols(w->group), units = K / unit;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 32; b++) {
-            __m256 v[4];
-            const float d = bf16_block_absmax(x + m * K + b * 32, v) / 127.0f;
-            const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-            xd[m * (K / 32) + b] = d;
             __m256i ints[4];
-            for (int i = 0; i < 4; i++) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+            xd[m * (K / 32) + b] = bf16_block_round(x + m * K + b * 32, 127.0f, ints);
             // packs interleaves the 128-bit halves (twice): this permutation puts them in order
             const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
                                                      _mm256_packs_epi32(ints[2], ints[3]));
