@@ -52,8 +52,7 @@ EVERY_FORM = [t.name for t in TARGETS if can_run(t)] + ["native"]
 # target it runs (x86-64-v3's on Zen 2/3: the same HAVE_* paths, other instruction choices),
 # and the sanitizers check source operations, not instruction choices: there the sanitized run
 # takes that code once (a fifth of its time on an AVX2 CPU).
-_RUNS = {t.name for t in TARGETS if can_run(t)}
-if ENV.CPU_SANITIZE.value and "x86-64-v3" in _RUNS and "avx512-no-bf16" not in _RUNS:
+if ENV.CPU_SANITIZE.value and "x86-64-v3" in EVERY_FORM and "avx512-no-bf16" not in EVERY_FORM:
     EVERY_FORM.remove("native")
 EMULATED = {t.name for t in TARGETS if t.emulated}
 RUNNABLE = [name for name in EVERY_FORM if name not in EMULATED or ENV.CPU_SANITIZE.value]

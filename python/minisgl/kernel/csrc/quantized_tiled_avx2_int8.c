@@ -95,6 +95,8 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
                         for (int p = 0; p < 2; p++) {
                             pairs[p][r] = _mm256_add_epi16(pairs[p][r],
                                                            _mm256_maddubs_epi16(ints[p], xb));
+                            // each sum kept in its register as it goes (accumulate_pairs says
+                            // why: gcc otherwise held every product for a tree at the end)
                             __asm__("" : "+x"(pairs[p][r]));
                         }
                     }
