@@ -140,8 +140,8 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
                                                 _mm256_mul_ps(scale[p], xd), acc[p][r]);
             }
         }
-        if (w->mins) add_group_mins(acc, w, xs->xsum, t, g, groups, m0, R);
     }
+    if (w->mins) add_offsets(acc, w, xs->xsum, t, groups, m0, R);
     store_tile_rows(acc, bias, y, N, t, m0, out_f32, R);
 }
 

@@ -51,78 +51,82 @@ static inline FORM_INLINE void tile_rows_i8_impl(const quantized_weight* w, cons
     const int64_t group = w->group, groups = K / group, unit = 4 * QUADS;
     const int64_t units = K / unit, units_per_group = group / unit, xblocks = K / 32;
     const uint8_t* tile = (const uint8_t*)w->values + t * tile_bytes(BITS, K);
+    const int8_t* xq = xs->xq + m0 * K;
+    const float* xd = xs->xd + m0 * xblocks;
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups_ahead = (I8_PREFETCH_UNITS * unit + group - 1) / group;
-    __m256 acc[2][AVX2_TILE_MR];
-    for (int p = 0; p < 2; p++)
-        for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 scale[2];
-        group_scales(scale, w, t, g, groups, groups_ahead, m0);
-        for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
-            // The unit's chunk (a 16-column unit: nibble half u % 2 of it).
-            const int64_t chunk = QUADS == 8 ? u : u / 2;
-            const uint8_t* at = tile + chunk * 64 * BITS;
-            const int8_t* xc = xs->xq + m0 * K + chunk * 32;  // row m0's column 0 of the chunk
-            prefetch_unit(tile, u, I8_PREFETCH_UNITS, unit * BITS * 2, m0);
-            __m256i sums[2][AVX2_TILE_MR], pairs[2][AVX2_TILE_MR];
-            for (int r = 0; r < R; r++) {
-                const __m256i start = BITS == 6 ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
-                                                : _mm256_setzero_si256();
-                for (int p = 0; p < 2; p++)
-                    sums[p][r] = start, pairs[p][r] = _mm256_setzero_si256();
-            }
-            // A 16-column unit is one nibble half of its chunk (u % 2), a 32-column one both.
-            const int first_half = QUADS == 4 ? (int)(u % 2) : 0, halves = QUADS == 4 ? 1 : 2;
+    // The float sums stay in memory, loaded and stored once a unit: they do not fit the
+    // registers beside 4 rows' int16 sums, and gcc's own spills kept two copies of each.
+    float acc_at[2][AVX2_TILE_MR][8] __attribute__((aligned(32))) = {{{0}}};
+    __m256 scale[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t u = 0, g = 0, in_group = 0; u < units; u++) {
+        if (in_group == 0) group_scales(scale, w, t, g, groups, groups_ahead, m0);
+        // The unit's chunk (a 16-column unit: nibble half u % 2 of it).
+        const int64_t chunk = QUADS == 8 ? u : u / 2;
+        const uint8_t* at = tile + chunk * 64 * BITS;
+        const int8_t* xc = xq + chunk * 32;  // row m0's column 0 of the chunk
+        prefetch_unit(tile, u, I8_PREFETCH_UNITS, unit * BITS * 2, m0);
+        __m256i sums[2][AVX2_TILE_MR], pairs[2][AVX2_TILE_MR];
+        for (int r = 0; r < R; r++) {
+            const __m256i start = BITS == 6 ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
+                                            : _mm256_setzero_si256();
+            for (int p = 0; p < 2; p++) sums[p][r] = start, pairs[p][r] = _mm256_setzero_si256();
+        }
+        // A 16-column unit is one nibble half of its chunk (u % 2), a 32-column one both.
+        const int first_half = QUADS == 4 ? (int)(u % 2) : 0, halves = QUADS == 4 ? 1 : 2;
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                __m256i v[2];
-                for (int p = 0; p < 2; p++)
-                    v[p] = _mm256_loadu_si256((const __m256i*)(at + j * 64 + p * 32));
+        for (int j = 0; j < 4; j++) {
+            __m256i v[2];
+            for (int p = 0; p < 2; p++)
+                v[p] = _mm256_loadu_si256((const __m256i*)(at + j * 64 + p * 32));
 #pragma GCC unroll 2
-                for (int hh = first_half; hh < first_half + halves; hh++) {
-                    __m256i ints[2];
-                    for (int p = 0; p < 2; p++) {
-                        const __m256i tops =
-                            BITS == 6 ? _mm256_loadu_si256(
-                                            (const __m256i*)(at + 256 + hh * 64 + p * 32))
-                                      : _mm256_setzero_si256();
-                        ints[p] = tile_bytes_at(v[p], tops, hh, j, BITS);
-                    }
-#pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        const __m256i xb = quad_x8(xc + r * K + 16 * hh + 4 * j);
-                        for (int p = 0; p < 2; p++) {
-                            pairs[p][r] = _mm256_add_epi16(pairs[p][r],
-                                                           _mm256_maddubs_epi16(ints[p], xb));
-                            // each sum kept in its register as it goes (accumulate_pairs says
-                            // why: gcc otherwise held every product for a tree at the end)
-                            __asm__("" : "+x"(pairs[p][r]));
-                        }
-                    }
+            for (int hh = first_half; hh < first_half + halves; hh++) {
+                __m256i ints[2];
+                for (int p = 0; p < 2; p++) {
+                    const __m256i tops =
+                        BITS == 6
+                            ? _mm256_loadu_si256((const __m256i*)(at + 256 + hh * 64 + p * 32))
+                            : _mm256_setzero_si256();
+                    ints[p] = tile_bytes_at(v[p], tops, hh, j, BITS);
                 }
-                // 6 bits: two quads fill int16 (a 32-column unit's j, a 16-column one's j pair)
-                if (BITS == 6 && (QUADS == 8 || j % 2 == 1)) {
-                    for (int r = 0; r < R; r++)
-                        for (int p = 0; p < 2; p++) {
-                            sums[p][r] = _mm256_add_epi32(sums[p][r],
-                                                          _mm256_madd_epi16(pairs[p][r], ones));
-                            pairs[p][r] = _mm256_setzero_si256();
-                        }
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i xb = quad_x8(xc + r * K + 16 * hh + 4 * j);
+                    for (int p = 0; p < 2; p++) {
+                        pairs[p][r] =
+                            _mm256_add_epi16(pairs[p][r], _mm256_maddubs_epi16(ints[p], xb));
+                        // each sum kept in its register as it goes (accumulate_pairs says
+                        // why: gcc otherwise held every product for a tree at the end)
+                        __asm__("" : "+x"(pairs[p][r]));
+                    }
                 }
             }
-            for (int r = 0; r < R; r++) {
-                const __m256 xd = _mm256_set1_ps(xs->xd[(m0 + r) * xblocks + u * unit / 32]);
-                for (int p = 0; p < 2; p++) {
-                    const __m256i sum = BITS == 4 ? _mm256_madd_epi16(pairs[p][r], ones)
-                                                  : sums[p][r];
-                    acc[p][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
-                                                _mm256_mul_ps(scale[p], xd), acc[p][r]);
-                }
+            // 6 bits: two quads fill int16 (a 32-column unit's j, a 16-column one's j pair)
+            if (BITS == 6 && (QUADS == 8 || j % 2 == 1)) {
+                for (int r = 0; r < R; r++)
+                    for (int p = 0; p < 2; p++) {
+                        sums[p][r] =
+                            _mm256_add_epi32(sums[p][r], _mm256_madd_epi16(pairs[p][r], ones));
+                        pairs[p][r] = _mm256_setzero_si256();
+                    }
             }
         }
-        if (w->mins) add_group_mins(acc, w, xs->xsum, t, g, groups, m0, R);
+        for (int r = 0; r < R; r++) {
+            const __m256 x_scale = _mm256_set1_ps(xd[r * xblocks + u * unit / 32]);
+            for (int p = 0; p < 2; p++) {
+                const __m256i sum = BITS == 4 ? _mm256_madd_epi16(pairs[p][r], ones) : sums[p][r];
+                const __m256 scaled = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                                      _mm256_mul_ps(scale[p], x_scale),
+                                                      _mm256_load_ps(acc_at[p][r]));
+                _mm256_store_ps(acc_at[p][r], scaled);
+            }
+        }
+        if (++in_group == units_per_group) in_group = 0, g++;
     }
+    __m256 acc[2][AVX2_TILE_MR];
+    for (int p = 0; p < 2; p++)
+        for (int r = 0; r < R; r++) acc[p][r] = _mm256_load_ps(acc_at[p][r]);
+    if (w->mins) add_offsets(acc, w, xs->xsum, t, groups, m0, R);
     store_tile_rows(acc, bias, y, N, t, m0, out_f32, R);
 }
 
