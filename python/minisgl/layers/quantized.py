@@ -44,7 +44,7 @@ QUANTIZED_GEMV_MAX_ROWS = 128
 # same bits at every row count: int8 per 32 columns in vpmaddubsw for 4- and 6-bit weights,
 # int16 in vpmaddwd for 8-bit ones and where precise (weight-only); above, float32 FMA tiles
 # (csrc/internal.h's AVX2_TILED_MAX_ROWS).
-AVX2_TILED_MAX_ROWS = 16
+AVX2_TILED_MAX_ROWS = 64
 
 
 # QuantizedProjection.route's answers: the C kernel, the AMX packed matmul, torch on the

@@ -98,7 +98,7 @@ class Speculator:
         self.min_match, self.max_match = min_match, max_match
         # Row counts past which the target computes a row another way (decode_row_bounds): a
         # verify step stays within its batch's, so its rows are what decoding one by one gives
-        # (and the kernel's cost does not jump: AVX2's tiles past 16 rows).
+        # (and the kernel's cost does not jump: AVX2's tiles past 64 rows).
         self.row_bounds = sorted(row_bounds)
         self.cache = NgramCache(min_match, max_match, branch_length, capacity)
         self.matches = MatchStats(max(self.max_drafts, 1), MATCH_LENGTHS, PRIOR_ACCEPTANCE)

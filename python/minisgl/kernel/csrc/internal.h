@@ -129,7 +129,7 @@ MINISGL_INTERNAL void avx2_block_rows(const float* xf, const float* wt, const vo
 // arguments checked; bf16 x of up to AVX2_TILED_MAX_ROWS rows as int16 (path
 // QPATH_AVX2_TILED_INT16), else float32 products (QPATH_AVX2_TILED_F32).
 // layers/quantized.py's AVX2_TILED_MAX_ROWS is this number.
-#define AVX2_TILED_MAX_ROWS 16
+#define AVX2_TILED_MAX_ROWS 64
 MINISGL_INTERNAL int quantized_tiled_avx2_linear(const void* x, const quantized_weight* w,
                                                  const void* bias, void* y, int64_t M, int64_t N,
                                                  int64_t K, int x_dtype, int path, int out_f32,
