@@ -116,10 +116,16 @@ def test_attention_over_shared_prefix_reads_each_slot_once(min_dup: float, monke
         return shared_attention(self, *args)
 
     monkeypatch.setattr(TorchAttnBackend, "_shared_attention", counting)
+    from minisgl.attention.cpu_backend import CpuAttnBackend
+
     llm = build_llm("qwen3", page_size=4)
     shared = list(range(3000, 3064))
     llm.generate([shared + [7]], greedy(1))  # cache the shared prefix first
-    prompts = [shared + [100 + i, 200 + i] for i in range(8)] + [[11, 12, 13]]
+    # Extends longer than the paged kernel's (which takes short ones on a CPU without the
+    # blocked kernel), so that the prefill reaches SDPA.
+    extend = CpuAttnBackend.paged_max_extend + 2
+    prompts = [shared + [100 + i + 20 * j for j in range(extend)] for i in range(8)]
+    prompts.append([11, 12, 13])
     outputs = llm.generate(prompts, greedy(8))
     assert calls, "the shared-slot attention path was not taken"
     assert [o["token_ids"] for o in outputs] == hf_greedy("qwen3", prompts, 8)

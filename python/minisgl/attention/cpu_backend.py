@@ -1,4 +1,5 @@
-"""CPU attention: decode steps through the C paged kernel, everything else through SDPA."""
+"""CPU attention: decode steps and short extends through the C paged kernel, prefills through the
+C blocked kernel or SDPA."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class CpuAttnBackend(TorchAttnBackend):
     """Decode reads each request's KV slots in place (no gather, no padding); one query per
     request, heads of a GQA group sharing every key/value read. Prefill runs causal attention
     in the C blocked kernel where the pool is bf16 (on the AMX tiles where the CPU has them,
-    else vdpbf16ps), else the torch backend.
+    else vdpbf16ps); without it, prefills of short extends (`paged_max_extend`) in the paged
+    kernel as verify steps do, longer ones in the torch backend.
 
     Cascade: when every request of a batch starts with the same cached slots (a shared system
     prompt) of at least `cascade_min_prefix` positions, those are attended once for the whole
@@ -55,6 +57,12 @@ class CpuAttnBackend(TorchAttnBackend):
     # queries, level at 128-1,024, 0.9x at 1,024 on Qwen3's heads). Without tiles the
     # vdpbf16ps kernel takes every size (2.6-2.9x SDPA at 63 and 2,016 queries on Zen 5).
     tiles_max_shared_queries = 128
+    # Without the blocked kernel, prefills whose every request extends by at most this many
+    # tokens (a radix hit's last token, a short turn) run in the paged decode kernel, whose rows
+    # are each the same bits in any batch: SDPA over the padded batch gave two identical
+    # requests' last tokens other logits in one batch, and which copy the radix tree kept then
+    # decided a later batch's greedy tokens (benchmark/speculative.py's chat prompts at batch 16).
+    paged_max_extend = 16
 
     def __init__(
         self,
@@ -74,7 +82,8 @@ class CpuAttnBackend(TorchAttnBackend):
         reqs = batch.reqs
         if not self.kernel_fits:
             return super().prepare_metadata(batch)
-        if batch.is_prefill and len(reqs) < 2:
+        short = batch.is_prefill and max(r.extend_len for r in reqs) <= self.paged_max_extend
+        if batch.is_prefill and len(reqs) < 2 and (self.prefill_in_kernel or not short):
             return self._prepare_prefill(batch)
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
         # Only positions every request had cached before this step can be shared.
@@ -88,7 +97,8 @@ class CpuAttnBackend(TorchAttnBackend):
         if shared < self.cascade_min_prefix:
             shared = 0
         if batch.is_prefill:
-            if not shared or max(r.extend_len for r in reqs) > self.cascade_max_extend:
+            paged = shared or (short and not self.prefill_in_kernel)
+            if not paged or max(r.extend_len for r in reqs) > self.cascade_max_extend:
                 return self._prepare_prefill(batch)
             assert batch.positions is not None
             extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
