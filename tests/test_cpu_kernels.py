@@ -316,8 +316,12 @@ def test_cascade_over_a_shared_system_prompt_matches_hf(arch, monkeypatch):
     llm = build_llm(arch, page_size=4, overlap_schedule=False)
     system = list(range(3000, 3050))
     llm.generate([system + [7]], greedy(1))  # cache the shared prompt first
-    # Different question lengths, one request that shares nothing joins later batches.
-    prompts = [system + list(range(100 + i, 103 + 2 * i)) for i in range(6)] + [[11, 12, 13]]
+    # Different question lengths, one request that shares nothing joins later batches. The
+    # questions are longer than the extends the paged kernel prefills (paged_max_extend), so the
+    # prefill reaches SDPA's shared-slot path where the CPU has no blocked kernel.
+    longer = CpuAttnBackend.paged_max_extend
+    prompts = [system + list(range(100 + i, 103 + longer + 2 * i)) for i in range(6)]
+    prompts.append([11, 12, 13])
     max_new = [9, 4, 12, 6, 10, 3, 8]
     outputs = llm.generate(prompts, [greedy(n) for n in max_new])
     assert cascaded["prefill"] and cascaded["decode"], cascaded
