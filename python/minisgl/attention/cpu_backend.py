@@ -82,7 +82,8 @@ class CpuAttnBackend(TorchAttnBackend):
         reqs = batch.reqs
         if not self.kernel_fits:
             return super().prepare_metadata(batch)
-        short = batch.is_prefill and max(r.extend_len for r in reqs) <= self.paged_max_extend
+        longest = max(r.extend_len for r in reqs)
+        short = batch.is_prefill and longest <= self.paged_max_extend
         if batch.is_prefill and len(reqs) < 2 and (self.prefill_in_kernel or not short):
             return self._prepare_prefill(batch)
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
@@ -98,7 +99,7 @@ class CpuAttnBackend(TorchAttnBackend):
             shared = 0
         if batch.is_prefill:
             paged = shared or (short and not self.prefill_in_kernel)
-            if not paged or max(r.extend_len for r in reqs) > self.cascade_max_extend:
+            if not paged or longest > self.cascade_max_extend:
                 return self._prepare_prefill(batch)
             assert batch.positions is not None
             extend_lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)

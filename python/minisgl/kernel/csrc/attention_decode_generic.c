@@ -106,8 +106,10 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
     float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
     float scores[ATTN_MAX_HEADS][ATTN_BLOCK], row[ATTN_MAX_DIM];
 #ifdef HAVE_AVX2_FMA
-    // A block's keys, then its values, of one kv head as float32 rows (AVX2's loops).
+    // A block's keys, then its values, of one kv head as float32 rows (AVX2's loops; DIM 0,
+    // any head_dim, takes the loops below).
     float block_f32[ATTN_BLOCK * ATTN_MAX_DIM] __attribute__((aligned(32)));
+    const int avx2_blocks = DIM > 0 && DIM % 8 == 0;
 #endif
     float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
     int64_t out_offset[ATTN_MAX_HEADS];
@@ -140,7 +142,7 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
             blocks[r] = left <= 0 ? 0 : left < ATTN_BLOCK ? left : ATTN_BLOCK;
         }
 #ifdef HAVE_AVX2_FMA
-        if (DIM > 0 && DIM % 8 == 0) {  // (DIM 0: any head_dim, the loops below)
+        if (avx2_blocks) {
             for (int64_t kv = 0; kv < kv_count; kv++) {
                 block_rows_f32(a, a->k_cache, slots + t0, kvh0 + kv, block,
                                kv == 0 ? end - t0 : 0, row_bytes, part_offset, part_bytes,
@@ -191,7 +193,7 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
         }
         has_state = 1;
 #ifdef HAVE_AVX2_FMA
-        if (DIM > 0 && DIM % 8 == 0) {
+        if (avx2_blocks) {
             for (int64_t kv = 0; kv < kv_count; kv++) {
                 block_rows_f32(a, a->v_cache, slots + t0, kvh0 + kv, block,
                                kv == 0 ? block : 0, row_bytes, part_offset, part_bytes,
