@@ -275,6 +275,34 @@ def test_freed_pages_come_back_lowest_first_as_runs(page_size: int) -> None:
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("num_pages", [64, 5000])
+def test_free_pages_hand_out_the_lowest_whatever_was_freed_when(num_pages: int) -> None:
+    """Random takes and frees (a few pages, as rejected drafts; many, as evictions) against a set:
+    every take is the lowest free pages, ascending, whether they waited on the side list or not."""
+    from minisgl.scheduler.free_pages import FreePages
+
+    page_size = 4
+    free_pages = FreePages(num_pages, page_size, torch.device("cpu"))
+    reference = set(range(0, num_pages * page_size, page_size))
+    held: list[int] = []
+    rng = random.Random(num_pages)
+    for _ in range(400):
+        if held and rng.random() < 0.5:
+            rng.shuffle(held)
+            count = rng.choice([1, 2, 3, len(held)])
+            freed, held = held[:count], held[count:]
+            free_pages.add(torch.tensor(freed, dtype=torch.int32))
+            reference |= set(freed)
+        elif reference:
+            count = rng.randint(1, min(len(reference), rng.choice([3, 40, num_pages])))
+            taken = free_pages.take(count).tolist()
+            assert taken == sorted(reference)[:count]
+            reference -= set(taken)
+            held += taken
+        assert len(free_pages) == len(reference)
+        assert sorted(free_pages.all().tolist()) == sorted(reference)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_non_finite_logits_fail_that_request_alone(overlap: bool) -> None:
     from minisgl.core import get_global_ctx

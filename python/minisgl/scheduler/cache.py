@@ -11,6 +11,8 @@ from minisgl.core import Req
 from minisgl.kvcache import BaseCacheHandle, BasePrefixCache, DiskKVTier, RadixPrefixCache
 from minisgl.utils import align_down, align_up, div_ceil
 
+from .free_pages import FreePages
+
 
 class AdapterKeys(Protocol):
     """How LoRA adapters' prefix-cache keys map back (engine/lora.py's LoraManager)."""
@@ -41,16 +43,12 @@ class CacheManager:
         # Set where adapters are served: their KV goes to the tier under their fingerprints.
         self.adapter_keys: AdapterKeys | None = None
         self.prefix_cache = prefix_cache
-        # Page-aligned first slot of each free page, handed out lowest first.
-        self._free_slots = (
-            torch.arange(num_pages, dtype=torch.int32, device=self.device) * page_size
-        )
-        self._free_sorted = True
+        self._free_pages = FreePages(num_pages, page_size, self.device)
 
     # ---------------------------------------------------------------- accounting
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_slots)
+        return len(self._free_pages)
 
     @property
     def available_size(self) -> int:
@@ -70,7 +68,7 @@ class CacheManager:
         assert free + cached // self.page_size == total, (
             f"page leak: {free} free + {cached // self.page_size} cached != {total} pages"
         )
-        assert len(torch.unique(self._free_slots)) == free, "a page is on the free list twice"
+        assert len(torch.unique(self._free_pages.all())) == free, "a page is free twice"
 
     def flush(self, tier: bool = False) -> tuple[int, int]:
         """Empty the prefix cache, its pages back on the free list (not written to the disk
@@ -89,8 +87,7 @@ class CacheManager:
             if radix is not None:
                 radix.spill = spill
         page_starts = evicted[evicted % self.page_size == 0]
-        self._free_slots = torch.cat([self._free_slots, page_starts.to(self._free_slots)])
-        self._free_sorted = False
+        self._free_pages.add(page_starts)
         self.prefix_cache.reset()
         self.check_integrity()
         files = self.tier.clear() if tier and self.tier is not None else 0
@@ -296,24 +293,13 @@ class CacheManager:
     # ---------------------------------------------------------------- pages
     def _free(self, token_slots: torch.Tensor) -> None:
         """Return the pages of a page-aligned run of token slots."""
-        if len(token_slots) == 0:
-            return
-        self._free_slots = torch.cat([self._free_slots, token_slots[:: self.page_size]])
-        self._free_sorted = False
+        self._free_pages.add(token_slots[:: self.page_size])
 
     def _take_pages(self, count: int) -> torch.Tensor:
         if count > self.num_free_pages:
             need = (count - self.num_free_pages) * self.page_size
             evicted = self.prefix_cache.evict(min(need, self.prefix_cache.size_info.evictable_size))
-            page_starts = evicted[evicted % self.page_size == 0]
-            self._free_slots = torch.cat([self._free_slots, page_starts.to(self._free_slots)])
-            self._free_sorted = False
+            self._free_pages.add(evicted[evicted % self.page_size == 0])
         if count > self.num_free_pages:
             raise RuntimeError(f"out of KV pages: need {count}, have {self.num_free_pages}")
-        if not self._free_sorted:
-            # Lowest slots first: pages freed together come back as runs, so a prompt's KV stays
-            # contiguous and decode attention streams it (scattered slots read ~1.5x slower).
-            self._free_slots = self._free_slots.sort().values
-            self._free_sorted = True
-        taken, self._free_slots = self._free_slots[:count], self._free_slots[count:]
-        return taken
+        return self._free_pages.take(count)
