@@ -23,61 +23,149 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
                          _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 }
 
-// Rows [0, count) of one kv head's keys or values for a block of positions, as float32 rows of
-// DIM, one after another (rows past count zeroed, so that 8 positions are always summed at once).
-// ahead: positions of `slots` that may be asked for GENERIC_PREFETCH on (each one's part of the
-// task's kv heads: the first kv head's pass brings the others'), 0 for none.
-static inline FORM_INLINE void block_rows_f32(const attn_args* a, const void* cache,
-                                              const int32_t* slots, int64_t kv, int64_t count,
-                                              int64_t ahead, int64_t row_bytes,
-                                              int64_t part_offset, int64_t part_bytes,
-                                              float* rows, const int64_t DIM) {
-    for (int64_t j = 0; j < count; j++) {
-        if (j + GENERIC_PREFETCH < ahead)
-            prefetch_rows(cache, row_bytes, part_offset, part_bytes, slots[j + GENERIC_PREFETCH]);
-        load_row(cache, ((int64_t)slots[j] * a->num_kv_heads + kv) * DIM, a->dtype,
-                 rows + j * DIM, DIM);
-    }
-    const int64_t padded_count = (count + 7) & ~(int64_t)7;
-    memset(rows + count * DIM, 0, (size_t)((padded_count - count) * DIM) * sizeof(float));
+// 8 elements of a cache row from element `at`, as float32 (bf16: widened in registers).
+static inline __m256 cache_load8(const void* cache, int64_t at, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float*)cache + at);
+    const __m128i raw = _mm_loadu_si128((const __m128i*)((const uint16_t*)cache + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// A head's scores of positions [0, valid) from its (scaled) query and the block's keys: 8
-// positions at a time, each a partial dot product per 8 dims, summed across lanes together.
-static inline FORM_INLINE void block_scores_avx2(const float* qh, const float* keys,
-                                                 int64_t valid, float* scores, const int64_t DIM) {
-    for (int64_t j = 0; j < valid; j += 8) {
-        __m256 partial[8];
-        for (int t = 0; t < 8; t++) partial[t] = _mm256_setzero_ps();
+// sum_lanes8's sums of 4 vectors (each vector's lanes added in the same order).
+static inline __m128 sum_lanes4(const __m256 v[4]) {
+    const __m256 quad = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(quad), _mm256_extractf128_ps(quad, 1));
+}
+
+// The scores of `heads` query heads of one kv head (their scaled queries qh) over a block's
+// positions [0, valid): `at[j]` is position j's row in the cache (element offset), rows past
+// `count` read as row count - 1 (their scores unused). Keys are read once for all the heads and
+// widened in registers; each head's score is a dot product of 8-lane partial sums over DIM,
+// summed across lanes in one order, so it is the same bits in any group. POS positions at a time
+// (4 with several heads, 8 with one).
+static inline FORM_INLINE void group_scores(const void* k_cache, const int64_t* at,
+                                            int64_t offset, int64_t count, int64_t valid,
+                                            float* const* qh, float* const* out, const int heads,
+                                            const int bf16, const int64_t DIM) {
+    enum { MAX_HEADS = 3, MAX_POS = 8 };
+    const int POS = heads > 1 ? 4 : 8;
+    for (int64_t j = 0; j < valid; j += POS) {
+        int64_t row[MAX_POS];
+        for (int t = 0; t < POS; t++) row[t] = at[j + t < count ? j + t : count - 1] + offset;
+        __m256 partial[MAX_HEADS][MAX_POS];
+        for (int h = 0; h < heads; h++)
+            for (int t = 0; t < POS; t++) partial[h][t] = _mm256_setzero_ps();
         for (int64_t d = 0; d < DIM; d += 8) {
-            const __m256 q8 = _mm256_loadu_ps(qh + d);
-            for (int t = 0; t < 8; t++) {
-                const __m256 key = _mm256_loadu_ps(keys + (j + t) * DIM + d);
-                partial[t] = _mm256_fmadd_ps(q8, key, partial[t]);
+            __m256 q8[MAX_HEADS];
+            for (int h = 0; h < heads; h++) q8[h] = _mm256_loadu_ps(qh[h] + d);
+            for (int t = 0; t < POS; t++) {
+                const __m256 key = cache_load8(k_cache, row[t] + d, bf16);
+                for (int h = 0; h < heads; h++)
+                    partial[h][t] = _mm256_fmadd_ps(q8[h], key, partial[h][t]);
             }
         }
-        _mm256_storeu_ps(scores + j, sum_lanes8(partial));
+        for (int h = 0; h < heads; h++) {
+            if (POS == 8)
+                _mm256_storeu_ps(out[h] + j, sum_lanes8(partial[h]));
+            else
+                _mm_storeu_ps(out[h] + j, sum_lanes4(partial[h]));
+        }
     }
 }
 
-// A head's value sums (acc, already scaled by the softmax's correction) plus positions [0,
-// valid) of the block's values times their weights, 64 dims at a time in registers.
-static inline FORM_INLINE void block_values_avx2(float* acc, const float* values,
-                                                 const float* weights, int64_t valid,
-                                                 const int64_t DIM) {
-    for (int64_t d0 = 0; d0 < DIM; d0 += 64) {
-        const int chunks = DIM - d0 < 64 ? (int)(DIM - d0) / 8 : 8;
-        __m256 sums[8];
-        for (int c = 0; c < chunks; c++) sums[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+// The value sums acc[h] (already scaled by the softmax's correction) of `heads` query heads of
+// one kv head plus a block's positions [0, valid) of values times each head's weights[h]; values
+// read once for all the heads, widened in registers, in passes of 64 dims (32 with several heads)
+// held in registers. Each head's sums are added in position order, as alone.
+static inline FORM_INLINE void group_values(const void* v_cache, const int64_t* at,
+                                            int64_t offset, int64_t valid, float* const* acc,
+                                            float* const* weights, const int heads,
+                                            const int bf16, const int64_t DIM) {
+    enum { MAX_HEADS = 3, MAX_CHUNKS = 8 };
+    const int chunks_max = heads > 1 ? 4 : 8;
+    for (int64_t d0 = 0; d0 < DIM; d0 += 8 * chunks_max) {
+        const int chunks = DIM - d0 < 8 * chunks_max ? (int)(DIM - d0) / 8 : chunks_max;
+        __m256 sums[MAX_HEADS][MAX_CHUNKS];
+        for (int h = 0; h < heads; h++)
+            for (int c = 0; c < chunks; c++) sums[h][c] = _mm256_loadu_ps(acc[h] + d0 + 8 * c);
         for (int64_t j = 0; j < valid; j++) {
-            const __m256 p = _mm256_broadcast_ss(weights + j);
+            __m256 p[MAX_HEADS];
+            for (int h = 0; h < heads; h++) p[h] = _mm256_broadcast_ss(weights[h] + j);
             for (int c = 0; c < chunks; c++) {
-                const __m256 value = _mm256_loadu_ps(values + j * DIM + d0 + 8 * c);
-                sums[c] = _mm256_fmadd_ps(p, value, sums[c]);
+                const __m256 value = cache_load8(v_cache, at[j] + offset + d0 + 8 * c, bf16);
+                for (int h = 0; h < heads; h++)
+                    sums[h][c] = _mm256_fmadd_ps(p[h], value, sums[h][c]);
             }
         }
-        for (int c = 0; c < chunks; c++) _mm256_storeu_ps(acc + d0 + 8 * c, sums[c]);
+        for (int h = 0; h < heads; h++)
+            for (int c = 0; c < chunks; c++) _mm256_storeu_ps(acc[h] + d0 + 8 * c, sums[h][c]);
     }
+}
+
+// How many of `left` heads the next group takes: 3 at most, never leaving one alone after 3
+// (4 as 2 + 2).
+static inline int group_size(int64_t left) {
+    return left >= 5 || left == 3 ? 3 : left >= 2 ? 2 : 1;
+}
+
+// Calls fn(..., heads, bf16, DIM) with heads and bf16 as constants (one compiled form each).
+#define GROUP_FORMS(fn, heads, bf16, DIM, ...)                                             \
+    do {                                                                                   \
+        if (heads == 3)                                                                    \
+            bf16 ? fn(__VA_ARGS__, 3, 1, DIM) : fn(__VA_ARGS__, 3, 0, DIM);                \
+        else if (heads == 2)                                                               \
+            bf16 ? fn(__VA_ARGS__, 2, 1, DIM) : fn(__VA_ARGS__, 2, 0, DIM);                \
+        else                                                                               \
+            bf16 ? fn(__VA_ARGS__, 1, 1, DIM) : fn(__VA_ARGS__, 1, 0, DIM);                \
+    } while (0)
+
+// One kv head's pass over a block for every row of the run: its heads' scores from the keys
+// (values == 0), or their value sums from the values, a row's heads of the kv head in groups
+// that share each load. at[j]: position j's slot times the kv heads and DIM.
+static inline FORM_INLINE void kv_head_pass(const attn_args* a, int values, const int64_t* at,
+                                            int64_t kv_head, int64_t block, int64_t nrows,
+                                            const int64_t* blocks, int64_t first_head,
+                                            int64_t row_heads, int64_t count,
+                                            float (*qf)[ATTN_MAX_DIM],
+                                            float (*acc)[ATTN_MAX_DIM],
+                                            float (*scores)[ATTN_BLOCK], const int64_t DIM) {
+    const int bf16 = a->dtype != 0;
+    const int64_t offset = kv_head * DIM;
+    for (int64_t r = 0; r < nrows; r++) {
+        if (blocks[r] == 0) continue;  // the row ended before this block
+        for (int64_t g = 0; g < count;) {
+            const int size = group_size(count - g);
+            float *q[3], *out[3], *sums[3];
+            for (int h = 0; h < size; h++) {
+                const int64_t hh = r * row_heads + first_head + g + h;
+                q[h] = qf[hh], out[h] = scores[hh], sums[h] = acc[hh];
+            }
+            if (values)
+                GROUP_FORMS(group_values, size, bf16, DIM, a->v_cache, at, offset, blocks[r],
+                            sums, out);
+            else
+                GROUP_FORMS(group_scores, size, bf16, DIM, a->k_cache, at, offset, block,
+                            blocks[r], q, out);
+            g += size;
+        }
+    }
+}
+// Every line of a block's task part of the keys and values (its kv heads' share of each
+// position's row), loaded once up front: independent loads, many misses in flight, so that the
+// passes after it read L1 and L2. Without it each pass waited on its own loads: one row over
+// 700-4,000 positions took 10-15% longer (Zen 3), prefetches 8-32 positions ahead or the values
+// asked for during the key pass changing nothing.
+static inline void load_block_lines(const attn_args* a, const int32_t* slots, int64_t block,
+                                    int64_t row_bytes, int64_t part_offset, int64_t part_bytes) {
+    __m256i sink = _mm256_setzero_si256();
+    for (int64_t j = 0; j < block; j++) {
+        const int64_t at = (int64_t)slots[j] * row_bytes + part_offset;
+        const char *keys = (const char*)a->k_cache + at, *values = (const char*)a->v_cache + at;
+        for (int64_t line = 0; line < part_bytes; line += 64) {
+            sink = _mm256_or_si256(sink, _mm256_loadu_si256((const __m256i*)(keys + line)));
+            sink = _mm256_or_si256(sink, _mm256_loadu_si256((const __m256i*)(values + line)));
+        }
+    }
+    __asm__ volatile("" : : "x"(sink));  // the loads are kept
 }
 #endif
 
@@ -90,10 +178,11 @@ static inline FORM_INLINE void block_values_avx2(float* acc, const float* values
 // read once for every row of the run (a verify step's rows re-read them, a row alone, at about
 // a sixth of a batch-1 step on AVX2), and each row's arithmetic is what it is alone. Every kv
 // head of a position before the next, so a task holding them all reads whole rows in slot order.
-// With AVX2 and DIM a multiple of 8, a block's keys (then values) are widened to float32 kv head
-// by kv head, once for all the task's rows and heads, and each head's scores are taken 8
-// positions at a time (block_scores_avx2): a verify step's 4-8 rows over 700-2,000 positions
-// 1.3-1.5x faster than the loops below (SmolLM2's heads, Zen 3), one row as fast.
+// With AVX2 and DIM 64 or 128, a block's lines are loaded first (load_block_lines), then each kv
+// head's keys (then values) are read for a row's heads of it in groups of up to 3, widened in
+// registers (kv_head_pass): a verify step's 4-8 rows over 700-2,000 positions 1.3-1.5x faster
+// than the loops below (SmolLM2's heads, Zen 3), one row 1.1-1.15x faster than through a float32
+// copy of the block, and every score and sum the same bits as those.
 // DIM: head_dim as a constant (0: read it from a), so that the row loops unroll.
 static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0, int64_t nrows,
                                                  int64_t kvh0, int64_t kv_count, int64_t first,
@@ -106,10 +195,8 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
     float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], acc[ATTN_MAX_HEADS][ATTN_MAX_DIM];
     float scores[ATTN_MAX_HEADS][ATTN_BLOCK], row[ATTN_MAX_DIM];
 #ifdef HAVE_AVX2_FMA
-    // A block's keys, then its values, of one kv head as float32 rows (AVX2's loops; DIM 0,
-    // any head_dim, takes the loops below).
-    float block_f32[ATTN_BLOCK * ATTN_MAX_DIM] __attribute__((aligned(32)));
-    const int avx2_blocks = DIM > 0 && DIM % 8 == 0;
+    const int avx2_blocks = DIM > 0 && DIM % 8 == 0;  // DIM 0, any head_dim: the loops below
+    int64_t at[ATTN_BLOCK];  // a block's positions' slots times the kv heads and DIM
 #endif
     float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
     int64_t out_offset[ATTN_MAX_HEADS];
@@ -143,16 +230,12 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
         }
 #ifdef HAVE_AVX2_FMA
         if (avx2_blocks) {
-            for (int64_t kv = 0; kv < kv_count; kv++) {
-                block_rows_f32(a, a->k_cache, slots + t0, kvh0 + kv, block,
-                               kv == 0 ? end - t0 : 0, row_bytes, part_offset, part_bytes,
-                               block_f32, DIM);
-                for (int64_t r = 0; r < nrows; r++)
-                    for (int64_t g = 0; g < count; g++) {
-                        const int64_t hh = r * row_heads + kv * count + g;
-                        block_scores_avx2(qf[hh], block_f32, blocks[r], scores[hh], DIM);
-                    }
-            }
+            load_block_lines(a, slots + t0, block, row_bytes, part_offset, part_bytes);
+            for (int64_t j = 0; j < block; j++)
+                at[j] = (int64_t)slots[t0 + j] * a->num_kv_heads * DIM;
+            for (int64_t kv = 0; kv < kv_count; kv++)
+                kv_head_pass(a, 0, at, kvh0 + kv, block, nrows, blocks, kv * count, row_heads,
+                             count, qf, acc, scores, DIM);
         } else
 #endif
         for (int64_t j = 0; j < block; j++) {
@@ -194,16 +277,9 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
         has_state = 1;
 #ifdef HAVE_AVX2_FMA
         if (avx2_blocks) {
-            for (int64_t kv = 0; kv < kv_count; kv++) {
-                block_rows_f32(a, a->v_cache, slots + t0, kvh0 + kv, block,
-                               kv == 0 ? block : 0, row_bytes, part_offset, part_bytes,
-                               block_f32, DIM);
-                for (int64_t r = 0; r < nrows; r++)
-                    for (int64_t g = 0; g < count; g++) {
-                        const int64_t hh = r * row_heads + kv * count + g;
-                        block_values_avx2(acc[hh], block_f32, scores[hh], blocks[r], DIM);
-                    }
-            }
+            for (int64_t kv = 0; kv < kv_count; kv++)
+                kv_head_pass(a, 1, at, kvh0 + kv, block, nrows, blocks, kv * count, row_heads,
+                             count, qf, acc, scores, DIM);
             continue;
         }
 #endif
