@@ -1,7 +1,10 @@
 """Suite-wide settings (applied before any test imports minisgl) and shared fixtures."""
 
+import copy
+import functools
 import os
 import signal
+from pathlib import Path
 
 import openai
 import pytest
@@ -10,6 +13,34 @@ import pytest
 # runs servers, HF and engines side by side, so it keeps the count fixed for results that repeat
 # bit for bit; tests/test_cpu_threads.py turns it on where it is the subject.
 os.environ.setdefault("MINISGL_ADAPTIVE_THREADS", "0")
+
+
+def _load_tokenizers_once() -> None:
+    """A model folder's tokenizer is read once in this process: each of the suite's ~150 engines
+    read its own (0.25 s for the tiny Qwen3's 11 MB tokenizer.json). A caller gets a shallow
+    copy, so an attribute it sets (a test's chat_template) stays its own; the folder's files'
+    sizes and times are the key, so a rewritten folder is read again."""
+    from transformers import AutoTokenizer
+
+    load = AutoTokenizer.from_pretrained
+
+    @functools.lru_cache(maxsize=16)
+    def cached(folder: str, files: tuple) -> object:
+        return load(folder)
+
+    def from_pretrained(source, *args, **kwargs):
+        folder = Path(str(source))
+        if args or kwargs or not folder.is_dir():
+            return load(source, *args, **kwargs)
+        files = tuple(
+            sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir())
+        )
+        return copy.copy(cached(str(folder.resolve()), files))
+
+    AutoTokenizer.from_pretrained = from_pretrained
+
+
+_load_tokenizers_once()
 
 
 @pytest.fixture(scope="module")
