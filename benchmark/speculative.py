@@ -5,8 +5,9 @@ this repository with a rename asked for, `document` a passage with a question an
 `rewrite` a paragraph to copy with one change, `chat` open questions. For each kind and batch
 size, every prompt is first prefilled into the radix cache (one token), so the timed run is
 decode: output tokens / seconds, speculation off and on, in one invocation with the same
-engine settings. Acceptance: mean tokens per verify step and the share of drafts kept.
-Figures only: nothing is asserted.
+engine settings, each timed `--repeat` times (3), off and on alternated, medians reported (a
+shared VM's speed moves by up to 2x between runs a few seconds apart). Acceptance: mean tokens
+per verify step and the share of drafts kept, over the runs. Figures only: nothing is asserted.
 
 With `--draft-model PATH` a draft model of the same vocabulary (STANDALONE) runs too, its
 columns beside n-gram's; its engine runs each batch once before the timed run, so that the
@@ -30,8 +31,10 @@ prompts prefilled into its prefix cache first; a peer that cannot speculate on a
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,6 +128,12 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="timed runs of each engine per kind and batch, alternated (medians reported)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--peer", choices=["llamacpp", "vllm"], default=None)
     parser.add_argument(
@@ -139,6 +148,8 @@ def main() -> None:
         help="the draft model's --speculative-draft-model-quantization (int4, int8, ...)",
     )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     set_threads(args.threads)
     # The default model as LLM() serves it (its GGUF, quantized, where one is prepared).
     model = model_source(args.model)
@@ -185,10 +196,20 @@ def main() -> None:
     for kind in kinds:
         for batch in batch_sizes:
             ids = prompts(plain, kind, batch)
-            off_rate, off_tokens = decode_run(plain, ids, args.max_tokens)
-            cells = [kind, str(batch), f"{off_rate:.1f}"]
             for llm in engines[1:]:
-                cells += speculating_cells(llm, ids, args.max_tokens, off_rate, off_tokens)
+                if llm.speculator is not None and llm.speculator.drafter is not None:
+                    # Its prefix cache takes a request's draft KV when the request ends.
+                    llm.generate(ids, SamplingParams(max_tokens=args.max_tokens), use_tqdm=False)
+            # Off and each speculating engine alternated, so that the machine's slow and fast
+            # spells (up to 2x on a shared VM) fall on all of them alike.
+            runs: list[list[Run]] = [[] for _ in engines]
+            for _ in range(args.repeat):
+                for llm, measured in zip(engines, runs):
+                    measured.append(timed_run(llm, ids, args.max_tokens))
+            off_rate = statistics.median(run.rate for run in runs[0])
+            cells = [kind, str(batch), f"{off_rate:.1f}"]
+            for measured in runs[1:]:
+                cells += speculating_cells(measured, off_rate, runs[0][0].tokens)
             print("| " + " | ".join(cells) + " |", flush=True)
     if args.peer == "llamacpp":
         llamacpp_table(plain, kinds, args)
@@ -198,26 +219,52 @@ def main() -> None:
         llm.shutdown()
 
 
-def speculating_cells(
-    llm: LLM, ids: list[list[int]], max_tokens: int, off_rate: float, off_tokens: list[list[int]]
-) -> list[str]:
-    """tok/s, ratio to off, tokens per verify step, drafts kept and equality of one run."""
-    assert llm.speculator is not None
-    if llm.speculator.drafter is not None:
-        # Its prefix cache takes a request's draft KV when the request ends: a whole run first.
-        llm.generate(ids, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
-    before = dict(vars(llm.speculator.stats))
+@dataclass
+class Run:
+    """One timed greedy generate: output tokens/s, outputs, and the speculation counters' deltas
+    (verify steps, drafts, accepted drafts)."""
+
+    rate: float
+    tokens: list[list[int]]
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def timed_run(llm: LLM, ids: list[list[int]], max_tokens: int) -> Run:
+    """A decode_run, with what speculation did in it. The shared n-gram cache is emptied first:
+    it would hold these prompts' outputs from the runs before (and the first prompts' from the
+    smaller batches), and draft them whole."""
+    stats = llm.speculator.stats if llm.speculator is not None else None
+    if llm.speculator is not None:
+        llm.speculator.cache.clear()
+    before = dict(vars(stats)) if stats is not None else {}
     rate, tokens = decode_run(llm, ids, max_tokens)
-    after = vars(llm.speculator.stats)
-    steps = after["verify_steps"] - before["verify_steps"]
-    drafted = after["draft_tokens"] - before["draft_tokens"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    if stats is None:
+        return Run(rate, tokens)
+    after = vars(stats)
+    return Run(
+        rate,
+        tokens,
+        after["verify_steps"] - before["verify_steps"],
+        after["draft_tokens"] - before["draft_tokens"],
+        after["accepted_tokens"] - before["accepted_tokens"],
+    )
+
+
+def speculating_cells(runs: list[Run], off_rate: float, off_tokens: list[list[int]]) -> list[str]:
+    """Median tok/s, its ratio to off's median, tokens per verify step, drafts kept (over all
+    runs) and whether every run's tokens equal off's."""
+    rate = statistics.median(run.rate for run in runs)
+    steps = sum(run.verify_steps for run in runs)
+    drafted = sum(run.drafted for run in runs)
+    accepted = sum(run.accepted for run in runs)
     return [
         f"{rate:.1f}",
         f"{rate / off_rate:.2f}x",
         f"{1 + accepted / steps:.2f}" if steps else "-",
         f"{accepted / drafted:.0%}" if drafted else "-",
-        "yes" if tokens == off_tokens else "no",
+        "yes" if all(run.tokens == off_tokens for run in runs) else "no",
     ]
 
 

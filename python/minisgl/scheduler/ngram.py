@@ -50,6 +50,10 @@ class NgramCache:
     def __len__(self) -> int:
         return len(self._next)
 
+    def clear(self) -> None:
+        """Forget every n-gram."""
+        self._next.clear()
+
     def insert(self, tokens: Sequence[int]) -> None:
         if self.capacity <= 0:
             return
