@@ -225,3 +225,43 @@ def test_dead_scheduler_takes_the_server_down(tmp_path):
         assert not alive, [p.pid for p in alive]
     finally:
         server.stop(signal.SIGKILL)
+
+
+def _slow_to_stop(folder: str) -> None:
+    """A worker whose shutdown takes a second after SIGTERM (a scheduler writing the disk tier)."""
+    import os
+    from pathlib import Path
+
+    def stop(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's own SIGTERM follows
+        time.sleep(1.0)
+        (Path(folder) / "stopped").write_text("done")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    (Path(folder) / "ready").write_text("")
+    while True:
+        time.sleep(0.05)
+
+
+def test_stopping_waits_for_a_worker_whose_fork_server_died(tmp_path):
+    """A SIGTERM to the whole process group (`kill -- -PGID`, systemd) kills the fork server
+    too, after which multiprocessing reports its workers dead while they still shut down: the
+    launcher waited on nothing, exited, and the scheduler (its parent gone) quit mid-write of the
+    disk tier. stop_processes waits for the worker's own exit."""
+    import os
+    from multiprocessing import forkserver
+
+    from minisgl.utils.mp import running, spawn, start_method, stop_processes
+
+    if start_method() != "forkserver":
+        pytest.skip("workers start without a fork server on this platform")
+    worker = spawn(_slow_to_stop, "slow-to-stop", (str(tmp_path),))
+    wait_for(lambda: (tmp_path / "ready").exists(), timeout=60)
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGTERM)
+    worker.join(10)
+    assert not worker.is_alive() and running(worker)  # multiprocessing's view, and the pid's
+    os.kill(worker.pid, signal.SIGTERM)  # the group-wide signal's share
+    stop_processes([worker], timeout_s=30)
+    assert (tmp_path / "stopped").read_text() == "done"
+    assert not running(worker)

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from .logging import init_logger
 
 logger = init_logger(__name__)
+# When each process spawn() started began (psutil's create_time), to tell its pid from a reuse.
+_CREATED: weakref.WeakKeyDictionary[BaseProcess, float] = weakref.WeakKeyDictionary()
 
 
 def set_worker_threads(num_threads: int = 1) -> None:
@@ -78,19 +81,55 @@ def spawn(target: Callable[..., None], name: str, args: Iterable[Any]) -> BasePr
     platform has none, a fresh interpreter."""
     process = mp.get_context(start_method()).Process(target=target, name=name, args=tuple(args))
     process.start()
+    import psutil
+
+    try:  # (the pid with this start time is this process: running() asks it)
+        _CREATED[process] = psutil.Process(process.pid).create_time()
+    except psutil.NoSuchProcess:
+        pass
     return process
 
 
+def running(process: BaseProcess) -> bool:
+    """Whether the process still runs. A worker forked by the fork server is reported dead
+    (is_alive() false, join() returns, exit code 255) as soon as the fork server is: a SIGTERM
+    to the whole process group kills that too, while the worker may still be writing the KV
+    cache to the disk tier. So its pid is asked as well."""
+    if process.is_alive():
+        return True
+    created = _CREATED.get(process)
+    if created is None:  # not started by spawn(): its pid may be another process's by now
+        return False
+    import psutil
+
+    try:
+        found = psutil.Process(process.pid)
+        return found.create_time() == created and found.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> None:
-    """SIGTERM every live process, wait up to `timeout_s` in total, then SIGKILL the rest."""
+    """SIGTERM every running process, wait until each has exited (up to `timeout_s` in total),
+    then SIGKILL the rest."""
     processes = list(processes)
     for p in processes:
-        if p.is_alive():
-            p.terminate()
+        if running(p):
+            _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
+        while running(p) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if running(p):
             logger.warning("%s (pid %s) ignored SIGTERM; killing it", p.name, p.pid)
-            p.kill()
+            _signal(p, signal.SIGKILL)
             p.join(1.0)
+
+
+def _signal(process: BaseProcess, signum: int) -> None:
+    # By pid: a worker whose fork server died already counts as exited to Process.terminate().
+    try:
+        os.kill(process.pid, signum)
+    except (ProcessLookupError, TypeError):
+        pass
