@@ -235,14 +235,12 @@ def timed_run(llm: LLM, ids: list[list[int]], max_tokens: int) -> Run:
     """A decode_run, with what speculation did in it. The shared n-gram cache is emptied first:
     it would hold these prompts' outputs from the runs before (and the first prompts' from the
     smaller batches), and draft them whole."""
-    stats = llm.speculator.stats if llm.speculator is not None else None
-    if llm.speculator is not None:
-        llm.speculator.cache.clear()
-    before = dict(vars(stats)) if stats is not None else {}
+    if llm.speculator is None:
+        return Run(*decode_run(llm, ids, max_tokens))
+    llm.speculator.cache.clear()
+    before = dict(vars(llm.speculator.stats))
     rate, tokens = decode_run(llm, ids, max_tokens)
-    if stats is None:
-        return Run(rate, tokens)
-    after = vars(stats)
+    after = vars(llm.speculator.stats)
     return Run(
         rate,
         tokens,

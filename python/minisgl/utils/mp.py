@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import psutil
+
 from .logging import init_logger
 
 logger = init_logger(__name__)
@@ -81,8 +83,6 @@ def spawn(target: Callable[..., None], name: str, args: Iterable[Any]) -> BasePr
     platform has none, a fresh interpreter."""
     process = mp.get_context(start_method()).Process(target=target, name=name, args=tuple(args))
     process.start()
-    import psutil
-
     try:  # (the pid with this start time is this process: running() asks it)
         _CREATED[process] = psutil.Process(process.pid).create_time()
     except psutil.NoSuchProcess:
@@ -100,8 +100,6 @@ def running(process: BaseProcess) -> bool:
     created = _CREATED.get(process)
     if created is None:  # not started by spawn(): its pid may be another process's by now
         return False
-    import psutil
-
     try:
         found = psutil.Process(process.pid)
         return found.create_time() == created and found.status() != psutil.STATUS_ZOMBIE

@@ -149,6 +149,7 @@ static inline FORM_INLINE void kv_head_pass(const attn_args* a, int values, cons
         }
     }
 }
+
 // Every line of a block's task part of the keys and values (its kv heads' share of each
 // position's row), loaded once up front: independent loads, many misses in flight, so that the
 // passes after it read L1 and L2. Without it each pass waited on its own loads: one row over
