@@ -53,47 +53,29 @@ static inline __m128 sum_lanes4(const __m256 v[4]) {
 
 // The scores of `heads` query heads of one kv head (their scaled queries qh) over a block's
 // positions [0, valid): `at[j]` is position j's row in the cache (element offset), rows past
-// `count` read as row count - 1 (their scores unused). Keys are read once for all the heads; each
-// head's score is a dot product of 8-lane partial sums over DIM, summed across lanes in one
-// order, so it is the same bits in any group. A bf16 pool's queries are in pair order
-// (pair_order): each 16 keys are one load, split in registers into the even ones (shifted into
-// place) and the odd ones (their low halves masked off), where widening each 8 took a
-// zero-extending load and a shift (3-6% of the attention of SmolLM2's heads, Zen 3). POS
-// positions at a time (4 with several heads, 8 with one).
+// `count` read as row count - 1 (their scores unused). Keys are read once for all the heads and
+// widened in registers; each head's score is a dot product of 8-lane partial sums over DIM,
+// summed across lanes in one order, so it is the same bits in any group. POS positions at a time
+// (4 with several heads, 8 with one).
 static inline FORM_INLINE void group_scores(const void* k_cache, const int64_t* at,
                                             int64_t offset, int64_t count, int64_t valid,
                                             float* const* qh, float* const* out, const int heads,
                                             const int bf16, const int64_t DIM) {
     enum { MAX_HEADS = 3, MAX_POS = 8 };
     const int POS = heads > 1 ? 4 : 8;
-    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t j = 0; j < valid; j += POS) {
         int64_t row[MAX_POS];
         for (int t = 0; t < POS; t++) row[t] = at[j + t < count ? j + t : count - 1] + offset;
         __m256 partial[MAX_HEADS][MAX_POS];
         for (int h = 0; h < heads; h++)
             for (int t = 0; t < POS; t++) partial[h][t] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < DIM; d += bf16 ? 16 : 8) {
-            if (!bf16) {
-                __m256 q8[MAX_HEADS];
-                for (int h = 0; h < heads; h++) q8[h] = _mm256_loadu_ps(qh[h] + d);
-                for (int t = 0; t < POS; t++) {
-                    const __m256 key = _mm256_loadu_ps((const float*)k_cache + row[t] + d);
-                    for (int h = 0; h < heads; h++)
-                        partial[h][t] = _mm256_fmadd_ps(q8[h], key, partial[h][t]);
-                }
-                continue;
-            }
+        for (int64_t d = 0; d < DIM; d += 8) {
+            __m256 q8[MAX_HEADS];
+            for (int h = 0; h < heads; h++) q8[h] = _mm256_loadu_ps(qh[h] + d);
             for (int t = 0; t < POS; t++) {
-                const __m256i raw =
-                    _mm256_loadu_si256((const __m256i*)((const uint16_t*)k_cache + row[t] + d));
-                const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-                const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
-                for (int h = 0; h < heads; h++) {
-                    const float* q = qh[h] + d;  // its even elements, then its odd ones
-                    partial[h][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q), even, partial[h][t]);
-                    partial[h][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), odd, partial[h][t]);
-                }
+                const __m256 key = cache_load8(k_cache, row[t] + d, bf16);
+                for (int h = 0; h < heads; h++)
+                    partial[h][t] = _mm256_fmadd_ps(q8[h], key, partial[h][t]);
             }
         }
         for (int h = 0; h < heads; h++) {
@@ -102,15 +84,6 @@ static inline FORM_INLINE void group_scores(const void* k_cache, const int64_t* 
             else
                 _mm_storeu_ps(out[h] + j, sum_lanes4(partial[h]));
         }
-    }
-}
-
-// Each 16 elements of a row in pair order: its 8 even ones, then its 8 odd ones.
-static inline void pair_order(float* row, int64_t dim) {
-    for (int64_t d = 0; d < dim; d += 16) {
-        float chunk[16];
-        for (int i = 0; i < 8; i++) chunk[i] = row[d + 2 * i], chunk[8 + i] = row[d + 2 * i + 1];
-        memcpy(row + d, chunk, sizeof chunk);
     }
 }
 
@@ -225,8 +198,7 @@ static inline void load_block_lines(const attn_args* a, const int32_t* slots, in
 // head's keys (then values) are read for a row's heads of it in groups of up to 3, widened in
 // registers (kv_head_pass): a verify step's 4-8 rows over 700-2,000 positions 1.3-1.5x faster
 // than the loops below (SmolLM2's heads, Zen 3), one row 1.1-1.15x faster than through a float32
-// copy of the block; each value sum the same bits as those, each score a dot product whose
-// partial sums take a bf16 pool's elements in pair order (group_scores).
+// copy of the block, and every score and sum the same bits as those.
 // DIM: head_dim as a constant (0: read it from a), so that the row loops unroll.
 static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0, int64_t nrows,
                                                  int64_t kvh0, int64_t kv_count, int64_t first,
@@ -240,8 +212,6 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
     float scores[ATTN_MAX_HEADS][ATTN_BLOCK], row[ATTN_MAX_DIM];
 #ifdef HAVE_AVX2_FMA
     const int avx2_blocks = DIM > 0 && DIM % 8 == 0;  // DIM 0, any head_dim: the loops below
-    // A bf16 pool's queries in pair order (group_scores)
-    const int pairs = avx2_blocks && a->dtype != 0;
     int64_t at[ATTN_BLOCK];  // a block's positions' slots times the kv heads and DIM
 #endif
     float run_max[ATTN_MAX_HEADS], run_sum[ATTN_MAX_HEADS];
@@ -260,9 +230,6 @@ static inline FORM_INLINE void attn_generic_body(const attn_args* a, int64_t b0,
         }
         run_max[hh] = seeded && a->prefix_lse ? a->prefix_lse[b * a->num_heads + head] : 0.0f;
         run_sum[hh] = seeded && a->prefix_lse ? 1.0f : 0.0f;
-#ifdef HAVE_AVX2_FMA
-        if (pairs) pair_order(qf[hh], dim);
-#endif
     }
     int has_state = seeded && a->prefix_lse != NULL;
     const int32_t* slots = a->page_table + a->rows[b0] * a->table_stride;
