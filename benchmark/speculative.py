@@ -110,7 +110,12 @@ def prompts(llm: LLM, kind: str, count: int) -> list[list[int]]:
 
 
 def decode_run(llm: LLM, ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    """(output tokens / second, outputs) of one greedy generate whose prompts are cached."""
+    """(output tokens / second, outputs) of one greedy generate whose prompts are cached. The
+    prefix cache is emptied first: what earlier kinds left in it (their shared chat-template
+    start) changed how a quantized model prefilled these prompts, and with it their greedy
+    texts, so a kind's figures depended on which kinds ran before it (chat at batch 1: 1.26x
+    after the others, 0.95x alone)."""
+    llm.cache_manager.flush()
     llm.generate(ids, SamplingParams(max_tokens=1), use_tqdm=False)  # prefill into the tree
     params = SamplingParams(max_tokens=max_tokens)
     start = time.perf_counter()
