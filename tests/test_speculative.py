@@ -365,7 +365,33 @@ def test_cost_model_drafts_where_rows_are_cheap_and_not_where_dear() -> None:
     for batch, most in ((12, 4), (16, 0), (17, 64 - 17), (64, 0), (65, 7 * 65)):
         guesses = [([1, 2, 3, 4, 5, 6, 7], geometric(0.95, 7))] * batch
         assert sum(map(len, bounded._worth_it(guesses, batch))) <= most, batch
-    assert sum(map(len, bounded._worth_it([([1, 2, 3], geometric(0.95, 3))] * 12, 12))) == 4
+    # Room for 4 drafts among 12 requests: the 8 left without any would be slowed; a row is 1.6%
+    # of their step, so one draft row keeps their pace (SLOWDOWN_ALLOWED) and a second does not.
+    # Two requests whose guesses both hold take all of them.
+    assert sum(map(len, bounded._worth_it([([1, 2, 3], geometric(0.95, 3))] * 12, 12))) == 1
+    assert sum(map(len, bounded._worth_it([([1, 2, 3], geometric(0.95, 3))] * 2, 2))) == 6
+
+
+def test_cost_model_keeps_every_requests_pace() -> None:
+    """Drafts for some requests of a batch make its step dearer for all: where a row costs a
+    tenth of a step, a request with good guesses beside one without drafts nothing (the other
+    would decode ~10% slower), alone it drafts, and beside one whose guesses hold too both do;
+    where rows cost 1% of a step, its drafts are taken beside the other."""
+    from minisgl.scheduler.speculative import SLOWDOWN_ALLOWED, Speculator, geometric, keeps_pace
+
+    def taken(row_seconds: float, guesses: list) -> list[int]:
+        spec = Speculator(8, 1, 4, 8, 0)
+        for rows in range(1, 12):
+            for _ in range(5):
+                spec.cost.observe(rows, 0.010 + row_seconds * rows)
+        return [len(d) for d in spec._worth_it(guesses, len(guesses))]
+
+    good, none = ([1, 2, 3, 4], geometric(0.9, 4)), ([], [])
+    assert taken(0.001, [good, none]) == [0, 0]
+    assert taken(0.001, [good])[0] > 0
+    assert min(taken(0.001, [good, good])) > 0
+    assert taken(0.0001, [good, none])[0] > 0
+    assert keeps_pace(0.0, 1.0 - SLOWDOWN_ALLOWED / 2, 1.0) and not keeps_pace(0.0, 1.1, 1.0)
 
 
 def test_cost_model_judges_ngram_drafts_by_their_match_length() -> None:
@@ -386,6 +412,6 @@ def test_cost_model_judges_ngram_drafts_by_their_match_length() -> None:
     chances = spec.matches.survival(long)
     assert chances[0] > 0.9 and chances[6] > 0.5  # depths 3-7 never verified: as depth 2
     assert spec.matches.survival(short)[0] < 0.1
-    guesses = [([1] * 7, spec.matches.survival(long)), ([2] * 7, spec.matches.survival(short))]
-    taken = [len(draft) for draft in spec._worth_it(guesses, 2)]
-    assert taken[0] >= 2 and taken[1] == 0
+    # (each alone: beside a request without drafts, any draft row would slow it by a fifth)
+    assert len(spec._worth_it([([1] * 7, spec.matches.survival(long))], 1)[0]) >= 2
+    assert spec._worth_it([([2] * 7, spec.matches.survival(short))], 1) == [[]]

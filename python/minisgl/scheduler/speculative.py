@@ -17,6 +17,7 @@ batches, long contexts), drafting is dear or guesses poor.
 from __future__ import annotations
 
 import copy
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -44,6 +45,12 @@ RECOVERY = 0.02
 # A draft-model step's cost relative to a target step, until both were measured: optimistic, so
 # that drafts get tried and measured.
 PRIOR_DRAFT_COST = 0.1
+# The most a request's expected tokens per second may fall by other requests' draft rows in its
+# step (their noise-level share): a batch's drafts pay only where every request in it keeps its
+# pace. Maximizing the batch's tokens per second alone drafted for the requests whose guesses
+# held and slowed the others, whose pace set the batch's end (the default model, batch 4, Zen
+# 3: the same number of steps as without drafts, each dearer; 0.82-0.93x on edit and chat).
+SLOWDOWN_ALLOWED = 0.03
 # A draft model runs only where it is expected to raise tokens per second by this share:
 # its costs come in lumps (a forward of the draft for a few tokens' gain), so a predicted gain of
 # a few percent was as often a loss (Zen 2, the dense default with its GGUF draft at batch 4).
@@ -232,7 +239,9 @@ class Speculator:
         guess comes with the chances k_j that its first j tokens are kept; drafts are taken best
         chance first, as many as maximize (rows + sum of their k_j) / seconds(rows + drafts), the
         step's time per row count measured (StepCost.seconds: lumpy costs, where one row more
-        loses and four more win, are seen). With a draft model see _worth_it_by_depth."""
+        loses and four more win, are seen), while every request's own expected tokens per second
+        stays within SLOWDOWN_ALLOWED of a step without drafts (keeps_pace). With a draft model
+        see _worth_it_by_depth."""
         if self.drafter is not None:
             return self._worth_it_by_depth(guesses, rows)
         line = self.cost.coefficients()
@@ -244,12 +253,22 @@ class Speculator:
             ),
             key=lambda c: (-c[0], c[1], c[2]),
         )[: self._room(rows)]
-        best_rate, best_count = rows / self.cost.seconds(rows, line), 0
+        plain = self.cost.seconds(rows, line)
+        best_rate, best_count = rows / plain, 0
         expected = float(rows)
-        for count, (chance, _, _) in enumerate(candidates, 1):
+        # Each request's expected kept drafts, and a heap of them (stale entries skipped) whose
+        # least is the slowest request's gain.
+        gains = [0.0] * len(guesses)
+        least = [(0.0, i) for i in range(len(guesses))]
+        for count, (chance, i, _) in enumerate(candidates, 1):
             expected += chance
-            rate = expected / self.cost.seconds(rows + count, line)
-            if rate > best_rate:
+            gains[i] += chance
+            heapq.heappush(least, (gains[i], i))
+            while least[0][0] != gains[least[0][1]]:
+                heapq.heappop(least)
+            seconds = self.cost.seconds(rows + count, line)
+            rate = expected / seconds
+            if rate > best_rate and keeps_pace(least[0][0], seconds, plain):
                 best_rate, best_count = rate, count
         # (chances fall with depth, so a request's j-th draft comes after its first j - 1)
         taken = [0] * len(guesses)
@@ -293,6 +312,9 @@ class Speculator:
             seconds += d0 + (c1 + d1) * best_count
             room -= best_count
         if expected / seconds < rows / (c0 + c1 * rows) * (1.0 + DRAFT_MARGIN):
+            return [[] for _ in guesses]
+        slowest = min(sum(chances[:count]) for (_, chances), count in zip(guesses, taken))
+        if not keeps_pace(slowest, seconds, c0 + c1 * rows):
             return [[] for _ in guesses]
         return [draft[:count] for (draft, _), count in zip(guesses, taken)]
 
@@ -340,6 +362,12 @@ class Speculator:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
+
+
+def keeps_pace(gain: float, seconds: float, plain_seconds: float) -> bool:
+    """Whether a request expecting `gain` kept drafts in a step of `seconds` gets at least
+    1 - SLOWDOWN_ALLOWED of the tokens per second of a step without drafts (`plain_seconds`)."""
+    return (1.0 + gain) * plain_seconds >= (1.0 - SLOWDOWN_ALLOWED) * seconds
 
 
 def geometric(acceptance: float, depth: int) -> list[float]:
