@@ -336,6 +336,9 @@ def test_sampling_draws_the_inverse_distribution(kernels):
 def test_top_candidates_equal_a_stable_sort(kernels, k):
     gen = torch.Generator().manual_seed(6)
     x = torch.randint(-20, 20, (5, 300), generator=gen).float()  # ties: the first column first
+    # Fewer finite values than k (a masked row): -inf ones fill the rest, the first first.
+    x[3] = float("-inf")
+    x[3, 40] = x[3, 250] = 1.0
     values, indices = kernels.top_candidates(x, k)
     want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])

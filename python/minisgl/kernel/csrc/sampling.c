@@ -45,6 +45,37 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
                         best_value = values[lane], best = at_lane[lane];
             }
         }
+#elif defined(HAVE_AVX2_FMA)
+        // The same scan 8 lanes at a time: one scalar row of SmolLM2's 49,152 logits took 56 µs
+        // (Zen 3), 1.6% of a batch-16 step.
+        if (cols >= 8) {
+            __m256 lane_max = load8(x, base, dtype);
+            __m256i lane_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = lane_at;
+            const __m256i step = _mm256_set1_epi32(8);
+            int nan = _mm256_movemask_ps(_mm256_cmp_ps(lane_max, lane_max, _CMP_UNORD_Q)) != 0;
+            for (c = 8; c + 8 <= cols && !nan; c += 8) {
+                at = _mm256_add_epi32(at, step);
+                const __m256 v = load8(x, base + c, dtype);
+                const __m256 higher = _mm256_cmp_ps(v, lane_max, _CMP_GT_OQ);
+                lane_max = _mm256_blendv_ps(lane_max, v, higher);
+                lane_at = _mm256_castps_si256(_mm256_blendv_ps(
+                    _mm256_castsi256_ps(lane_at), _mm256_castsi256_ps(at), higher));
+                nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0;
+            }
+            if (nan) {  // the scalar scan below finds the first NaN
+                c = 0;
+            } else {
+                float values[8];
+                int32_t at_lane[8];
+                _mm256_storeu_ps(values, lane_max);
+                _mm256_storeu_si256((__m256i*)at_lane, lane_at);
+                best_value = values[0], best = at_lane[0];
+                for (int lane = 1; lane < 8; lane++)
+                    if (values[lane] > best_value ||
+                        (values[lane] == best_value && at_lane[lane] < best))
+                        best_value = values[lane], best = at_lane[lane];
+            }
+        }
 #endif
         for (; c < cols; c++) {
             float v;
@@ -81,6 +112,26 @@ static inline float block_weights(const float* x, int64_t n, int logits, float t
         }
         return _mm512_reduce_add_ps(total);
     }
+#elif defined(HAVE_AVX2_FMA)
+    // (scalar, a row of SmolLM2's 49,152 logits took 320 µs on Zen 3: 18% of a batch-16 step)
+    if (n == SAMPLE_BLOCK) {
+        __m256 total = _mm256_setzero_ps();
+        for (int i = 0; i < SAMPLE_BLOCK; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            if (logits) {
+                const __m256 z =
+                    _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(top)), _mm256_set1_ps(inv_temp));
+                const __m256 live = _mm256_cmp_ps(z, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+                v = _mm256_and_ps(live, exp256_nonpositive(z));
+            }
+            _mm256_storeu_ps(w + i, v);
+            total = _mm256_add_ps(total, v);
+        }
+        const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(total),
+                                       _mm256_extractf128_ps(total, 1));
+        const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+        return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+    }
 #endif
     float sum = 0.0f;
     for (int64_t i = 0; i < n; i++) {
@@ -110,6 +161,12 @@ void minisgl_sample_rows(const float* x, const float* temperatures, const double
             __m512 tops = _mm512_set1_ps(row[0]);
             for (; c + 16 <= cols; c += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + c));
             top = _mm512_reduce_max_ps(tops);
+#elif defined(HAVE_AVX2_FMA)
+            __m256 tops = _mm256_set1_ps(row[0]);
+            for (; c + 8 <= cols; c += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(row + c));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, tops);
+            for (int lane = 0; lane < 8; lane++) top = lanes[lane] > top ? lanes[lane] : top;
 #endif
             for (; c < cols; c++) top = row[c] > top ? row[c] : top;
         }
@@ -215,11 +272,22 @@ int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k
             float bar = -INFINITY;  // every kept value beats it; -inf: fewer than k kept so far
             for (int64_t c = 0; c < cols; c++) {
 #ifdef HAVE_AVX512
-                if (c % 16 == 0 && c + 16 <= cols &&
-                    !_mm512_cmp_ps_mask(_mm512_loadu_ps(row + c), _mm512_set1_ps(bar),
-                                        _CMP_GT_OQ)) {
-                    c += 15;  // none of these 16 beats the bar
-                    continue;
+                if (c % 16 == 0 && c + 16 <= cols) {
+                    const __m512 v = _mm512_loadu_ps(row + c), at_bar = _mm512_set1_ps(bar);
+                    if (!_mm512_cmp_ps_mask(v, at_bar, _CMP_GT_OQ) &&
+                        (count >= k || !_mm512_cmp_ps_mask(v, at_bar, _CMP_EQ_OQ))) {
+                        c += 15;  // none of these 16 is kept (below)
+                        continue;
+                    }
+                }
+#elif defined(HAVE_AVX2_FMA)
+                if (c % 8 == 0 && c + 8 <= cols) {
+                    const __m256 v = _mm256_loadu_ps(row + c), at_bar = _mm256_set1_ps(bar);
+                    if (!_mm256_movemask_ps(_mm256_cmp_ps(v, at_bar, _CMP_GT_OQ)) &&
+                        (count >= k || !_mm256_movemask_ps(_mm256_cmp_ps(v, at_bar, _CMP_EQ_OQ)))) {
+                        c += 7;  // none of these 8 is kept (below)
+                        continue;
+                    }
                 }
 #endif
                 if (!(row[c] > bar) && !(count < k && row[c] == bar)) continue;

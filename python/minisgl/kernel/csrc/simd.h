@@ -1,6 +1,6 @@
-// The AVX-512 lane helpers several kernel files inline: bf16 lanes to float32 and back, exp,
+// The lane helpers several kernel files inline. AVX-512: bf16 lanes to float32 and back, exp,
 // rounding to the dtype, SiLU, a 16 x 16 transpose, the k-pair broadcast of vdpbf16ps, the AMX
-// tile configuration.
+// tile configuration; AVX2: 8 float32 or bf16 values loaded as float32, exp.
 #pragma once
 
 #include "common.h"
@@ -127,3 +127,34 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 #endif
+
+#ifdef HAVE_AVX2_FMA
+// 8 float32 or bf16 (widened exactly) values as float32.
+static inline __m256 load8(const void* base, int64_t offset, int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float*)base + offset);
+    const __m128i half = _mm_loadu_si128((const __m128i*)((const bf16_t*)base + offset));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// exp512's steps on 8 lanes, for x in [-87, 0] (2^n is then a normal float built from its
+// exponent bits): the same bits as exp512 and exp_portable there.
+static inline __m256 exp256_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
