@@ -339,6 +339,8 @@ def test_top_candidates_equal_a_stable_sort(kernels, k):
     # Fewer finite values than k (a masked row): -inf ones fill the rest, the first first.
     x[3] = float("-inf")
     x[3, 40] = x[3, 250] = 1.0
+    x[4, ::2], x[4, 1::2] = -0.0, 0.0  # equal values: the first column first, whatever the sign
+    x[4, 7] = 5.0
     values, indices = kernels.top_candidates(x, k)
     want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])
