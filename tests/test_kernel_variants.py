@@ -308,6 +308,24 @@ def test_argmax_equals_torch_max_with_ties_and_nans(kernels, dtype, cols):
     assert kernels.argmax(x[:0]).shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flag_non_finite_equals_the_torch_ops(kernels, dtype):
+    """A row whose chosen logit is NaN or infinite, or whose token is no column (never read),
+    gives -1 and a safe 0; every other row its token twice."""
+    from minisgl.kernel.ops import TORCH_OPS
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(9, 50, generator=gen).to(dtype)
+    sampled = torch.tensor([3, 7, 0, 49, -1, 50, 2**31 - 1, 12, 5], dtype=torch.int32)
+    logits[1, 7], logits[2, 0], logits[3, 49] = float("nan"), float("inf"), float("-inf")
+    logits[8, :5] = float("nan")  # only the chosen logit is read
+    got = kernels.flag_non_finite(logits, sampled)
+    want = TORCH_OPS.flag_non_finite(logits, sampled)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].tolist() == [3, -1, -1, -1, -1, -1, -1, 12, 5]
+    assert got[1].tolist() == [3, 0, 0, 0, 0, 0, 0, 12, 5]
+
+
 def test_sampling_draws_the_inverse_distribution(kernels):
     """Weights that float32 sums exactly (small integers): the draw is exactly the first column
     whose running sum exceeds u x total. From logits: the draw's interval of the float64

@@ -13,6 +13,7 @@ from minisgl.attention import ATTN_BACKENDS, default_attn_backend
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import ReplicaStep, StepMessage, TPGroup
 from minisgl.env import ENV
+from minisgl.kernel.ops import ops_for
 from minisgl.kvcache import MHAKVCache
 from minisgl.layers.quantized import decode_row_bounds
 from minisgl.models import create_model, load_model_config
@@ -103,11 +104,7 @@ def flag_non_finite(
     """(tokens with -1 where the row's chosen logit is NaN or infinite, tokens safe to feed
     back as input). A row that went non-finite fails its request alone; reading only the
     chosen logit of each row costs nothing next to a scan of the vocabulary."""
-    vocab = logits.shape[-1]
-    safe = sampled.clamp(0, vocab - 1)
-    chosen = logits.gather(1, safe.long()[:, None])[:, 0]
-    ok = torch.isfinite(chosen) & (sampled == safe)
-    return torch.where(ok, sampled, -1), torch.where(ok, safe, 0)
+    return ops_for(logits).flag_non_finite(logits, sampled)
 
 
 class Engine:

@@ -29,6 +29,30 @@ class SamplingKernels(KernelLibrary):
         )
         return indices
 
+    def flag_non_finite(
+        self, logits: torch.Tensor, sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled with -1 where a row's chosen logit is not finite or the token not one of
+        its columns, sampled with 0 there): logits [rows, cols] float32 or bf16, sampled int32
+        [rows]."""
+        logits, sampled = logits.contiguous(), sampled.contiguous()
+        rows, cols = logits.shape
+        if sampled.dtype != torch.int32 or sampled.shape != (rows,):
+            raise ValueError(
+                f"flag_non_finite: sampled {sampled.dtype} {tuple(sampled.shape)} for {rows} rows"
+            )
+        next_tokens, pool_tokens = torch.empty_like(sampled), torch.empty_like(sampled)
+        self.lib.minisgl_flag_non_finite(
+            logits.data_ptr(),
+            sampled.data_ptr(),
+            next_tokens.data_ptr(),
+            pool_tokens.data_ptr(),
+            rows,
+            cols,
+            DTYPE_CODES[logits.dtype],
+        )
+        return next_tokens, pool_tokens
+
     def sample_rows(
         self,
         weights: torch.Tensor,

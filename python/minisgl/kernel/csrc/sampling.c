@@ -90,6 +90,27 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
     }
 }
 
+// For each row r of logits [rows, cols] (dtype code), next[r] = sampled[r] where it is a column
+// whose logit is finite, else -1 (its request fails alone), and pool[r] = that token, else 0 (a
+// token safe to feed back as input): reading only the chosen logit of each row, in one call
+// where the PyTorch ops took nine (~0.12 ms of a 6 ms batch-1 step on Zen 3).
+void minisgl_flag_non_finite(const void* logits, const int32_t* sampled, int32_t* next,
+                             int32_t* pool, int64_t rows, int64_t cols, int dtype) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t token = sampled[r];
+        int ok = token >= 0 && token < cols;
+        if (ok) {
+            float value;
+            load_row(logits, r * cols + token, dtype, &value, 1);
+            uint32_t bits;
+            memcpy(&bits, &value, sizeof bits);
+            ok = (bits & 0x7f800000u) != 0x7f800000u;  // neither inf nor NaN
+        }
+        next[r] = ok ? token : -1;
+        pool[r] = ok ? token : 0;
+    }
+}
+
 // The weights of a row's columns [0, n) into w, and their float32 sum (minisgl_sample_rows adds
 // these block sums in double): x itself, or for logits exp((x - top) * inv_temp), 0 below e^-87
 // (where exp underflows, and for -inf).
