@@ -381,3 +381,30 @@ def test_batches_past_max_batch_prompts_are_refused_before_tokenization(app):
     r = app.http.post("/generate", json=body)
     assert r.status_code == 200 and len(r.json()) == 1024
     assert len(app.pipeline.take_received()) == 2048
+
+
+# Bodies the Anthropic and Responses routes read themselves: as strict as the OpenAI routes'
+# (Python's json.loads took NaN, 1e999 and lone surrogates, which failed only when a response
+# echoed them back, and overflowed its recursion limit on deep nesting: 500s).
+RESPONSES_BODY = b'{"input": "hi", "max_output_tokens": 2, "metadata": {"a": %s}}'
+MESSAGES_BODY = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "x": %s}'
+NOT_JSON = [b"NaN", b"-Infinity", b"1e999", b'"\\ud800"', b'{"a":' * 5000]
+
+
+def test_translated_bodies_are_parsed_strictly(app):
+    headers = {"Content-Type": "application/json"}
+    for value in NOT_JSON:
+        r = app.http.post("/v1/responses", content=RESPONSES_BODY % value, headers=headers)
+        assert r.status_code == 400, (value, r.text)
+        assert r.json()["error"]["code"] == "invalid_json" and r.json()["error"]["param"] == "body"
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = app.http.post(path, content=MESSAGES_BODY % value, headers=headers)
+            assert r.status_code == 400, (path, value, r.text)
+            error = r.json()
+            assert error["type"] == "error" and "not valid JSON" in error["error"]["message"]
+    assert app.pipeline.take_received() == []
+    # Finite numbers and surrogate pairs are JSON as usual.
+    body = RESPONSES_BODY % b'[1e300, "\\ud83d\\ude00"]'
+    r = app.http.post("/v1/responses", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == {"a": [1e300, "\U0001f600"]}

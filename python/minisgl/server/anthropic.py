@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .chat_job import CHAT_EXTENSIONS, ChatJob, ChatPiece, chat_result, stream_events
 from .generation import collect_outputs
 from .responses import APIError
+from .validation import parse_json
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -268,7 +269,7 @@ def register_anthropic_routes(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API, whole or as Anthropic's events."""
-        body = chat_body(_json(await request.body()))
+        body = chat_body(parse_json(await request.body()))
         job: ChatJob = await prepare(request, body)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"  # Anthropic's form of an id
         if body.get("stream"):
@@ -302,15 +303,8 @@ def register_anthropic_routes(
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         """Anthropic's token count of a Messages request's prompt."""
-        raw = _json(await request.body())
+        raw = parse_json(await request.body())
         if isinstance(raw, dict):
             raw = {**raw, "max_tokens": raw.get("max_tokens", 1)}  # not needed to count
         body = chat_body(raw)
         return JSONResponse({"input_tokens": await count_tokens(body)})
-
-
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise _invalid("body", f"is not valid JSON: {exc}") from None

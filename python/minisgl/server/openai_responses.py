@@ -27,8 +27,8 @@ from .responses_input import (
     chat_request,
     invalid,
     item_id,
-    json_body,
 )
+from .validation import parse_json
 
 logger = init_logger(__name__)
 
@@ -290,7 +290,7 @@ def register_responses_routes(
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API, whole or as the Responses events; stored unless `store` is false."""
-        raw = json_body(await request.body())
+        raw = parse_json(await request.body())
         previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
         history = None
         if previous is not None:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -239,10 +238,3 @@ def assistant_turn(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
             {"id": c["id"], "type": "function", "function": dict(c["function"])} for c in calls
         ]
     return turn
-
-
-def json_body(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise invalid("body", f"is not valid JSON: {exc}") from None

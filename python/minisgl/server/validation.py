@@ -3,10 +3,12 @@ validate, and a WARNING naming the fields the server does not know (and ignores)
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Any, ClassVar, TypeVar
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.utils import init_logger
@@ -145,6 +147,35 @@ def parse_request(model: type[M], body: bytes | str) -> M:
         raise validation_error(exc) from None
     _warn_ignored(req)
     return req
+
+
+def parse_json(body: bytes | str) -> Any:
+    """A JSON body as Python values, as strictly as `parse_request` reads one (for routes that
+    translate a body themselves: Anthropic's, the Responses API): not UTF-8, lone surrogates,
+    NaN / Infinity / a number beyond float range, nesting past the parser's depth limit -> 400
+    naming `body`. Python's json.loads takes all of these, and echoing such a value back fails
+    only when the response is written (a 500 after the generation ran)."""
+    try:
+        value = pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise APIError(
+            f"the request body is not valid JSON (UTF-8): {exc}", param="body", code="invalid_json"
+        ) from None
+    stack = [value]  # jiter reads 1e999 as inf even so
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise APIError(
+                "the request body is not valid JSON: a number is out of the float range "
+                f"(got {item})",
+                param="body",
+                code="invalid_json",
+            )
+    return value
 
 
 def parse_object(model: type[M], data: Any, param: str) -> M:
