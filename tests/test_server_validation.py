@@ -241,6 +241,10 @@ REFUSED = [
         {"messages": CHAT, "min_tokens": 9, "max_completion_tokens": 2},
         "min_tokens",
     ),
+    # A tool that is not an object (an AttributeError, a 500, before).
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [5]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": ["f", None]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [[]], "stream": True}, "tools"),
     ("/generate", {"text": "x", "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"text": "x", "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"text": "x", "logprob_start_len": -2}, "logprob_start_len"),

@@ -84,7 +84,9 @@ def check_tools(tools: Any, tool_choice: Any, parallel: bool | None = None) -> T
         raise _invalid("tools", "must be a list of function tools")
     names = []
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise _invalid("tools", f"tools[{i}] must be a function tool object, got {tool!r}")
+        function = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise _invalid("tools", f"tools[{i}] must be {{'type': 'function', 'function': ...}}")
         name = function.get("name")
