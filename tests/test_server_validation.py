@@ -245,6 +245,9 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": CHAT, "tools": [5]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": ["f", None]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [[]], "stream": True}, "tools"),
+    # An empty token list among the inputs (its APIError got "input" as its status: a 500).
+    ("/v1/embeddings", {"input": [[]]}, "input"),
+    ("/v1/embeddings", {"input": [[1, 2], []]}, "input"),
     ("/generate", {"text": "x", "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"text": "x", "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"text": "x", "logprob_start_len": -2}, "logprob_start_len"),

@@ -49,7 +49,12 @@ class EmbeddingRequest(Strict):
             elif isinstance(item, list) and item:
                 prompts.append({"input_ids": list(item)})
             else:
-                raise APIError("input items must be strings or non-empty token lists", "input")
+                raise APIError(
+                    f"input[{len(prompts)}]: items must be strings or non-empty token lists "
+                    f"(got {item!r})",
+                    param="input",
+                    code="invalid_value",
+                )
         return prompts
 
 
