@@ -194,6 +194,8 @@ def test_engine_failure_ends_open_requests_and_health(app):
 
 
 CHAT = [{"role": "user", "content": "hi"}]
+BAD_SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+NAMED_F = {"type": "function", "function": {"name": "f"}}
 # vLLM's extensions and the native endpoints: refused by the API server itself, naming the
 # parameter (test_server_native.py has the ones the scheduler refuses).
 REFUSED = [
@@ -248,6 +250,18 @@ REFUSED = [
     # An empty token list among the inputs (its APIError got "input" as its status: a 500).
     ("/v1/embeddings", {"input": [[]]}, "input"),
     ("/v1/embeddings", {"input": [[1, 2], []]}, "input"),
+    # A forced tool call (required, or a named function) whose parameters' schema does not
+    # compile: refused here, not by the scheduler (a stream's error event after a 200).
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": [BAD_SCHEMA_TOOL], "tool_choice": "required", "stream": True},
+        "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": [BAD_SCHEMA_TOOL], "tool_choice": NAMED_F},
+        "tools",
+    ),
     ("/generate", {"text": "x", "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"text": "x", "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"text": "x", "logprob_start_len": -2}, "logprob_start_len"),

@@ -33,7 +33,7 @@ from .sampling import (
     make_sampling_params,
     unsupported,
 )
-from .structured import STRUCTURED_FIELDS, structured_output
+from .structured import STRUCTURED_FIELDS, check_builds, structured_output
 from .tools import ToolChoice, check_tools
 from .validation import Strict
 
@@ -259,6 +259,8 @@ class ChatCompletionRequest(ChatTemplateOptions, GenerateRequest):
         """`required` / a named tool choice holds the output to its calls' JSON schema."""
         given = super().constraint()
         forced = self.tool_choice_spec().constraint()
+        if forced is not None:  # built from the tools' parameters: their schemas' errors
+            check_builds("tools", forced)
         if given is not None and forced is not None:
             raise APIError(
                 "tool_choice required or a named function cannot be combined with another "
