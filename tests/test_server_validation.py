@@ -262,6 +262,18 @@ REFUSED = [
         {"messages": CHAT, "tools": [BAD_SCHEMA_TOOL], "tool_choice": NAMED_F},
         "tools",
     ),
+    # Constraints no text satisfies (the engine's logits all masked: a 500 before).
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "structured_outputs": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}},
+        "structured_outputs.grammar",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"regex": "[^\\x00-\\U0010FFFF]"}},
+        "sampling_params.regex",
+    ),
     ("/generate", {"text": "x", "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"text": "x", "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"text": "x", "logprob_start_len": -2}, "logprob_start_len"),

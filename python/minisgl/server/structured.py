@@ -70,19 +70,47 @@ def _from_guided(param: str, kind: str, value: Any) -> StructuredOutput:
     return StructuredOutput(kind, value)
 
 
+_byte_compiler: Any = None
+
+
+def _admits_a_first_byte(grammar: Any) -> bool:
+    """Whether the grammar lets an output start: some first byte, or the end (its language
+    holds the empty string). Compiled for a vocabulary of the 256 bytes and an end token, so
+    any tokenizer's first step allows nothing exactly when this one does (no text at all
+    matches: the engine's logits would be all masked, a server error)."""
+    import torch
+    import xgrammar as xgr
+
+    global _byte_compiler
+    if _byte_compiler is None:
+        vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+        info = xgr.TokenizerInfo(vocab, stop_token_ids=[256])
+        _byte_compiler = xgr.GrammarCompiler(info, max_threads=1)
+    matcher = xgr.GrammarMatcher(_byte_compiler.compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(torch.count_nonzero(bitmask))
+
+
 def check_builds(param: str, spec: StructuredOutput) -> None:
-    """Build the constraint's grammar once (no tokenizer): its errors are the client's."""
+    """Build the constraint's grammar once (no tokenizer): its errors are the client's, and so
+    is a constraint that no text satisfies (a regex of an empty character class, say)."""
     import xgrammar as xgr
 
     try:
         if spec.kind == "json" and spec.spec:
-            xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
+            grammar = xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
         elif spec.kind == "regex":
-            xgr.Grammar.from_regex(spec.spec)
+            grammar = xgr.Grammar.from_regex(spec.spec)
         elif spec.kind == "grammar":
-            xgr.Grammar.from_ebnf(spec.spec)
+            grammar = xgr.Grammar.from_ebnf(spec.spec)
+        else:
+            return
     except Exception as exc:  # xgrammar's errors name what it could not parse
         raise _invalid(param, f"cannot be compiled: {exc}") from None
+    if not _admits_a_first_byte(grammar):
+        shown = spec.spec if len(spec.spec or "") <= 60 else f"{spec.spec[:57]}..."
+        raise _invalid(param, f"no text satisfies it, so nothing can be generated (got {shown!r})")
 
 
 def structured_output(fields: dict[str, Any]) -> StructuredOutput | None:
