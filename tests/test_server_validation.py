@@ -441,3 +441,23 @@ def test_translated_bodies_are_parsed_strictly(app):
     r = app.http.post("/v1/responses", content=body, headers=headers)
     assert r.status_code == 200, r.text
     assert r.json()["metadata"] == {"a": [1e300, "\U0001f600"]}
+
+
+def test_an_internal_error_has_the_routes_error_shape(app, monkeypatch):
+    """A bug's 500 on Anthropic's routes comes in Anthropic's error shape, elsewhere OpenAI's."""
+    import minisgl.server.anthropic as anthropic
+
+    def broken(body):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(anthropic, "chat_body", broken)
+    http = TestClient(app.http.app, raise_server_exceptions=False)
+    r = http.post("/v1/messages", json={"max_tokens": 2, "messages": CHAT})
+    assert r.status_code == 500
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "internal error: boom"},
+    }
+    monkeypatch.setattr(app.frontend, "new_rid", lambda: 1 / 0)
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"

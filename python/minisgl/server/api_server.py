@@ -123,10 +123,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # A bug: Starlette logs its traceback after this; the client gets an OpenAI body.
+        # A bug: Starlette logs its traceback after this; the client gets an OpenAI body (an
+        # Anthropic one on the Messages routes, as for every other error there).
         state.metrics.errors.labels("500").inc()
         error = APIError(f"internal error: {exc}", status=500, type="server_error")
-        return error.response()
+        return error_response(request, error)
 
     if state.api_key is not None:
         app.add_middleware(_APIKeyMiddleware, api_key=state.api_key)
