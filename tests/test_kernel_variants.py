@@ -308,6 +308,24 @@ def test_argmax_equals_torch_max_with_ties_and_nans(kernels, dtype, cols):
     assert kernels.argmax(x[:0]).shape == (0,)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_tempered_softmax_within_its_roundings(kernels, normalize):
+    """softmax(x / T) by rows, each weight within a float32 exp's error of the float64 one (0
+    where that is below e^-87, -inf included), normalised or with the largest 1."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 1000, generator=gen) * 8  # some weights below e^-87
+    x[2, 100:200] = float("-inf")
+    temperatures = torch.tensor([0.3, 1.0, 2.5, 0.7, 1e-3])
+    got = kernels.tempered_softmax(x, temperatures, normalize, torch.empty_like(x))
+    z = (x.double() - x.double().amax(-1, keepdim=True)) / temperatures.double()[:, None]
+    want = torch.where(z >= -87, z.exp(), torch.zeros_like(z))
+    if normalize:
+        want = want / want.sum(-1, keepdim=True)
+    slack = U32 * (3 * z.abs().clamp(max=87) + EXP_ULPS + (1000 if normalize else 0))
+    assert_within(got, want, want * slack + 1e-37, "tempered_softmax")  # (e^-87 ~ 1.6e-38)
+    assert bool((got[2, 100:200] == 0).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flag_non_finite_equals_the_torch_ops(kernels, dtype):
     """A row whose chosen logit is NaN or infinite, or whose token is no column (never read),

@@ -252,12 +252,11 @@ class Sampler:
         self, logits: torch.Tensor, args: SampleArgs, uniforms: torch.Tensor
     ) -> torch.Tensor:
         """The draw through a probability buffer the filters (top-k, top-p, min-p) edit."""
-        # Softmax in place in a kept buffer (the logits are left as they are), unnormalised
-        # unless top-p reads it: the draw scales by each row's total.
-        probs = torch.div(logits, args.temperatures, out=self._scratch_like("probs", logits))
-        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
-        if args.top_p is not None:
-            probs.div_(probs.sum(dim=-1, keepdim=True))
+        # Softmax into a kept buffer (the logits are left as they are), unnormalised unless
+        # top-p reads it: the draw scales by each row's total.
+        probs = ops_for(logits).tempered_softmax(
+            logits, args.temperatures, args.top_p is not None, self._scratch_like("probs", logits)
+        )
         # The draw's weights: every token's, or (top-k / top-p) the kept candidates' and their
         # tokens, largest first.
         weights, tokens = probs, None

@@ -29,6 +29,36 @@ class SamplingKernels(KernelLibrary):
         )
         return indices
 
+    def tempered_softmax(
+        self, x: torch.Tensor, temperatures: torch.Tensor, normalize: bool, out: torch.Tensor
+    ) -> torch.Tensor:
+        """out = softmax(x / temperatures[:, None]) by rows (unnormalised, the largest 1, unless
+        `normalize`; 0 below e^-87): x, out [rows, cols] float32, temperatures [rows] (> 0)."""
+        x = x.contiguous()
+        rows, cols = x.shape
+        temperatures = temperatures.to(torch.float32).contiguous()
+        if not (
+            x.dtype == out.dtype == torch.float32
+            and out.shape == x.shape
+            and out.is_contiguous()
+            and temperatures.shape == (rows,)
+            and cols > 0
+        ):
+            raise ValueError(
+                f"tempered_softmax: x {x.dtype} {tuple(x.shape)}, out {out.dtype} "
+                f"{tuple(out.shape)}, temperatures {tuple(temperatures.shape)}"
+            )
+        self.lib.minisgl_tempered_softmax(
+            x.data_ptr(),
+            temperatures.data_ptr(),
+            out.data_ptr(),
+            rows,
+            cols,
+            int(normalize),
+            kernel_threads(),
+        )
+        return out
+
     def flag_non_finite(
         self, logits: torch.Tensor, sampled: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

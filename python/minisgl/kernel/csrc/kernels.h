@@ -187,6 +187,8 @@ void minisgl_sample_rows(const float* x, const float* temperatures, const double
                          int64_t* tokens, int64_t rows, int64_t cols, int nthreads);
 int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k, float* values,
                            int64_t* indices, int nthreads);
+void minisgl_tempered_softmax(const float* x, const float* temperatures, float* out,
+                              int64_t rows, int64_t cols, int normalize, int nthreads);
 void minisgl_flag_non_finite(const void* logits, const int32_t* sampled, int32_t* next,
                              int32_t* pool, int64_t rows, int64_t cols, int dtype);
 
