@@ -290,3 +290,19 @@ def test_compile_pool_without_a_limit_never_gives_up() -> None:
         assert future.result(10) == "x" and pool.stuck == 0
     finally:
         pool.close()
+
+
+def test_a_constraint_text_cannot_finish_fails_naming_itself_not_the_model() -> None:
+    """A grammar that takes "ab" and then no character at all masks every logit of the step
+    after it: that request fails saying its constraint cannot be completed (a 400 naming
+    `structured` over HTTP), the others in its batch run on."""
+    torch.set_num_threads(2)
+    llm = build_llm("qwen3")
+    dead_end = StructuredOutput("grammar", 'root ::= "ab" [^\\x00-\\U0010ffff]')
+    params = [SamplingParams(max_tokens=8, structured=dead_end), SamplingParams(max_tokens=4)]
+    failed, other = llm.generate(["Hi", "Hello"], params)
+    assert failed["finish_reason"] == "error" and failed["text"] == "ab"
+    assert "constraint allows no token" in failed["error"], failed["error"]
+    assert other["finish_reason"] == "length" and len(other["token_ids"]) == 4
+    assert_all_pages_free(llm)
+    llm.shutdown()

@@ -327,6 +327,16 @@ class GrammarQueue:
                 grammar.rollback(taken)
         return torch.tensor(rows, dtype=torch.int64), bitmask
 
+    def allows_nothing(self, req: Req) -> bool:
+        """Whether `req`'s grammar, where it stands, takes no token (nor ends): a constraint
+        that text can enter but not finish, which masks every logit of its next step."""
+        grammar = req.grammar
+        if grammar is None or grammar.is_terminated():
+            return False
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        grammar.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
+
     def close(self) -> None:
         self._pool.close()
 

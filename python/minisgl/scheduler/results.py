@@ -13,6 +13,7 @@ from minisgl.utils import init_logger
 from minisgl.utils.faults import inject as inject_fault
 
 from .cache import CacheManager
+from .grammar import GrammarQueue
 from .logprobs import collect_logprobs
 from .output import InFlight, SchedulerStats, TokenOutput, finish_reason
 from .speculative import Speculator, accepted_length
@@ -34,6 +35,7 @@ class ResultsMixin:
     _outbox: list[TokenOutput]
     _in_flight: InFlight | None
     speculator: Speculator | None
+    grammars: GrammarQueue | None
 
     def _process(self, step: InFlight) -> None:
         output = step.output()
@@ -104,6 +106,16 @@ class ResultsMixin:
     def _append_token(self, req: Req, token: int, logprobs: list[Any] | None = None) -> None:
         inject_fault("schedule", req.sampling_params.stop)
         if token < 0:  # the engine flags a row whose logits were not finite
+            if self.grammars is not None and self.grammars.allows_nothing(req):
+                # (its mask took every token: the constraint's fault, not the model's)
+                self._fail(
+                    req,
+                    f"the structured output constraint allows no token after the "
+                    f"{req.output_len} generated so far: it cannot be completed",
+                    "structured",
+                    "invalid_value",
+                )
+                return
             self._fail(req, "the model's logits for this request were not finite (NaN or inf)")
             return
         if req.grammar is not None and not req.grammar.accept_token(token):
