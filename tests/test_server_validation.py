@@ -419,7 +419,7 @@ def test_batches_past_max_batch_prompts_are_refused_before_tokenization(app):
 # Bodies the Anthropic and Responses routes read themselves: as strict as the OpenAI routes'
 # (Python's json.loads took NaN, 1e999 and lone surrogates, which failed only when a response
 # echoed them back, and overflowed its recursion limit on deep nesting: 500s).
-RESPONSES_BODY = b'{"input": "hi", "max_output_tokens": 2, "metadata": {"a": %s}}'
+RESPONSES_BODY = b'{"input": "hi", "max_output_tokens": 2, "metadata": {"a": "b"}, "x": %s}'
 MESSAGES_BODY = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "x": %s}'
 NOT_JSON = [b"NaN", b"-Infinity", b"1e999", b'"\\ud800"', b'{"a":' * 5000]
 
@@ -440,7 +440,30 @@ def test_translated_bodies_are_parsed_strictly(app):
     body = RESPONSES_BODY % b'[1e300, "\\ud83d\\ude00"]'
     r = app.http.post("/v1/responses", content=body, headers=headers)
     assert r.status_code == 200, r.text
-    assert r.json()["metadata"] == {"a": [1e300, "\U0001f600"]}
+    assert r.json()["metadata"] == {"a": "b"}
+
+
+def test_responses_flags_and_metadata_are_checked_before_they_are_echoed(app):
+    """`store` and `stream` are booleans; `metadata`, echoed in the response, is OpenAI's up to
+    16 pairs of strings (keys up to 64 characters, values up to 512)."""
+    bad = [
+        ("store", "x"),
+        ("stream", "false"),
+        ("metadata", "x"),
+        ("metadata", {"a": 1}),
+        ("metadata", {"k" * 65: "v"}),
+        ("metadata", {"a": "v" * 513}),
+        ("metadata", {str(i): "v" for i in range(17)}),
+    ]
+    for name, value in bad:
+        r = app.http.post("/v1/responses", json={"input": "hi", name: value})
+        assert r.status_code == 400, (name, value, r.text)
+        assert r.json()["error"]["param"] == name, r.text
+    assert app.pipeline.take_received() == []
+    pairs = {str(i): "v" * 512 for i in range(16)}
+    r = app.http.post("/v1/responses", json={"input": "hi", "metadata": pairs, "store": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == pairs
 
 
 def test_an_internal_error_has_the_routes_error_shape(app, monkeypatch):

@@ -185,6 +185,28 @@ UNSUPPORTED = {
 }
 
 
+# OpenAI's bounds on a response's metadata: key-value pairs of strings.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Metadata is echoed back in the response: an object of up to 16 string pairs."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_PAIRS:
+        raise invalid("metadata", f"must be an object of at most {METADATA_PAIRS} pairs")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS or not isinstance(value, str):
+            raise invalid(
+                "metadata",
+                f"key {key[:80]!r}: keys up to {METADATA_KEY_CHARS} characters, values strings",
+            )
+        if len(value) > METADATA_VALUE_CHARS:
+            raise invalid(
+                "metadata", f"value of {key!r}: at most {METADATA_VALUE_CHARS} characters"
+            )
+
+
 def chat_request(body: Any, history: list[dict[str, Any]] | None) -> ResponsesInput:
     """The chat request a Responses request means; `history`: the stored conversation its
     previous_response_id continues."""
@@ -195,6 +217,10 @@ def chat_request(body: Any, history: list[dict[str, Any]] | None) -> ResponsesIn
             raise invalid(name, why, code="unsupported_parameter")
     if "input" not in body:
         raise invalid("input", "is required", code="missing_required_parameter")
+    for flag in ("store", "stream"):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise invalid(flag, f"must be a boolean, got {body[flag]!r}")
+    _check_metadata(body.get("metadata"))
     messages, items = input_messages(body["input"])
     conversation = [*(history or []), *messages]
     chat: dict[str, Any] = {"messages": list(conversation)}
