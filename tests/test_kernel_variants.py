@@ -380,6 +380,11 @@ def test_top_candidates_equal_a_stable_sort(kernels, k):
     values, indices = kernels.top_candidates(x, k)
     want_values, want_indices = x.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(values, want_values[:, :k]) and torch.equal(indices, want_indices[:, :k])
+    # A row of NaNs but two values: those among the k, and every column a real one.
+    x[0], x[0, 9], x[0, 200] = float("nan"), 2.0, 1.0
+    values, indices = kernels.top_candidates(x[:1], k)
+    assert {9, 200} & set(indices[0].tolist()) == ({9} if k == 1 else {9, 200})
+    assert bool(((indices >= 0) & (indices < 300)).all())
 
 
 @pytest.mark.parametrize(

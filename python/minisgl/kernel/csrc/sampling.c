@@ -417,6 +417,10 @@ int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k
                     for (int64_t i = 1; i < k; i++) bar = kept[i].value < bar ? kept[i].value : bar;
                 }
             }
+            // Fewer than k values that are not NaN (a row gone non-finite): its NaNs, in
+            // column order, fill the k (ordered by their bits, as the rest).
+            for (int64_t c = 0; c < cols && count < k; c++)
+                if (row[c] != row[c]) kept[count++] = (candidate){row[c], c};
             if (count > k) select_first(kept, count, k);
             for (int64_t i = 0; i < k; i++)
                 keys[i] = (uint64_t)(~order_key(kept[i].value)) << 32 | (uint64_t)kept[i].index;
