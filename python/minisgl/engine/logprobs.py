@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernel.ops import ops_for
+
 from .sample import SampleArgs
 
 # Prompt rows whose logits are materialised at once: 128 x 151,936 float32 is 78 MB.
@@ -48,7 +50,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> To
     safe = tokens.long().clamp(0, logits.shape[-1] - 1)
     chosen = logprobs.gather(1, safe[:, None])[:, 0]
     if top_k > 0:
-        top_logprobs, top_ids = logprobs.topk(top_k, dim=-1)
+        # (the C selection where there is one: topk took 135 of a batch-1 step's 232 µs)
+        top_logprobs, top_ids = ops_for(logprobs).top_candidates(logprobs, top_k)
     else:
         top_logprobs = logprobs.new_empty(len(logprobs), 0)
         top_ids = torch.empty(len(logprobs), 0, dtype=torch.int64, device=logprobs.device)
