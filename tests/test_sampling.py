@@ -136,6 +136,46 @@ def test_top_k_top_p_filters_equal_a_full_sort(spread, top_k, top_p) -> None:
     assert (got > 0).sum(dim=-1).min() >= 1
 
 
+@pytest.mark.parametrize("spread", [8.0, 0.5])
+def test_rows_of_other_filters_in_one_batch_equal_a_full_sort(spread) -> None:
+    """Each row decides by its own filters: top-k within the candidates, top-p by its mass, a
+    row without either (top_k = vocab, top_p = 1) over the whole vocabulary."""
+    from minisgl.engine.sample import TOP_CANDIDATES
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4 * TOP_CANDIDATES
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen) * spread, dim=-1)
+    k = torch.tensor([[40], [vocab], [5], [vocab]])
+    p = torch.tensor([[1.0], [0.9], [0.5], [1.0]])
+    kept, tokens = Sampler._top_k_top_p(probs, k, p)
+    got = torch.zeros_like(probs).scatter_(-1, tokens, kept)
+    assert torch.equal(got, _reference_top_k_top_p(probs, k, p))
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels unavailable on this machine")
+def test_a_row_without_filters_draws_as_alone_beside_filtered_rows() -> None:
+    """In a batch where another row sets top-k, a row that sets neither top-k nor top-p draws
+    from its whole distribution the token it draws alone (the same uniform number): a seeded
+    request's tokens do not depend on its batch's filters (a sort of the batch, as before,
+    drew them in another order)."""
+    from minisgl.engine.sample import TOP_CANDIDATES, SampleArgs
+    from minisgl.kernel.ops import ops_for
+
+    gen = torch.Generator().manual_seed(6)
+    vocab = 4 * TOP_CANDIDATES
+    logits = torch.randn(2, vocab, generator=gen) * 0.5  # flat: most mass past the candidates
+    args = SampleArgs(
+        all_greedy=False, temperatures=torch.ones(2, 1), top_k=torch.tensor([[vocab], [40]])
+    )
+    sampler = Sampler(vocab, torch.device("cpu"))
+    for u in (0.001, 0.5, 0.999):
+        uniforms = torch.tensor([u, 0.5], dtype=torch.float64)
+        tokens = sampler._sample_filtered(logits, args, uniforms)
+        alone = ops_for(logits).sample_tempered(logits[:1], uniforms[:1], torch.ones(1))
+        assert int(tokens[0]) == int(alone[0])
+        assert int(tokens[1]) in logits[1].topk(40).indices.tolist()
+
+
 def test_row_draws_invert_the_distribution_function() -> None:
     """The C draw and the PyTorch one pick the first column whose running sum exceeds u times
     the row's total: the same columns, zero-weight ones never, the ends included."""

@@ -257,14 +257,49 @@ class Sampler:
         probs = ops_for(logits).tempered_softmax(
             logits, args.temperatures, args.top_p is not None, self._scratch_like("probs", logits)
         )
-        # The draw's weights: every token's, or (top-k / top-p) the kept candidates' and their
-        # tokens, largest first.
+        if args.top_k is None and args.top_p is None:
+            return self._draw(probs, None, None, args.min_p, uniforms)
+        # Rows that set neither top-k nor top-p draw from every token, the others from their
+        # top candidates: together, such rows had the whole batch sorted each step.
+        vocab = probs.shape[-1]
+        filtered = torch.zeros(len(probs), dtype=torch.bool, device=probs.device)
+        if args.top_k is not None:
+            filtered |= args.top_k[:, 0] < vocab
+        if args.top_p is not None:
+            filtered |= args.top_p[:, 0] < 1.0
+        if bool(filtered.all()):
+            return self._draw(probs, args.top_k, args.top_p, args.min_p, uniforms)
+        sampled = torch.empty(len(probs), dtype=torch.int64, device=probs.device)
+        for part, filters in ((filtered, True), (~filtered, False)):
+            rows = part.nonzero()[:, 0]
+            if len(rows) == 0:
+                continue
+            top_k, top_p, min_p = (
+                None if values is None else values[rows]
+                for values in (args.top_k, args.top_p, args.min_p)
+            )
+            if not filters:
+                top_k = top_p = None
+            sampled[rows] = self._draw(probs[rows], top_k, top_p, min_p, uniforms[rows])
+        return sampled
+
+    def _draw(
+        self,
+        probs: torch.Tensor,
+        top_k: torch.Tensor | None,
+        top_p: torch.Tensor | None,
+        min_p: torch.Tensor | None,
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor:
+        """A draw from each row of probs (softmax weights, normalised where top_p is given)
+        after top-k, top-p and min-p: from every token's weight, or from the kept candidates'
+        (largest first) and their tokens."""
         weights, tokens = probs, None
-        if args.top_k is not None or args.top_p is not None:
-            weights, tokens = self._top_k_top_p(probs, args.top_k, args.top_p)
-        if args.min_p is not None:
+        if top_k is not None or top_p is not None:
+            weights, tokens = self._top_k_top_p(probs, top_k, top_p)
+        if min_p is not None:
             max_prob = weights.amax(dim=-1, keepdim=True)
-            weights.masked_fill_(weights < args.min_p * max_prob, 0.0)
+            weights.masked_fill_(weights < min_p * max_prob, 0.0)
         sampled = _sample_rows(weights, uniforms)
         return sampled if tokens is None else tokens.gather(1, sampled[:, None])[:, 0]
 
@@ -275,17 +310,30 @@ class Sampler:
         """What top-k and top-p keep of probs [B, vocab]: (probabilities, largest first, with
         the dropped ones zeroed; their tokens). Every row's survivors are usually among its
         TOP_CANDIDATES largest, which a selection finds ~10x faster than sorting the whole
-        vocabulary: where each row's top_k is within them and their mass reaches its top_p,
-        everything past them is dropped anyway (the same result as a full sort), else the rows
-        are sorted."""
-        candidates = min(TOP_CANDIDATES, probs.shape[-1])
-        within = top_k is None or bool((top_k <= candidates).all())
-        sorted_probs, order = _top_candidates(probs, candidates) if within else (None, None)
-        if sorted_probs is not None and top_p is not None:
-            within = bool((sorted_probs.sum(dim=-1, keepdim=True) >= top_p).all())
-        if not within:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-        assert sorted_probs is not None and order is not None
+        vocabulary: where each row's top_k is within them or their mass reaches its top_p,
+        everything past them is dropped anyway (the same result as a full sort), else four
+        times as many are taken, up to the whole vocabulary (sorted). A full sort of the batch
+        the moment one row's mass lay past the first candidates cost SmolLM2 at batch 16,
+        temperature 1 and top-p 0.95 one step in 13 (a row in 200 needed up to 1,272), 35 ms
+        each; 4,096 candidates cost 3.7 ms."""
+        rows, vocab = probs.shape
+        k = top_k[:, 0] if top_k is not None else torch.full((rows,), vocab, device=probs.device)
+        candidates = min(TOP_CANDIDATES, vocab)
+        bounded = k < vocab
+        if bool(bounded.any()):
+            candidates = min(vocab, max(candidates, int(k[bounded].max())))
+        while True:
+            sorted_probs, order = _top_candidates(probs, candidates)
+            if candidates == vocab:
+                break
+            # A row is decided where its top_k falls among the candidates or their mass
+            # reaches its top_p (what lies past them is dropped either way).
+            decided = k <= candidates
+            if top_p is not None:
+                decided |= sorted_probs.sum(dim=-1) >= top_p[:, 0]
+            if bool(decided.all()):
+                break
+            candidates = min(vocab, 4 * candidates)
         ranks = torch.arange(sorted_probs.shape[-1], device=probs.device)[None, :]
         drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
         if top_k is not None:
