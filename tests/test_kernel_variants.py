@@ -327,6 +327,26 @@ def test_tempered_softmax_within_its_roundings(kernels, normalize):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [50, 64, 1000])
+def test_mask_disallowed_equals_the_torch_ops(kernels, dtype, cols):
+    """The rows named keep the columns whose bit is set (whole words set, clear and mixed, a
+    last word past the columns), every other logit -inf; rows not named untouched."""
+    from minisgl.kernel.ops import TORCH_OPS
+
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.randn(5, cols, generator=gen).to(dtype)
+    words = (cols + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int32)
+    bitmask[0, 0], bitmask[1, :] = -1, 0  # all allowed / none allowed
+    rows = torch.tensor([4, 1, 2])
+    got, want = logits.clone(), logits.clone()
+    kernels.mask_disallowed(got, rows, bitmask)
+    TORCH_OPS.mask_disallowed(want, rows, bitmask)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[0, 3]], logits[[0, 3]]) and bool(torch.isinf(got[1]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_flag_non_finite_equals_the_torch_ops(kernels, dtype):
     """A row whose chosen logit is NaN or infinite, or whose token is no column (never read),
     gives -1 and a safe 0; every other row its token twice."""

@@ -363,8 +363,5 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, every logit of logits[rows] whose bit in bitmask (int32 [rows,
-    ceil(vocab / 32)], bit j of word w: token 32 w + j) is clear; one op for the batch."""
-    rows, bitmask = rows.to(logits.device), bitmask.to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
-    logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+    ceil(vocab / 32)], bit j of word w: token 32 w + j) is clear; one call for the batch."""
+    ops_for(logits).mask_disallowed(logits, rows, bitmask)

@@ -69,6 +69,16 @@ class TorchOps:
             probs.div_(probs.sum(dim=-1, keepdim=True))
         return probs
 
+    def mask_disallowed(
+        self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> None:
+        """Set to -inf, in place, every logit of logits[rows] whose bit in bitmask (int32
+        [rows, ceil(vocab / 32)], bit j of word w: token 32 w + j) is clear."""
+        rows, bitmask = rows.to(logits.device), bitmask.to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
+        logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+
     def flag_non_finite(
         self, logits: torch.Tensor, sampled: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +176,14 @@ class CpuKernelOps(TorchOps):
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] == 0:
             return super().tempered_softmax(logits, temperatures, normalize, out)
         return self.kernels.tempered_softmax(logits, temperatures[:, 0], normalize, out)
+
+    def mask_disallowed(
+        self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> None:
+        wide_enough = 32 * bitmask.shape[-1] >= logits.shape[-1]
+        if logits.dim() != 2 or not logits.is_contiguous() or not wide_enough:
+            return super().mask_disallowed(logits, rows, bitmask)
+        self.kernels.mask_disallowed(logits, rows, bitmask)
 
     def flag_non_finite(
         self, logits: torch.Tensor, sampled: torch.Tensor

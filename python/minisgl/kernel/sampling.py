@@ -59,6 +59,36 @@ class SamplingKernels(KernelLibrary):
         )
         return out
 
+    def mask_disallowed(
+        self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> None:
+        """In place: every logit of logits[rows] (float32 or bf16 [*, cols], contiguous) whose
+        bit in bitmask (int32 [len(rows), words], words * 32 >= cols) is clear, -inf."""
+        rows, bitmask = rows.to(torch.int64).contiguous(), bitmask.contiguous()
+        words = bitmask.shape[-1]
+        if not (
+            logits.dim() == 2
+            and logits.is_contiguous()
+            and bitmask.dtype == torch.int32
+            and bitmask.shape[0] == rows.shape[0]
+            and 32 * words >= logits.shape[1]
+            and bool(((rows >= 0) & (rows < logits.shape[0])).all())
+        ):
+            raise ValueError(
+                f"mask_disallowed: logits {tuple(logits.shape)}, rows {tuple(rows.shape)}, "
+                f"bitmask {bitmask.dtype} {tuple(bitmask.shape)}"
+            )
+        self.lib.minisgl_mask_disallowed(
+            logits.data_ptr(),
+            rows.data_ptr(),
+            bitmask.data_ptr(),
+            rows.shape[0],
+            logits.shape[1],
+            words,
+            DTYPE_CODES[logits.dtype],
+            kernel_threads(),
+        )
+
     def flag_non_finite(
         self, logits: torch.Tensor, sampled: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

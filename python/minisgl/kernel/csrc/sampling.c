@@ -90,6 +90,39 @@ void minisgl_argmax(const void* x, int64_t* indices, int64_t rows, int64_t cols,
     }
 }
 
+// Row rows[i] of logits [*, cols] (dtype code) keeps the columns whose bit in bitmask[i] (int32
+// [n, words], bit j of word w: column 32 w + j, words * 32 >= cols) is set, the others -inf: a
+// constrained request's grammar mask. Whole words of clear bits (most of a JSON constraint's
+// vocabulary) are filled at once; the PyTorch ops expanded the mask to a tensor of the
+// vocabulary (0.77 ms a row of 49,152 on Zen 3, 24 ms at batch 16).
+void minisgl_mask_disallowed(void* logits, const int64_t* rows, const int32_t* bitmask,
+                             int64_t n, int64_t cols, int64_t words, int dtype, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t* bits = (const uint32_t*)bitmask + i * words;
+        float* row32 = (float*)logits + rows[i] * cols;
+        bf16_t* row16 = (bf16_t*)logits + rows[i] * cols;
+        for (int64_t w = 0; w < words && 32 * w < cols; w++) {
+            const uint32_t word = bits[w];
+            if (word == 0xffffffffu) continue;
+            const int64_t first = 32 * w, last = first + 32 < cols ? first + 32 : cols;
+            if (word == 0 && dtype == 0) {
+                for (int64_t c = first; c < last; c++) row32[c] = -INFINITY;
+            } else if (word == 0) {
+                for (int64_t c = first; c < last; c++) row16[c] = (bf16_t)0xff80u;  // -inf
+            } else {
+                for (int64_t c = first; c < last; c++) {
+                    if ((word >> (c - first)) & 1u) continue;
+                    if (dtype == 0)
+                        row32[c] = -INFINITY;
+                    else
+                        row16[c] = (bf16_t)0xff80u;
+                }
+            }
+        }
+    }
+}
+
 // For each row r of logits [rows, cols] (dtype code), next[r] = sampled[r] where it is a column
 // whose logit is finite, else -1 (its request fails alone), and pool[r] = that token, else 0 (a
 // token safe to feed back as input): reading only the chosen logit of each row, in one call
