@@ -110,14 +110,12 @@ void minisgl_mask_disallowed(void* logits, const int64_t* rows, const int32_t* b
                 for (int64_t c = first; c < last; c++) row32[c] = -INFINITY;
             } else if (word == 0) {
                 for (int64_t c = first; c < last; c++) row16[c] = (bf16_t)0xff80u;  // -inf
+            } else if (dtype == 0) {  // (branchless: mixed words' bits are unpredictable)
+                for (int64_t c = first; c < last; c++)
+                    row32[c] = (word >> (c - first)) & 1u ? row32[c] : -INFINITY;
             } else {
-                for (int64_t c = first; c < last; c++) {
-                    if ((word >> (c - first)) & 1u) continue;
-                    if (dtype == 0)
-                        row32[c] = -INFINITY;
-                    else
-                        row16[c] = (bf16_t)0xff80u;
-                }
+                for (int64_t c = first; c < last; c++)
+                    row16[c] = (word >> (c - first)) & 1u ? row16[c] : (bf16_t)0xff80u;
             }
         }
     }
