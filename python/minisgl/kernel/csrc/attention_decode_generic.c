@@ -23,13 +23,6 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
                          _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 }
 
-// 8 elements of a cache row from element `at`, as float32 (bf16: widened in registers).
-static inline __m256 cache_load8(const void* cache, int64_t at, const int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float*)cache + at);
-    const __m128i raw = _mm_loadu_si128((const __m128i*)((const uint16_t*)cache + at));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 // The largest of s[0..valid) as the loop `m = s[0]; m = s[j] > m ? s[j] : m` finds it, 8 lanes
 // at a time (every lane starts from s[0], so a NaN is kept exactly where the loop keeps it):
 // the loop's chain of dependent maxima made SmolLM2's attention 3-5% slower at 1-16 rows (Zen 3).
@@ -73,7 +66,7 @@ static inline FORM_INLINE void group_scores(const void* k_cache, const int64_t* 
             __m256 q8[MAX_HEADS];
             for (int h = 0; h < heads; h++) q8[h] = _mm256_loadu_ps(qh[h] + d);
             for (int t = 0; t < POS; t++) {
-                const __m256 key = cache_load8(k_cache, row[t] + d, bf16);
+                const __m256 key = load8(k_cache, row[t] + d, bf16);
                 for (int h = 0; h < heads; h++)
                     partial[h][t] = _mm256_fmadd_ps(q8[h], key, partial[h][t]);
             }
@@ -106,7 +99,7 @@ static inline FORM_INLINE void group_values(const void* v_cache, const int64_t* 
             __m256 p[MAX_HEADS];
             for (int h = 0; h < heads; h++) p[h] = _mm256_broadcast_ss(weights[h] + j);
             for (int c = 0; c < chunks; c++) {
-                const __m256 value = cache_load8(v_cache, at[j] + offset + d0 + 8 * c, bf16);
+                const __m256 value = load8(v_cache, at[j] + offset + d0 + 8 * c, bf16);
                 for (int h = 0; h < heads; h++)
                     sums[h][c] = _mm256_fmadd_ps(p[h], value, sums[h][c]);
             }
