@@ -344,6 +344,12 @@ def test_mask_disallowed_equals_the_torch_ops(kernels, dtype, cols):
     TORCH_OPS.mask_disallowed(want, rows, bitmask)
     assert torch.equal(got, want)
     assert torch.equal(got[[0, 3]], logits[[0, 3]]) and bool(torch.isinf(got[1]).all())
+    # A row outside the logits, or a bitmask narrower than them: refused, nothing written.
+    for bad_rows, bad_mask in ((torch.tensor([5, 0, 0]), bitmask), (rows, bitmask[:, :1])):
+        before = got.clone()
+        with pytest.raises(ValueError, match="mask_disallowed"):
+            kernels.mask_disallowed(got, bad_rows, bad_mask)
+        assert torch.equal(got, before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

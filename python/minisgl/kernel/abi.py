@@ -66,7 +66,7 @@ SIGNATURES: dict[str, list[type]] = {
     "minisgl_sample_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int],
     "minisgl_top_candidates": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int],
     "minisgl_flag_non_finite": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int],
-    "minisgl_mask_disallowed": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
+    "minisgl_mask_disallowed": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
     "minisgl_tempered_softmax": [_ptr, _ptr, _ptr, _i64, _i64, _int, _int],
     "minisgl_rotary": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _int],
     "minisgl_decode_attention_block": [_ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr]
@@ -119,7 +119,7 @@ RESTYPES: dict[str, type | None] = {
     "minisgl_sample_rows": None,
     "minisgl_top_candidates": _int,
     "minisgl_flag_non_finite": None,
-    "minisgl_mask_disallowed": None,
+    "minisgl_mask_disallowed": _int,
     "minisgl_tempered_softmax": None,
     "minisgl_rotary": _int,
     "minisgl_decode_attention_block": _int,

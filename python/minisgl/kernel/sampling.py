@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernel.abi import DTYPE_CODES, check_status, require
+from minisgl.kernel.abi import DTYPE_CODES, ERR_SHAPE, check_status, require
 from minisgl.kernel.library import KernelLibrary
 from minisgl.kernel.threads import kernel_threads
 
@@ -65,29 +65,33 @@ class SamplingKernels(KernelLibrary):
         """In place: every logit of logits[rows] (float32 or bf16 [*, cols], contiguous) whose
         bit in bitmask (int32 [len(rows), words], words * 32 >= cols) is clear, -inf."""
         rows, bitmask = rows.to(torch.int64).contiguous(), bitmask.contiguous()
-        words = bitmask.shape[-1]
         if not (
             logits.dim() == 2
             and logits.is_contiguous()
             and bitmask.dtype == torch.int32
             and bitmask.shape[0] == rows.shape[0]
-            and 32 * words >= logits.shape[1]
-            and bool(((rows >= 0) & (rows < logits.shape[0])).all())
         ):
             raise ValueError(
                 f"mask_disallowed: logits {tuple(logits.shape)}, rows {tuple(rows.shape)}, "
                 f"bitmask {bitmask.dtype} {tuple(bitmask.shape)}"
             )
-        self.lib.minisgl_mask_disallowed(
+        status = self.lib.minisgl_mask_disallowed(
             logits.data_ptr(),
+            logits.shape[0],
             rows.data_ptr(),
             bitmask.data_ptr(),
             rows.shape[0],
             logits.shape[1],
-            words,
+            bitmask.shape[-1],
             DTYPE_CODES[logits.dtype],
             kernel_threads(),
         )
+        if status == ERR_SHAPE:  # (checked in C: no per-step ops for it)
+            raise ValueError(
+                f"mask_disallowed: rows {rows.tolist()[:16]} of {logits.shape[0]} logit rows, a "
+                f"bitmask of {bitmask.shape[-1]} words for {logits.shape[1]} columns"
+            )
+        check_status("mask_disallowed", status)
 
     def flag_non_finite(
         self, logits: torch.Tensor, sampled: torch.Tensor

@@ -189,8 +189,9 @@ int minisgl_top_candidates(const float* x, int64_t rows, int64_t cols, int64_t k
                            int64_t* indices, int nthreads);
 void minisgl_tempered_softmax(const float* x, const float* temperatures, float* out,
                               int64_t rows, int64_t cols, int normalize, int nthreads);
-void minisgl_mask_disallowed(void* logits, const int64_t* rows, const int32_t* bitmask,
-                             int64_t n, int64_t cols, int64_t words, int dtype, int nthreads);
+int minisgl_mask_disallowed(void* logits, int64_t logits_rows, const int64_t* rows,
+                            const int32_t* bitmask, int64_t n, int64_t cols, int64_t words,
+                            int dtype, int nthreads);
 void minisgl_flag_non_finite(const void* logits, const int32_t* sampled, int32_t* next,
                              int32_t* pool, int64_t rows, int64_t cols, int dtype);
 
