@@ -23,12 +23,13 @@ from kernels_layers import (
     gemv_case,
     packed_case,
     streamed_case,
+    widened_case,
 )
 from kernels_sampling import argmax_case, penalties_case, sampling_cases
 from timing import Comparison
 
 from minisgl.kernel.cpu import cpu_kernels
-from minisgl.layers.linear import onednn_pack
+from minisgl.layers.linear import c_matmuls_take, onednn_pack
 
 BF16 = torch.bfloat16
 
@@ -68,6 +69,12 @@ def main() -> None:
         rows += [streamed_case(kernels, weights, n) for n in (1, 2, 4, 8)]
         if packed is not None:
             rows += [packed_case(kernels, weights, packed, n) for n in (16, 32, 64, 256, 2048)]
+    elif c_matmuls_take(BF16, kernels):  # AVX2: the tile copy widened in registers
+        weights = [
+            torch.randn(n, k, dtype=BF16) * 0.02 for _ in range(args.layers) for n, k in shapes
+        ]
+        rows += [widened_case(kernels, weights, n) for n in (1, 2, 4, 8, 16, 64, 256, 2048)]
+        del weights
     weights32 = [torch.randn(n, k) * 0.02 for _ in range(args.layers) for n, k in shapes]
     packed32 = [p for p in map(onednn_pack, weights32) if p is not None]
     if len(packed32) == len(weights32):
@@ -77,7 +84,7 @@ def main() -> None:
     if kernels.blocked_attention_fits(BF16, args.head_dim):
         rows += [shared_prefix_case(kernels, args, t, 1024) for t in (63, 2016)]
         rows += [prefill_attention_case(kernels, args, r, t) for r, t in ((16, 128), (1, 2048))]
-    if kernels.has_avx512_bf16 and args.intermediate % 16 == 0:
+    if c_matmuls_take(BF16, kernels) and args.intermediate % 16 == 0:
         rows += [gated_case(kernels, args, t) for t in (64, 2048)]
     rows.append(argmax_case(kernels, 64, 49152))
     rows += sampling_cases(64, 151936)

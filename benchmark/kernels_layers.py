@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from timing import Comparison, median_seconds
 
 from minisgl.kernel.cpu import CpuKernels
-from minisgl.layers.linear import interleave_gate_up
+from minisgl.layers.linear import interleave_gate_up, onednn_pack
 
 BF16 = torch.bfloat16
 
@@ -84,6 +84,28 @@ def streamed_case(kernels: CpuKernels, weights: list[torch.Tensor], rows: int) -
     mbytes = sum(w.numel() * 2 for w in weights) / 1e6
     label = f"tile copy streamed (vdpbf16ps) {rows} row(s), {mbytes:.0f} MB of weights"
     return label, "C GEMV, row-major", median_seconds(baseline, 5), median_seconds(kernel, 5)
+
+
+def widened_case(kernels: CpuKernels, weights: list[torch.Tensor], rows: int) -> Comparison:
+    """bf16 projections where oneDNN packs no bf16 (AVX2), `rows` input rows through every
+    weight: the C packed matmul widening the tile copy in registers (matmul_avx2.c) vs oneDNN on
+    a float32 copy (what layers/linear.py ran there before: twice the bytes)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
+    tiles = [kernels.pack_weight(w) for w in weights]
+    copies = [onednn_pack(w.float()) for w in weights]
+
+    def kernel() -> None:
+        for w, t in zip(weights, tiles):
+            kernels.packed_linear(xs[w.shape[1]], t, w.shape[0], None)
+
+    def baseline() -> None:
+        for w, p in zip(weights, copies):
+            x = xs[w.shape[1]].float()
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "").to(BF16)
+
+    mbytes = sum(w.numel() * 2 for w in weights) / 1e6
+    label = f"packed matmul (AVX2 FMA) {rows} rows, {mbytes:.0f} MB of bf16 weights"
+    return label, "oneDNN float32 copy", median_seconds(baseline, 5), median_seconds(kernel, 5)
 
 
 def float32_case(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int) -> Comparison:

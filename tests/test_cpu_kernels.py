@@ -22,7 +22,12 @@ from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_mod
 from minisgl.kernel.ops import rotate_halves as _rotate
 from minisgl.layers.embedding import LMHead
-from minisgl.layers.linear import AMX_GEMV_MAX_ROWS, GEMV_MAX_ROWS, CpuProjection
+from minisgl.layers.linear import (
+    AMX_GEMV_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    CpuProjection,
+    c_matmuls_take,
+)
 from minisgl.layers.norm import RMSNorm
 
 kernels = cpu_mod.cpu_kernels()
@@ -43,6 +48,12 @@ def _product_paths() -> list:
 
 
 PRODUCT_PATHS = _product_paths()
+# The packed matmuls' paths: those, or on AVX2 CPUs whose bf16 weights they take, the FMA form.
+MATMUL_PATHS = PRODUCT_PATHS or (
+    [pytest.param(kernels, id="avx2-fma")]
+    if kernels is not None and c_matmuls_take(torch.bfloat16, kernels)
+    else []
+)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -101,8 +112,8 @@ def test_gemv_bf16_matches_float_matmul(rows, out_features, in_features, bias):
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
-@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
-@pytest.mark.parametrize("matmul_kernels", PRODUCT_PATHS)
+@pytest.mark.skipif(not MATMUL_PATHS, reason="bf16 weights take no C matmul on this CPU")
+@pytest.mark.parametrize("matmul_kernels", MATMUL_PATHS)
 @pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100, 260, 300])
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (37, 100), (8, 40), (70, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -124,8 +135,8 @@ def test_mid_sized_bf16_projection_matches_float_matmul(
     torch.testing.assert_close(out.float(), want, atol=1e-3, rtol=2**-8)
 
 
-@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
-@pytest.mark.parametrize("matmul_kernels", PRODUCT_PATHS)
+@pytest.mark.skipif(not MATMUL_PATHS, reason="bf16 weights take no C matmul on this CPU")
+@pytest.mark.parametrize("matmul_kernels", MATMUL_PATHS)
 def test_output_head_writes_float_logits_into_its_reused_buffer(matmul_kernels):
     """reuse_output: the float32 logits land in one buffer (the engine samples them before the
     next step), equal to a fresh call's; plain calls return tensors of their own."""
@@ -149,8 +160,8 @@ def test_output_head_writes_float_logits_into_its_reused_buffer(matmul_kernels):
         )
 
 
-@pytest.mark.skipif(not PRODUCT_PATHS, reason="needs avx512_bf16")
-@pytest.mark.parametrize("matmul_kernels", PRODUCT_PATHS)
+@pytest.mark.skipif(not MATMUL_PATHS, reason="bf16 weights take no C matmul on this CPU")
+@pytest.mark.parametrize("matmul_kernels", MATMUL_PATHS)
 @pytest.mark.parametrize("rows", [9, 64, 260])  # above the GEMV; both tile orders
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("hidden", [96, 1100])  # k whole, k in chunks (from 260 rows)
@@ -330,9 +341,7 @@ def test_cascade_over_a_shared_system_prompt_matches_hf(arch, monkeypatch):
     llm.shutdown()
 
 
-@pytest.mark.skipif(
-    kernels is None or not kernels.has_avx512_bf16, reason="the fused decode layer needs bf16 dots"
-)
+@pytest.mark.skipif(not MATMUL_PATHS, reason="bf16 weights take no C matmul on this CPU")
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3", "mistral", "llama3"])
 def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
     """bf16 decode runs whole layers in C (GEMV batches, and above the GEMV's rows the packed
@@ -357,9 +366,7 @@ def test_fused_decode_layer_equals_the_module_path(arch, monkeypatch):
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(
-    kernels is None or not kernels.has_avx512_bf16, reason="the fused decode layer needs bf16 dots"
-)
+@pytest.mark.skipif(not MATMUL_PATHS, reason="bf16 weights take no C matmul on this CPU")
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3"])
 def test_fused_cascade_decode_equals_the_module_path(arch, monkeypatch):
     """Decode batches whose requests share a cached system prompt run each fused layer in two

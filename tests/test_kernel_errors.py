@@ -88,8 +88,8 @@ def test_a_failed_allocation_raises_and_never_returns_garbage(named):
     for kernel, call in _allocating_calls(kernels).items():
         try:
             expected = call()
-        except RuntimeError as unsupported:  # a packed matmul without avx512_bf16
-            assert kernel in str(unsupported) and not kernels.has_avx512_bf16
+        except RuntimeError as unsupported:  # a packed matmul without bf16 dots or AVX2
+            assert kernel in str(unsupported) and not kernels.has_packed_matmul
             with failing_allocations(kernels), pytest.raises(RuntimeError, match=kernel):
                 call()
             continue
@@ -104,8 +104,9 @@ def test_a_failed_allocation_raises_and_never_returns_garbage(named):
     # Decode attention allocates its runs of rows (the portable kernels) or, on AVX-512, the
     # per-thread states of a short batch split by position.
     expected_raises = {"top_candidates", "decode_attention"}
-    if kernels.has_avx512_bf16:
+    if kernels.has_packed_matmul:
         expected_raises |= {"packed_linear", "packed_gated_silu"}
+    if kernels.has_avx512_bf16:
         expected_raises |= {"shared_prefix_attention", "prefill_attention"}
     assert raised == expected_raises
 
@@ -216,6 +217,6 @@ def test_the_c_kernels_refuse_what_their_buffers_cannot_hold(named):
     assert status == blocked_status
     status = lib.minisgl_prefill_attention(*nulls[:9], 1, 4, 4, 48, 1.0, 0, 0, 1)
     assert status == blocked_status
-    if not kernels.has_avx512_bf16:  # refused before it reads anything
+    if not kernels.has_packed_matmul:  # refused before it reads anything
         status = lib.minisgl_packed_linear(None, None, None, None, 1, 32, 64, 0, 0, 1)
         assert status == abi.ERR_UNSUPPORTED

@@ -151,14 +151,14 @@ def test_gemv_within_float32_accumulation_of_the_products(
 def test_packed_matmul_within_float32_accumulation_or_unsupported(
     kernels, rows, out_features, in_features
 ):
-    """Without avx512_bf16 a packed matmul is an error, never an unwritten output."""
+    """Without avx512_bf16 or AVX2 a packed matmul is an error, never an unwritten output."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16()
     gate_up = torch.randn(64, in_features, generator=gen).bfloat16()
     packed, gated = kernels.pack_weight(w), kernels.pack_weight(interleave_gate_up(gate_up))
-    if not kernels.has_avx512_bf16:
+    if not kernels.has_packed_matmul:
         with pytest.raises(RuntimeError, match="packed_linear"):
             kernels.packed_linear(x, packed, out_features, b)
         with pytest.raises(RuntimeError, match="packed_gated_silu"):
@@ -173,6 +173,36 @@ def test_packed_matmul_within_float32_accumulation_or_unsupported(
     fused = kernels.packed_gated_silu(x, gated, 32, None)
     unfused = kernels.silu_and_mul(kernels.packed_linear(x, kernels.pack_weight(gate_up), 64, None))
     assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(37, 100), (96, 576)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_avx2_packed_rows_are_the_same_bits_whatever_the_batch(
+    kernels, out_features, in_features, gated
+):
+    """Without bf16 dots (AVX2 FMA on the tile copy) each row's sums are one FMA chain over k in
+    order at every row count, so a row alone, in a decode batch, in a verify step or in a
+    prefill gives the same bits (and the fused SiLU its unfused kernels' bits)."""
+    if not kernels.has_packed_matmul or kernels.has_avx512_bf16:
+        pytest.skip("this form multiplies the tile copy with bf16 dots, or has no AVX2")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(70, in_features, generator=gen).bfloat16()
+    w = torch.randn(2 * out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(2 * out_features, generator=gen).bfloat16()
+    packed = kernels.pack_weight(w)
+    whole = kernels.packed_linear(x, packed, 2 * out_features, b)
+    for rows in (1, 2, 3, 5, 8, 13, 64, 65):
+        part = kernels.packed_linear(x[:rows].contiguous(), packed, 2 * out_features, b)
+        assert torch.equal(part.view(torch.int16), whole[:rows].view(torch.int16)), rows
+    alone = torch.cat(
+        [kernels.packed_linear(x[i : i + 1], packed, 2 * out_features, b) for i in range(70)]
+    )
+    assert torch.equal(alone.view(torch.int16), whole.view(torch.int16))
+    if gated and out_features % 16 == 0:
+        interleaved = kernels.pack_weight(interleave_gate_up(w))
+        gated_bias = interleave_gate_up(b).contiguous()
+        fused = kernels.packed_gated_silu(x, interleaved, out_features, gated_bias)
+        assert torch.equal(fused.view(torch.int16), kernels.silu_and_mul(whole).view(torch.int16))
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])

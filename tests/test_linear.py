@@ -13,14 +13,15 @@ import torch.nn.functional as F
 
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers.embedding import LMHead, VocabEmbedding
-from minisgl.layers.linear import Linear, onednn_pack
+from minisgl.layers.linear import Linear, c_matmuls_take, onednn_pack
 
 KERNELS = cpu_kernels()
 needs_onednn = pytest.mark.skipif(
     onednn_pack(torch.zeros(8, 8)) is None, reason="oneDNN cannot pack float32 here"
 )
 needs_tiles = pytest.mark.skipif(
-    KERNELS is None or not KERNELS.has_avx512_bf16, reason="the C matmuls need avx512_bf16"
+    KERNELS is None or not c_matmuls_take(torch.bfloat16, KERNELS),
+    reason="the C matmuls take no bf16 weight on this CPU",
 )
 
 
@@ -119,8 +120,10 @@ def test_tied_bf16_head_multiplies_in_float32_where_nothing_packs_bf16(bf16_only
 def _kernel_paths() -> list:
     """The C kernels as the engine runs them, and (where there are AMX tiles) without the tiles,
     so that vdpbf16ps takes every row count there too."""
-    if KERNELS is None or not KERNELS.has_avx512_bf16:
+    if KERNELS is None or not c_matmuls_take(torch.bfloat16, KERNELS):
         return []
+    if not KERNELS.has_avx512_bf16:
+        return [pytest.param(KERNELS, id="avx2-fma")]
     paths = [pytest.param(KERNELS, id="amx" if KERNELS.has_amx else "vdpbf16ps")]
     if KERNELS.has_amx:
         vector = copy.copy(KERNELS)

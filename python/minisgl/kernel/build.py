@@ -38,6 +38,7 @@ SOURCES = tuple(
         "fused_layer.c",
         "gemv.c",
         "matmul.c",
+        "matmul_avx2.c",
         "packing.c",
         "quantized.c",
         "quantized_amx.c",

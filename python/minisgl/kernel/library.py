@@ -22,6 +22,9 @@ class KernelLibrary:
         self.has_avx512_bf16 = bool(lib.minisgl_has_avx512_bf16())
         # AVX2 + FMA: the quantized row layout's float32 kernels (csrc/quantized_avx2.c).
         self.has_avx2 = bool(lib.minisgl_has_avx2())
+        # The packed (tile-layout) bf16 matmuls: vdpbf16ps or the AMX tiles, else AVX2's FMA on
+        # the same copy (csrc/matmul_avx2.c).
+        self.has_packed_matmul = self.has_avx512_bf16 or self.has_avx2
         # AVX-512 F/BW/VL/DQ (natively or emulated): the 512-bit forms of every kernel.
         self.has_avx512 = bool(lib.minisgl_has_avx512())
         # vpdpbusd: quantized weights take the tile layout and int8 activations (quant_tiles.py).

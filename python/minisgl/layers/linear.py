@@ -24,9 +24,11 @@ from .quantized import QuantizedProjection, quantize
 # was ~1.2-3x oneDNN's bf16 at 1-4 rows), then the C packed matmul: on the AMX tiles 1.3-1.6x
 # oneDNN at 5-64 rows, 1.3x at 1,024; with vdpbf16ps (Zen 5) level with oneDNN on Qwen3's shapes
 # and 1.1-1.3x on SmolLM2's at 16-128 rows, within 5% at 2,048. It also fuses SiLU into gate_up
-# and lets the C decode layer take any batch. Other dtypes and CPUs: oneDNN's packed layout
-# (float32 included: PyTorch's F.linear runs MKL's sgemm, which on AMD CPUs takes a generic
-# path 2-3x slower than oneDNN).
+# and lets the C decode layer take any batch. AVX2 CPUs (no bf16 dots, and oneDNN packs no bf16
+# there) read the same copy with FMA at every row count, widening it in registers
+# (csrc/matmul_avx2.c). Other dtypes and CPUs: oneDNN's packed layout (float32 included:
+# PyTorch's F.linear runs MKL's sgemm, which on AMD CPUs takes a generic path 2-3x slower than
+# oneDNN).
 GEMV_MAX_ROWS = 8
 AMX_GEMV_MAX_ROWS = 4
 CPU_PROJECTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,8 +67,12 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 def c_matmuls_take(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
     """Whether the C matmuls multiply weights of this dtype (through a tile-layout copy): bf16
-    on CPUs with avx512_bf16, where they beat oneDNN."""
-    return kernels is not None and kernels.has_avx512_bf16 and dtype == torch.bfloat16
+    on CPUs with avx512_bf16, where they beat oneDNN, and on AVX2 CPUs where oneDNN cannot
+    pack bf16 (widened in registers: half the bytes of its float32 copy a decode step streams,
+    1.9x at 1 row, 1.1x at 256, SmolLM2's layers on Zen 3, benchmark/kernels_dense.py)."""
+    if kernels is None or dtype != torch.bfloat16:
+        return False
+    return kernels.has_avx512_bf16 or (kernels.has_avx2 and not onednn_packs(dtype))
 
 
 def tile_copy_elems(
@@ -83,7 +89,8 @@ def tile_copy_elems(
 def computes_in_float32(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
     """Whether bf16/fp16 weights are multiplied in float32, through oneDNN's packed float32
     copy: on CPUs where neither the C matmuls nor oneDNN take the dtype (oneDNN packs bf16 only
-    with AVX-512 or avx_ne_convert, fp16 with avx512_fp16 or avx_ne_convert). F.linear on such
+    with AVX-512 or avx_ne_convert, fp16 with avx512_fp16 or avx_ne_convert; the C matmuls take
+    bf16 on AVX2 too, so this is fp16 on AVX2, and bf16 where the kernels are not built). F.linear on such
     weights runs PyTorch's reference loop: 0.02 TFLOP/s at 64-1,024 rows, oneDNN's float32 0.11-0.14
     (this AMX machine forced to AVX2 with ONEDNN_MAX_CPU_ISA=AVX2)."""
     return (
@@ -109,11 +116,11 @@ def _data_ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 class CpuProjection:
-    """How a weight is multiplied on the CPU, holding its only copy: with avx512_bf16 and a bf16
-    weight, a copy in the tile layout that the C packed matmul reads at every row count (a few
-    rows with vdpbf16ps, which streams it once at memory speed, as a GEMV; more on the AMX tiles
-    where the CPU has them); otherwise (float32, float16, CPUs without avx512_bf16) oneDNN's
-    packed copy (a float32 one for bf16/fp16 where oneDNN packs only float32, see
+    """How a weight is multiplied on the CPU, holding its only copy: a bf16 weight where the C
+    matmuls take it (`c_matmuls_take`), a copy in the tile layout that the C packed matmul reads
+    at every row count (a few rows with vdpbf16ps, which streams it once at memory speed, as a
+    GEMV; more on the AMX tiles where the CPU has them; on AVX2 with FMA, widened in registers);
+    otherwise (float32, float16, AVX-512 CPUs without avx512_bf16) oneDNN's packed copy (a float32 one for bf16/fp16 where oneDNN packs only float32, see
     `computes_in_float32`), or, where oneDNN cannot pack at all, F.linear on the weight, which
     then stays with its module (`needs_weight`).
 

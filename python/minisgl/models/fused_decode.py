@@ -4,7 +4,8 @@ At batch 1 a layer is ~10 short kernels and the Python between them cost as much
 the weights; `minisgl_decode_layers` runs the same kernels in the same order from C, so its
 output equals the module-by-module path bit for bit (tests/test_cpu_kernels.py). Projections
 read their packed copies, the weights' only ones: batches up to the GEMV's row limit with
-vdpbf16ps, larger ones on the AMX tiles where the CPU has them.
+vdpbf16ps, larger ones on the AMX tiles where the CPU has them, every batch with FMA on AVX2
+CPUs (csrc/matmul_avx2.c), or their quantized copies.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class FusedDecode:
         kernels = cpu_kernels() if x.device.type == "cpu" else None
         if kernels is None or x.dtype != torch.bfloat16:
             return None
-        # Without bf16 dot products (AVX2) only quantized projections, in float32, have C forms.
+        # Without bf16 dot products (AVX2) the projections' C forms take float32 products.
         if not kernels.has_avx512_bf16 and not kernels.has_avx2:
             return None
         # Every layer dense, every projection multiplied from its packed or quantized copy, its

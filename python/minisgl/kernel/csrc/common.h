@@ -169,3 +169,9 @@ static inline void store_row(void* base, int64_t offset, int dtype, const float*
 static inline float round_to(int dtype, float x) {
     return dtype == 0 ? x : bf16_to_f32(f32_to_bf16(x));
 }
+
+// round(silu(gate)) * up in the dtype's rounding (the product unrounded): minisgl_silu_and_mul's
+// portable loop and the AVX2 gated matmul's epilogue, so the two agree bit for bit.
+static inline float silu_times_portable(int dtype, float gate, float up) {
+    return round_to(dtype, gate / (1.0f + exp_portable(-gate))) * up;
+}

@@ -140,7 +140,7 @@ void minisgl_silu_and_mul(const void* gate_up, void* out, int64_t rows, int64_t 
             load_row(gate_up, r * 2 * inter + i, dtype, gate, n);
             load_row(gate_up, r * 2 * inter + inter + i, dtype, up, n);
             for (int64_t j = 0; j < n; j++)
-                gate[j] = round_to(dtype, gate[j] / (1.0f + exp_portable(-gate[j]))) * up[j];
+                gate[j] = silu_times_portable(dtype, gate[j], up[j]);
             store_row(out, r * inter + i, dtype, gate, n);
         }
     }

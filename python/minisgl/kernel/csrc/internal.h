@@ -160,6 +160,14 @@ MINISGL_INTERNAL void packed_block_rows(const bf16_t* x, const bf16_t* wblock, c
                                         int out_f32);
 #endif
 
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_BF16)
+// matmul_avx2.c: x [M, K] times a packed copy with FMA (no bf16 dot products), any M, into y
+// [M, N] through the epilogue (EPILOGUE_GATED: y [M, N / 2]). MINISGL_OK or MINISGL_ERR_NOMEM.
+MINISGL_INTERNAL int packed_matmul_avx2(const bf16_t* x, const bf16_t* packed, const bf16_t* bias,
+                                        void* y, int64_t M, int64_t N, int64_t K, int epilogue,
+                                        int nthreads);
+#endif
+
 #ifdef HAVE_AVX512
 // matmul.c: rows [m0, m0 + rows) of a 32-column block at n0 (float32 sums, left: columns 0-15,
 // right: 16-31) + bias into y through the epilogue (EPILOGUE_GATED: y [M, N / 2]).

@@ -364,8 +364,8 @@ static void amx_panel_slice(const bf16_t* x, int64_t ldx, const bf16_t* packed,
 #define AMX_PANEL_MIN_ROWS 256
 #define AMX_PANEL_BYTES (1 << 20)
 #define AMX_PANEL_ROWS 64
-// Returns MINISGL_OK, MINISGL_ERR_NOMEM (y not written) or, built without avx512_bf16,
-// MINISGL_ERR_UNSUPPORTED.
+// Without avx512_bf16, FMA on the same layout (matmul_avx2.c). Returns MINISGL_OK,
+// MINISGL_ERR_NOMEM (y not written) or, built with neither, MINISGL_ERR_UNSUPPORTED.
 static int packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int epilogue, int use_tiles,
                          int nthreads) {
@@ -474,6 +474,9 @@ static int packed_matmul(const bf16_t* x, const bf16_t* packed, const bf16_t* bi
 #endif
     free(xpad);
     return MINISGL_OK;
+#elif defined(HAVE_AVX2_FMA)
+    (void)use_tiles;
+    return packed_matmul_avx2(x, packed, bias, y, M, N, K, epilogue, nthreads);
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)epilogue;
     (void)use_tiles, (void)nthreads;
@@ -488,6 +491,9 @@ static int packed_gemv(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
                        int64_t M, int64_t N, int64_t K, int epilogue, int nthreads);
 
 static inline int packed_gemv_takes(int64_t M, int use_tiles) {
+#ifndef HAVE_AVX512_BF16
+    return 0;  // (without bf16 dots the matmul takes every row count)
+#endif
 #ifndef HAVE_AMX
     use_tiles = 0;
 #endif
