@@ -61,28 +61,31 @@ static inline FORM_INLINE void block_sums(const float* x, int64_t ldx, const bf1
 // epilogue, as matmul.c's packed_store rounds them.
 static void store_sums(const float (*sums)[AMX_NBLOCK], const bf16_t* bias, void* y, int64_t N,
                        int64_t m0, int64_t rows, int64_t n0, int epilogue) {
+    float bias_f[AMX_NBLOCK] = {0};  // (a gated copy's bias: its gate and up columns, paired)
+    for (int64_t c = 0; bias && c < AMX_NBLOCK && n0 + c < N; c++)
+        bias_f[c] = bf16_to_f32(bias[n0 + c]);
     if (epilogue == EPILOGUE_GATED) {  // 16 gate columns, then their 16 up columns
         const int64_t width = N / 2, col0 = n0 / 2;
         const int64_t valid = width - col0 < 16 ? width - col0 : 16;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t c = 0; c < valid; c++) {
-                const float gate = sums[r][c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.0f);
-                const float up = sums[r][16 + c] + (bias ? bf16_to_f32(bias[n0 + 16 + c]) : 0.0f);
-                ((bf16_t*)y)[(m0 + r) * width + col0 + c] =
-                    f32_to_bf16(silu_times_portable(1, round_to(1, gate), round_to(1, up)));
+        for (int64_t r = 0; r < rows; r++) {
+            // Whole rows of 16 in constant-length loops, so that gcc vectorises them (element
+            // by element: 1.4x the gated matmul's time at 2,048 rows).
+            float gate[16], up[16];
+            for (int c = 0; c < 16; c++) {
+                gate[c] = round_to(1, sums[r][c] + bias_f[c]);
+                up[c] = round_to(1, sums[r][16 + c] + bias_f[16 + c]);
             }
+            for (int c = 0; c < 16; c++) gate[c] = silu_times_portable(1, gate[c], up[c]);
+            store_row(y, (m0 + r) * width + col0, 1, gate, valid);
+        }
         return;
     }
     const int64_t valid = N - n0 < AMX_NBLOCK ? N - n0 : AMX_NBLOCK;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < valid; c++) {
-            const float sum = sums[r][c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.0f);
-            const int64_t at = (m0 + r) * N + n0 + c;
-            if (epilogue == EPILOGUE_F32)
-                ((float*)y)[at] = sum;
-            else
-                ((bf16_t*)y)[at] = f32_to_bf16(sum);
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        float row[AMX_NBLOCK];
+        for (int c = 0; c < AMX_NBLOCK; c++) row[c] = sums[r][c] + bias_f[c];
+        store_row(y, (m0 + r) * N + n0, epilogue == EPILOGUE_F32 ? 0 : 1, row, valid);
+    }
 }
 
 // Rows [m0, m1) of x times the block at n0, AVX2_PACKED_MR rows a pass: up to 2 rows both
