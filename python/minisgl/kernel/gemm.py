@@ -83,8 +83,8 @@ class GemmKernels(KernelLibrary):
     ) -> torch.Tensor:
         """x [M, K] @ W^T (+ bias), W packed by `pack_weight`; bfloat16 in, bfloat16 out (float32
         with float_out: the sums unrounded), into `out` when given. On the AMX tiles where the
-        CPU has them and `tiles` asks, else with vdpbf16ps (RuntimeError in a build without
-        avx512_bf16)."""
+        CPU has them and `tiles` asks, else with vdpbf16ps, or without avx512_bf16 with AVX2's
+        FMA (RuntimeError in a build with neither)."""
         rows, in_features = x.shape
         if not (x.is_contiguous() and (bias is None or bias.is_contiguous())):
             raise_not_contiguous("packed_linear", x=x, bias=bias)
