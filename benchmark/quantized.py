@@ -43,8 +43,8 @@ def weight_bytes(runner: MinisglRunner) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     seen: set[int] = set()
     for module in model.modules():
-        if isinstance(module, SparseMoE):  # quantized experts (dense ones are parameters)
-            total += sum(stack.nbytes for stack in module.quantized.values())
+        if isinstance(module, SparseMoE):  # quantized or packed experts (dense: parameters)
+            total += sum(stack.nbytes for stack in module.expert_stacks.values())
         projection = getattr(module, "cpu_projection", None)
         if projection is None or id(projection) in seen:
             continue

@@ -447,7 +447,7 @@ def test_a_moe_gguf_loads_every_expert_quantized(tmp_path: Path) -> None:
         if not isinstance(layer.mlp, SparseMoE):
             continue
         gate_up, down = layer.mlp.stacks()
-        assert gate_up.quantized is not None and down.quantized is not None
+        assert gate_up.projections is not None and down.projections is not None
         prefix = f"model.layers.{layer_id}.mlp.experts"
         for e in range(config.num_experts):
             want_gate_up = np.concatenate(
@@ -457,9 +457,9 @@ def test_a_moe_gguf_loads_every_expert_quantized(tmp_path: Path) -> None:
                 ]
             )
             assert torch.equal(
-                gate_up.quantized[e].weight.dequantize(), torch.from_numpy(want_gate_up)
+                gate_up.projections[e].weight.dequantize(), torch.from_numpy(want_gate_up)
             )
-            got_down = down.quantized[e].weight.dequantize()
+            got_down = down.projections[e].weight.dequantize()
             assert torch.equal(
                 got_down, torch.from_numpy(expected[f"{prefix}.{e}.down_proj.weight"])
             )

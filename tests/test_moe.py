@@ -21,6 +21,7 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
+from minisgl import models as models_mod
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers.moe import ExpertStack, SparseMoE, route
 from minisgl.models import create_model, load_model_config
@@ -188,7 +189,7 @@ def test_bf16_runs_module_by_module(monkeypatch) -> None:
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
-    quantization: str,
+    quantization: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every expert's projections quantized in place of the stacked weights, each equal to its
     dense weight quantized alone; the layer's output equals the experts' dequantized weights'
@@ -198,7 +199,9 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
 
     path = tiny_model("qwen3-moe")
     config = load_model_config(path)
-    dense = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64)
+    with monkeypatch.context() as patch:  # the dense stacks as they are, not packed
+        patch.setattr(models_mod, "packs_dense_experts", lambda dtype, kernels: False)
+        dense = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64)
     model = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64, quantization)
     layer, dense_layer = model.model.layers[0], dense.model.layers[0]
     assert isinstance(layer.mlp, SparseMoE) and isinstance(dense_layer.mlp, SparseMoE)
@@ -207,32 +210,62 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     assert layer.mlp.w_gate_up.numel() == layer.mlp.w_down.numel() == 0
     gate_up, down = layer.mlp.stacks()
     dense_gate_up, dense_down = dense_layer.mlp.stacks()
-    assert gate_up.quantized is not None and down.quantized is not None
+    assert gate_up.projections is not None and down.projections is not None
     # int8: a byte a weight and a float32 scale a row; int4 where in_features is a multiple of
     # 64 (gate_up's 64 here; down's 32 keeps its 4-bit values in bytes, which VNNI's tiles hold
     # in 6 bits): half a byte and a float16 scale and offset per 32 columns. Rows this short
     # make the scales weigh more. `.weight` is a QuantizedWeight, or on VNNI a TiledWeight:
     # both dequantize to the same float32 weight.
-    assert gate_up.quantized[0].weight.bits == (4 if quantization == "int4" else 8)
+    assert gate_up.projections[0].weight.bits == (4 if quantization == "int4" else 8)
     for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
-        nibbles = stack.quantized[0].weight.bits == 4
+        nibbles = stack.projections[0].weight.bits == 4
         assert stack.nbytes < (0.33 if nibbles else 0.6) * dense_stack.nbytes
     method = "int4-g32" if quantization == "int4" else quantization
     for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
         for expert in (0, config.num_experts - 1):
             want = quantize(dense_stack.dense[expert], method)
-            got = stack.quantized[expert].weight
+            got = stack.projections[expert].weight
             assert want is not None and torch.equal(got.dequantize(), want.dequantize())
     # The layer against the same experts dequantized, in float32.
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(9, config.hidden_size, generator=gen).bfloat16()
     weights, ids = route(layer.mlp.gate(x), config.num_experts_per_tok, config.norm_topk_prob)
-    w_gate_up = torch.stack([p.weight.dequantize() for p in gate_up.quantized])
-    w_down = torch.stack([p.weight.dequantize() for p in down.quantized])
+    w_gate_up = torch.stack([p.weight.dequantize() for p in gate_up.projections])
+    w_down = torch.stack([p.weight.dequantize() for p in down.projections])
     want = naive_experts(x.float(), w_gate_up, w_down, ids, weights.float())
     got = layer.mlp(x).float()
     # bf16 activations and intermediate products: 0.4-0.7% of the largest output here.
     torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
+
+
+def test_dense_experts_are_packed_where_f_linear_would_loop(monkeypatch: pytest.MonkeyPatch):
+    """bf16 experts on a CPU whose C matmuls take bf16 and oneDNN does not (AVX2): each expert's
+    packed copy replaces the stack (F.linear on bf16 runs PyTorch's reference loop there), the
+    layer's output that of the dense stacks within the accumulation's rounding."""
+    from minisgl.layers.linear import CpuProjection
+    from minisgl.layers.moe import packs_dense_experts
+
+    if not packs_dense_experts(torch.bfloat16, cpu_kernels()):
+        pytest.skip("this CPU multiplies dense bf16 experts through F.linear (oneDNN)")
+    path = tiny_model("qwen3-moe")
+    config = load_model_config(path)
+    model = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64)
+    with monkeypatch.context() as patch:
+        patch.setattr(models_mod, "packs_dense_experts", lambda dtype, kernels: False)
+        dense = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64)
+    layer, dense_layer = model.model.layers[0].mlp, dense.model.layers[0].mlp
+    assert isinstance(layer, SparseMoE) and isinstance(dense_layer, SparseMoE)
+    gate_up, down = layer.stacks()
+    assert gate_up.projections is not None and down.projections is not None
+    assert all(isinstance(p, CpuProjection) for p in gate_up.projections + down.projections)
+    assert layer.w_gate_up.numel() == layer.w_down.numel() == 0
+    dense_gate_up, dense_down = dense_layer.stacks()
+    assert gate_up.nbytes >= dense_gate_up.nbytes  # (padded to whole 32 x 32 blocks)
+    gen = torch.Generator().manual_seed(9)
+    for tokens in (1, 9, 70):  # a decode row, a few, a prefill's
+        x = torch.randn(tokens, config.hidden_size, generator=gen).bfloat16()
+        got, want = layer(x).float(), dense_layer(x).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
 
 
 def test_a_checkpoints_quantized_experts_are_split_per_expert() -> None:
@@ -250,9 +283,9 @@ def test_a_checkpoints_quantized_experts_are_split_per_expert() -> None:
     dense_down = torch.randn(experts, hidden, inter, generator=gen)
     moe.prepare_for_cpu("w_down", dense_down, cpu_kernels())
     gate_up, down = moe.stacks()
-    assert gate_up.quantized is not None and down.quantized is None
+    assert gate_up.projections is not None and down.projections is None
     for expert, part in enumerate(parts):
-        assert torch.equal(gate_up.quantized[expert].weight.dequantize(), part.dequantize())
+        assert torch.equal(gate_up.projections[expert].weight.dequantize(), part.dequantize())
     assert torch.equal(moe.w_down, dense_down) and moe.w_gate_up.numel() == 0
     with pytest.raises(ValueError, match="w_up"):
         moe.prepare_for_cpu("w_up", dense_down, cpu_kernels())

@@ -60,8 +60,9 @@ def _projections(model: torch.nn.Module) -> dict[str, QuantizedProjection]:
             found[name] = projection
         if isinstance(module, SparseMoE):
             for stack, experts in zip(("gate_up", "down"), module.stacks()):
-                for e, expert in enumerate(experts.quantized or []):
-                    found[f"{name}.{stack}[{e}]"] = expert
+                for e, expert in enumerate(experts.projections or []):
+                    if isinstance(expert, QuantizedProjection):
+                        found[f"{name}.{stack}[{e}]"] = expert
     return found
 
 

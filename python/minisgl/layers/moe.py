@@ -14,7 +14,7 @@ from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels
 
 from .activation import silu_and_mul
-from .linear import Linear
+from .linear import CpuProjection, Linear, c_matmuls_take, onednn_packs
 from .quant_weight import QuantizedWeight
 from .quantized import QuantizedProjection, quantize
 
@@ -24,36 +24,53 @@ EXPERT_STACKS = ("w_gate_up", "w_down")
 
 class ExpertStack:
     """One projection of every expert of a layer: the stacked dense weight [E, N, K], or a
-    QuantizedProjection per expert (its only copy of the weights)."""
+    projection per expert holding its only copy of the weights: quantized, or packed for the C
+    matmuls (`packs_dense_experts`)."""
 
     def __init__(
-        self, dense: torch.Tensor | None, quantized: list[QuantizedProjection] | None = None
+        self,
+        dense: torch.Tensor | None,
+        projections: list[QuantizedProjection] | list[CpuProjection] | None = None,
     ) -> None:
-        self.dense, self.quantized = dense, quantized
+        self.dense, self.projections = dense, projections
 
     def __call__(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] @ expert's weight^T: [T, N]."""
-        if self.quantized is not None:
-            return self.quantized[expert](rows, _NOT_READ, None)
+        if self.projections is not None:
+            return self.projections[expert](rows, _NOT_READ, None)
         assert self.dense is not None
         return F.linear(rows, self.dense[expert])
 
     def silu_and_mul(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gate_up stack's expert: [T, N / 2], SiLU in the matmul where the
-        quantized projection fuses it."""
-        if self.quantized is not None:
-            fused = self.quantized[expert].silu_and_mul(rows)
+        expert's projection fuses it."""
+        if self.projections is not None:
+            fused = self.projections[expert].silu_and_mul(rows)
             if fused is not None:
                 return fused
         return silu_and_mul(self(expert, rows))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the weights it holds (quantized ones as stored)."""
-        if self.quantized is not None:
-            return sum(p.weight.nbytes for p in self.quantized)
-        assert self.dense is not None
-        return self.dense.numel() * self.dense.element_size()
+        """Bytes of the weights it holds (quantized ones as stored, packed copies as packed)."""
+        if self.projections is None:
+            assert self.dense is not None
+            return self.dense.numel() * self.dense.element_size()
+        return sum(
+            p.weight.nbytes
+            if isinstance(p, QuantizedProjection)
+            else 0
+            if p.packed is None
+            else p.packed.numel() * p.packed.element_size()
+            for p in self.projections
+        )
+
+
+def packs_dense_experts(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
+    """Whether dense experts of this dtype are packed per expert for the C matmuls: where they
+    take the dtype and F.linear would run PyTorch's reference loop on it (bf16 on AVX2, where
+    oneDNN packs no bf16: a 512-token prefill of a small MoE 4x slower than its int8 copy)."""
+    return c_matmuls_take(dtype, kernels) and not onednn_packs(dtype)
 
 
 # A quantized projection's weight argument, which it does not read.
@@ -104,14 +121,16 @@ class SparseMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(shape_down), requires_grad=False)
         # Set before loading: quantize the experts by this method (quantized.LOAD_QUANTIZATIONS).
         self.quantization: str | None = None
-        self.quantized: dict[str, ExpertStack] = {}  # EXPERT_STACKS name -> its quantized stack
+        # EXPERT_STACKS name -> its stack of a projection per expert (quantized or packed)
+        self.expert_stacks: dict[str, ExpertStack] = {}
 
     def prepare_for_cpu(
         self, stack: str, weight: torch.Tensor | QuantizedWeight, kernels: CpuKernels | None
     ) -> None:
         """Take the loader's hand-over of an expert stack (EXPERT_STACKS): a checkpoint's
         quantized rows (every expert's, stacked), or the dense [E, N, K] (a temporary), which is
-        quantized per expert by `quantization`, or kept dense where no group fits it."""
+        quantized per expert by `quantization`, packed per expert where `packs_dense_experts`,
+        or kept dense (no quantization asked, or no group fits it)."""
         if stack not in EXPERT_STACKS:
             raise ValueError(f"SparseMoE: no expert stack {stack!r} (one of {EXPERT_STACKS})")
         if isinstance(weight, QuantizedWeight):
@@ -123,7 +142,7 @@ class SparseMoE(nn.Module):
             method = self.quantization
             quantized = [quantize(w, method) for w in weight] if method is not None else []
             if not quantized or any(q is None for q in quantized):
-                setattr(self, stack, nn.Parameter(weight.clone(), requires_grad=False))
+                self._keep_dense(stack, weight, kernels)
                 return
             experts = [q for q in quantized if q is not None]
         gated = stack == "w_gate_up"
@@ -134,13 +153,23 @@ class SparseMoE(nn.Module):
             )
             for q in experts
         ]
-        self.quantized[stack] = ExpertStack(None, projections)
+        self.expert_stacks[stack] = ExpertStack(None, projections)
+        setattr(self, stack, nn.Parameter(torch.empty(0), requires_grad=False))
+
+    def _keep_dense(self, stack: str, weight: torch.Tensor, kernels: CpuKernels | None) -> None:
+        """A dense stack: packed per expert where `packs_dense_experts`, else kept as it is."""
+        if not packs_dense_experts(weight.dtype, kernels):
+            setattr(self, stack, nn.Parameter(weight.clone(), requires_grad=False))
+            return
+        gated = stack == "w_gate_up"
+        projections = [CpuProjection(w.contiguous(), kernels, gated=gated) for w in weight]
+        self.expert_stacks[stack] = ExpertStack(None, projections)
         setattr(self, stack, nn.Parameter(torch.empty(0), requires_grad=False))
 
     def stacks(self) -> tuple[ExpertStack, ExpertStack]:
         """(gate_up, down) as the backend multiplies them."""
-        gate_up = self.quantized.get("w_gate_up") or ExpertStack(self.w_gate_up)
-        down = self.quantized.get("w_down") or ExpertStack(self.w_down)
+        gate_up = self.expert_stacks.get("w_gate_up") or ExpertStack(self.w_gate_up)
+        down = self.expert_stacks.get("w_down") or ExpertStack(self.w_down)
         return gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from minisgl.core import TensorParallel
 from minisgl.kernel.cpu import CpuKernels, cpu_kernels
 from minisgl.layers import Linear, LMHead, SparseMoE, VocabEmbedding
 from minisgl.layers.linear import keeps_weight, tile_copy_elems
-from minisgl.layers.moe import EXPERT_STACKS
+from minisgl.layers.moe import EXPERT_STACKS, packs_dense_experts
 from minisgl.layers.quant_weight import QuantizedWeight
 from minisgl.layers.quantized import LOAD_QUANTIZATIONS
 from minisgl.utils.memory import (
@@ -112,9 +112,13 @@ class _CpuPlacement:
                 module.quantization is not None or f"{name}.weight" in prequantized
             ):
                 self.packed[f"{name}.weight"] = (module, None)  # quantized as handed over
-            if isinstance(module, SparseMoE):  # its experts, quantized per expert
+            if isinstance(module, SparseMoE):  # its experts, quantized or packed per expert
                 for stack in EXPERT_STACKS:
-                    if module.quantization is not None or f"{name}.{stack}" in prequantized:
+                    if (
+                        module.quantization is not None
+                        or f"{name}.{stack}" in prequantized
+                        or packs_dense_experts(dtype, kernels)
+                    ):
                         self.packed[f"{name}.{stack}"] = (module, None)
         head_quantized = head.quantization is not None or "lm_head.weight" in prequantized
         embed_quantized = "model.embed_tokens.weight" in prequantized
