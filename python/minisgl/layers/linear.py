@@ -69,7 +69,7 @@ def c_matmuls_take(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
     """Whether the C matmuls multiply weights of this dtype (through a tile-layout copy): bf16
     on CPUs with avx512_bf16, where they beat oneDNN, and on AVX2 CPUs where oneDNN cannot
     pack bf16 (widened in registers: half the bytes of its float32 copy a decode step streams,
-    1.9x at 1 row, 1.1x at 256, SmolLM2's layers on Zen 3, benchmark/kernels_dense.py)."""
+    1.9-2.3x at 1-4 rows, 1.1x at 256, SmolLM2's layers on Zen 3, benchmark/cpu_kernels.py)."""
     if kernels is None or dtype != torch.bfloat16:
         return False
     return kernels.has_avx512_bf16 or (kernels.has_avx2 and not onednn_packs(dtype))
@@ -90,9 +90,9 @@ def computes_in_float32(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
     """Whether bf16/fp16 weights are multiplied in float32, through oneDNN's packed float32
     copy: on CPUs where neither the C matmuls nor oneDNN take the dtype (oneDNN packs bf16 only
     with AVX-512 or avx_ne_convert, fp16 with avx512_fp16 or avx_ne_convert; the C matmuls take
-    bf16 on AVX2 too, so this is fp16 on AVX2, and bf16 where the kernels are not built). F.linear on such
-    weights runs PyTorch's reference loop: 0.02 TFLOP/s at 64-1,024 rows, oneDNN's float32 0.11-0.14
-    (this AMX machine forced to AVX2 with ONEDNN_MAX_CPU_ISA=AVX2)."""
+    bf16 on AVX2 too, so this is fp16 on AVX2, and bf16 where the kernels are not built).
+    F.linear on such weights runs PyTorch's reference loop: 0.02 TFLOP/s at 64-1,024 rows,
+    oneDNN's float32 0.11-0.14 (this AMX machine forced to AVX2 with ONEDNN_MAX_CPU_ISA=AVX2)."""
     return (
         dtype in (torch.bfloat16, torch.float16)
         and not c_matmuls_take(dtype, kernels)
@@ -120,9 +120,10 @@ class CpuProjection:
     matmuls take it (`c_matmuls_take`), a copy in the tile layout that the C packed matmul reads
     at every row count (a few rows with vdpbf16ps, which streams it once at memory speed, as a
     GEMV; more on the AMX tiles where the CPU has them; on AVX2 with FMA, widened in registers);
-    otherwise (float32, float16, AVX-512 CPUs without avx512_bf16) oneDNN's packed copy (a float32 one for bf16/fp16 where oneDNN packs only float32, see
-    `computes_in_float32`), or, where oneDNN cannot pack at all, F.linear on the weight, which
-    then stays with its module (`needs_weight`).
+    otherwise (float32, float16, AVX-512 CPUs without avx512_bf16) oneDNN's packed copy (a
+    float32 one for bf16/fp16 where oneDNN packs only float32, see `computes_in_float32`), or,
+    where oneDNN cannot pack at all, F.linear on the weight, which then stays with its module
+    (`needs_weight`).
 
     gated (a gate_up projection): the tile copy holds gate and up interleaved, for
     `silu_and_mul`, which runs with SiLU in the matmul's epilogue; plain calls get their columns

@@ -180,8 +180,8 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns logits only for the rows asked for: float32 where
-    the CPU's packed matmul computes the head (bf16 weights, avx512_bf16 or AVX2), else in the model's
-    dtype. rotary, tp: see DecoderModel."""
+    the CPU's packed matmul computes the head (bf16 weights, avx512_bf16 or AVX2), else in the
+    model's dtype. rotary, tp: see DecoderModel."""
 
     def __init__(
         self,

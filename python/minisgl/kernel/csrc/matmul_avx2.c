@@ -38,8 +38,9 @@ static inline FORM_INLINE void block_sums(const float* x, int64_t ldx, const bf1
         }
         for (int p = 0; p < 16; p++) {
             __m256 even[4], odd[4];  // each 8 columns' k and k + 1 weights
-            for (int c = 0; c < 2 * TILES; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 512 * (c / 2) + 32 * p + 16 * (c % 2)));
+            for (int c = 0; c < 2 * TILES; c++) {  // 8 columns c: tile c / 2, half c % 2
+                const bf16_t* lanes = w + 512 * (c / 2) + 32 * p + 16 * (c % 2);
+                const __m256i v = _mm256_loadu_si256((const __m256i*)lanes);
                 even[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
                 odd[c] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
             }
