@@ -23,7 +23,6 @@ from kernels_layers import (
     gemv_case,
     packed_case,
     streamed_case,
-    widened_case,
 )
 from kernels_sampling import argmax_case, penalties_case, sampling_cases
 from timing import Comparison
@@ -73,8 +72,11 @@ def main() -> None:
         weights = [
             torch.randn(n, k, dtype=BF16) * 0.02 for _ in range(args.layers) for n, k in shapes
         ]
-        rows += [widened_case(kernels, weights, n) for n in (1, 2, 4, 8, 16, 64, 256, 2048)]
-        del weights
+        copies = [c for c in (onednn_pack(w.float()) for w in weights) if c is not None]
+        if len(copies) == len(weights):
+            row_counts = (1, 2, 4, 8, 16, 64, 256, 2048)
+            rows += [packed_case(kernels, weights, copies, n, True) for n in row_counts]
+        del weights, copies
     weights32 = [torch.randn(n, k) * 0.02 for _ in range(args.layers) for n, k in shapes]
     packed32 = [p for p in map(onednn_pack, weights32) if p is not None]
     if len(packed32) == len(weights32):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from timing import Comparison, median_seconds
 
 from minisgl.kernel.cpu import CpuKernels
-from minisgl.layers.linear import interleave_gate_up, onednn_pack
+from minisgl.layers.linear import interleave_gate_up
 
 BF16 = torch.bfloat16
 
@@ -45,10 +45,15 @@ def gemv_case(
 
 
 def packed_case(
-    kernels: CpuKernels, weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int
+    kernels: CpuKernels,
+    weights: list[torch.Tensor],
+    packed: list[torch.Tensor],
+    rows: int,
+    float32_copies: bool = False,
 ) -> Comparison:
-    """`rows` input rows through every weight: the C packed matmul (AMX tiles or vdpbf16ps) vs
-    oneDNN (packed)."""
+    """`rows` input rows through every weight: the C packed matmul (AMX tiles, vdpbf16ps, or
+    on AVX2 FMA widening the copy in registers) vs oneDNN's packed copies, bf16 or
+    (`float32_copies`, what layers/linear.py ran on AVX2 before: twice the bytes) float32."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
     tiles = [kernels.pack_weight(w) for w in weights]
 
@@ -58,12 +63,16 @@ def packed_case(
 
     def baseline() -> None:
         for w, p in zip(weights, packed):
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+            x = xs[w.shape[1]].float() if float32_copies else xs[w.shape[1]]
+            y = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            if float32_copies:
+                y.to(BF16)
 
     mbytes = sum(w.numel() * 2 for w in weights) / 1e6
-    products = "AMX" if kernels.has_amx else "vdpbf16ps"
+    products = "AMX" if kernels.has_amx else "vdpbf16ps" if kernels.has_avx512_bf16 else "AVX2 FMA"
     label = f"packed matmul ({products}) {rows} rows, {mbytes:.0f} MB of weights"
-    return label, "oneDNN packed", median_seconds(baseline, 5), median_seconds(kernel, 5)
+    name = "oneDNN float32 copy" if float32_copies else "oneDNN packed"
+    return label, name, median_seconds(baseline, 5), median_seconds(kernel, 5)
 
 
 def streamed_case(kernels: CpuKernels, weights: list[torch.Tensor], rows: int) -> Comparison:
@@ -84,28 +93,6 @@ def streamed_case(kernels: CpuKernels, weights: list[torch.Tensor], rows: int) -
     mbytes = sum(w.numel() * 2 for w in weights) / 1e6
     label = f"tile copy streamed (vdpbf16ps) {rows} row(s), {mbytes:.0f} MB of weights"
     return label, "C GEMV, row-major", median_seconds(baseline, 5), median_seconds(kernel, 5)
-
-
-def widened_case(kernels: CpuKernels, weights: list[torch.Tensor], rows: int) -> Comparison:
-    """bf16 projections where oneDNN packs no bf16 (AVX2), `rows` input rows through every
-    weight: the C packed matmul widening the tile copy in registers (matmul_avx2.c) vs oneDNN on
-    a float32 copy (what layers/linear.py ran there before: twice the bytes)."""
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
-    tiles = [kernels.pack_weight(w) for w in weights]
-    copies = [onednn_pack(w.float()) for w in weights]
-
-    def kernel() -> None:
-        for w, t in zip(weights, tiles):
-            kernels.packed_linear(xs[w.shape[1]], t, w.shape[0], None)
-
-    def baseline() -> None:
-        for w, p in zip(weights, copies):
-            x = xs[w.shape[1]].float()
-            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "").to(BF16)
-
-    mbytes = sum(w.numel() * 2 for w in weights) / 1e6
-    label = f"packed matmul (AVX2 FMA) {rows} rows, {mbytes:.0f} MB of bf16 weights"
-    return label, "oneDNN float32 copy", median_seconds(baseline, 5), median_seconds(kernel, 5)
 
 
 def float32_case(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int) -> Comparison:

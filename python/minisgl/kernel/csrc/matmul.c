@@ -492,12 +492,14 @@ static int packed_gemv(const bf16_t* x, const bf16_t* packed, const bf16_t* bias
 
 static inline int packed_gemv_takes(int64_t M, int use_tiles) {
 #ifndef HAVE_AVX512_BF16
+    (void)M, (void)use_tiles;
     return 0;  // (without bf16 dots the matmul takes every row count)
-#endif
+#else
 #ifndef HAVE_AMX
     use_tiles = 0;
 #endif
     return M <= PACKED_GEMV_ROWS && !tiles_usable(use_tiles);
+#endif
 }
 
 // use_tiles: the AMX tiles (where compiled in), else vdpbf16ps on the same packed layout.
