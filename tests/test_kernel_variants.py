@@ -236,11 +236,11 @@ def test_quantized_products_in_every_form(kernels, bits):
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 576), (6, 32), (6, 16)])
 def test_avx2_integer_rows_are_the_same_bits_whatever_the_batch(bits, group, tiled, weight_only):
     """The AVX2 form's bf16 rows as integers (the row layout's int16 up to AVX2_ROWS_MAX rows,
-    the tiles' int8 for 4 and 6 bits, else int16, up to AVX2_TILED_MAX_ROWS): a row's output
-    does not depend on the rows beside it, so a speculative verify step's rows give what
-    decoding one by one gives. 43 weight rows: the row layout's batch-1 kernel leaves a tail of
-    3, the tiles a partial half; 576 columns: 18 groups of 32, the offsets' sums end in a
-    partial vector."""
+    the tiles' int8 for 4 and 6 bits, else int16, up to AVX2_TILED_MAX_ROWS; 8 bits' int16 at
+    every row count): a row's output does not depend on the rows beside it, so a speculative
+    verify step's rows give what decoding one by one gives. 43 weight rows: the row layout's
+    batch-1 kernel leaves a tail of 3, the tiles a partial half; 576 columns: 18 groups of 32,
+    the offsets' sums end in a partial vector."""
     kernels = variant("x86-64-v3")
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(43, 576, generator=gen)
@@ -252,15 +252,20 @@ def test_avx2_integer_rows_are_the_same_bits_whatever_the_batch(bits, group, til
     projection = QuantizedProjection(
         qweight, kernels, float_out=True, tiled=tiled, weight_only=weight_only
     )
-    most = AVX2_TILED_MAX_ROWS if tiled else 8
+    bound = AVX2_TILED_MAX_ROWS if tiled else 8
+    most = 2 * bound + 5 if tiled and bits == 8 else bound  # 8 bits: past the bound, a prefill
     x = torch.randn(most, 576, generator=gen).to(torch.bfloat16)
     alone = torch.cat([projection(x[i : i + 1], torch.empty(0), None) for i in range(most)])
-    for rows in sorted({2, 3, 5, 8, most}):
+    for rows in sorted({2, 3, 5, 8, bound, most}):
         together = projection(x[:rows], torch.empty(0), None)
         assert torch.equal(together, alone[:rows]), (rows, (together - alone[:rows]).abs().max())
     path = kernels.quantized_path(projection.params, most, 576, torch.bfloat16)
     int8 = tiled and bits != 8 and not weight_only
     assert path == ("avx2-tiled-int8" if int8 else "avx2-tiled-int16" if tiled else "avx2-int16")
+    # So a verify step of any size keeps an 8-bit weight's rows; 4 and 6 bits stop at the bound.
+    bounds = projection.path_changes(4 * AVX2_TILED_MAX_ROWS)
+    if tiled:
+        assert bounds == ([] if bits == 8 else [AVX2_TILED_MAX_ROWS]), bounds
 
 
 # ----------------------------------------------------------------------- elementwise kernels

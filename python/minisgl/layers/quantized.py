@@ -40,10 +40,10 @@ QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 # dequantizing it to the activations' dtype once per call and multiplying through oneDNN is
 # faster; benchmark/kernels_quantized.py).
 QUANTIZED_GEMV_MAX_ROWS = 128
-# Rows up to which AVX2's tiled kernels take bf16 activations as integers, a row's output the
-# same bits at every row count: int8 per 32 columns in vpmaddubsw for 4- and 6-bit weights,
-# int16 in vpmaddwd for 8-bit ones and where precise (weight-only); above, float32 FMA tiles
-# (csrc/internal.h's AVX2_TILED_MAX_ROWS).
+# Rows up to which AVX2's tiled kernels take a 4- or 6-bit weight's bf16 activations as
+# integers, a row's output the same bits at every row count: int8 per 32 columns in vpmaddubsw,
+# int16 in vpmaddwd where precise (weight-only); above, float32 FMA tiles. 8-bit weights take
+# int16 at every row count (csrc/internal.h's AVX2_TILED_MAX_ROWS).
 AVX2_TILED_MAX_ROWS = 64
 
 
@@ -100,8 +100,9 @@ class QuantizedProjection:
     passes); with AMX, from QUANTIZED_AMX_MIN_ROWS rows as bf16 on the tiles, the weight
     dequantized block by block (a prefill's: whole, into the packed matmul's layout). With AVX2
     and no VNNI the weight is tiled too: up to AVX2_TILED_MAX_ROWS bf16 rows meet 4- and 6-bit
-    weights as int8 per 32 columns (vpmaddubsw), 8-bit ones (and all, where 16 bits are kept) as
-    int16 (vpmaddwd); more rows and float32 x its tiles dequantized to float32. gated (a
+    weights as int8 per 32 columns (vpmaddubsw), or as int16 (vpmaddwd) where 16 bits are kept,
+    more rows and float32 x its tiles dequantized to float32; 8-bit weights meet bf16 rows as
+    int16 at every row count. gated (a
     gate_up without bias): with AMX, `silu_and_mul` runs SiLU in the matmul. Without the C
     kernels: dequantized per call."""
 
@@ -311,8 +312,8 @@ class QuantizedProjection:
 
 def decode_row_bounds(model: torch.nn.Module, limit: int = 256) -> list[int]:
     """The row counts r < limit after which some quantized projection of `model` multiplies r + 1
-    bf16 rows another way than r (its route or C kernel path changes: AVX2's tiles past
-    AVX2_TILED_MAX_ROWS): between two of them a row's result does not depend on the row count,
+    bf16 rows another way than r (its route or C kernel path changes: AVX2's 4- and 6-bit tiles
+    past AVX2_TILED_MAX_ROWS): between two of them a row's result does not depend on the row count,
     so a speculative verify step that stays there gives what decoding one by one gives. (The
     default model's 121 projections: 50 ms on Zen 3, once per engine.)"""
     bounds: set[int] = set()

@@ -125,8 +125,9 @@ enum {
     QPATH_TILED_AMX,      // AMX: a tiled weight from 10 bf16 rows, dequantized onto the tiles
     QPATH_TILED_W8A8,     // AMX-INT8: int8_x, 6+ bf16 rows as int8 per row on the int8 tiles
     QPATH_TILED_W8A8_VNNI,  // VNNI, no int8 tiles: int8_x, 6+ bf16 rows as int8 per row
-    QPATH_AVX2_TILED_INT16,  // AVX2, tile layout: up to 64 bf16 rows as int16 (vpmaddwd)
-    QPATH_AVX2_TILED_F32,    // AVX2, tile layout: float32 x, more bf16 rows: tiles to float32
+    QPATH_AVX2_TILED_INT16,  // AVX2, tile layout: bf16 rows as int16 (vpmaddwd): 8 bits, any
+                             // count; 4/6 bits precise, up to 64
+    QPATH_AVX2_TILED_F32,    // AVX2, tile layout: float32 x, more 4/6-bit rows: tiles to float32
     QPATH_AVX2_TILED_INT8,   // AVX2, tile layout, 4/6 bits, not precise: up to 64 bf16 rows int8
     QPATH_COUNT
 };

@@ -465,8 +465,10 @@ int minisgl_quantized_path(const quantized_weight* w, int64_t M, int64_t K, int 
 #endif
         return w->precise ? QPATH_TILED_PRECISE : QPATH_TILED_INT8;
 #elif defined(HAVE_AVX2_FMA)
-        if (x_dtype == 0 || M > AVX2_TILED_MAX_ROWS) return QPATH_AVX2_TILED_F32;
-        return w->bits == 8 || w->precise ? QPATH_AVX2_TILED_INT16 : QPATH_AVX2_TILED_INT8;
+        if (x_dtype == 0) return QPATH_AVX2_TILED_F32;
+        if (w->bits == 8) return QPATH_AVX2_TILED_INT16;  // every row count: see internal.h
+        if (M > AVX2_TILED_MAX_ROWS) return QPATH_AVX2_TILED_F32;
+        return w->precise ? QPATH_AVX2_TILED_INT16 : QPATH_AVX2_TILED_INT8;
 #else
         return -1;  // only a build with AVX2 (or vpdpbusd) reads the tile layout
 #endif

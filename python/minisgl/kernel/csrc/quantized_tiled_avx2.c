@@ -18,6 +18,7 @@
 
 #ifdef HAVE_AVX2_FMA
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
+#define AVX2_ROW_BLOCK 128  // x rows multiplied by every tile before the next rows
 
 // x as the int16 kernel takes it (rows m: M of them).
 typedef struct {
@@ -273,9 +274,20 @@ MINISGL_INTERNAL int quantized_tiled_avx2_linear(const void* x, const quantized_
         int32_t* neg = neg_floats ? (int32_t*)(xd + xd_floats) : NULL;
         float* xsum = sum_floats ? xd + xd_floats + neg_floats : NULL;
         prepare_x16((const bf16_t*)x, w, M, K, x16, xd, neg, xsum);
-        const tiled_x16 xs = {.x16 = x16, .xd = xd, .neg = neg, .xsum = xsum};
+        // A prefill's rows in blocks, each block against every tile: a block's x stays in L2
+        // while the weight streams past it (a thread's tasks are consecutive blocks).
+        const int64_t blocks = (M + AVX2_ROW_BLOCK - 1) / AVX2_ROW_BLOCK, xblocks = K / 32;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t t = 0; t < tiles; t++) tile_rows_i16(w, &xs, bias, y, M, N, K, t, out_f32);
+        for (int64_t task = 0; task < blocks * tiles; task++) {
+            const int64_t m0 = task / tiles * AVX2_ROW_BLOCK, t = task % tiles;
+            const int64_t rows = M - m0 < AVX2_ROW_BLOCK ? M - m0 : AVX2_ROW_BLOCK;
+            const tiled_x16 xs = {.x16 = x16 + m0 * K,
+                                  .xd = xd + m0 * xblocks,
+                                  .neg = neg ? neg + m0 * units : NULL,
+                                  .xsum = xsum ? xsum + m0 * groups : NULL};
+            void* y_rows = (char*)y + m0 * N * (out_f32 ? sizeof(float) : sizeof(bf16_t));
+            tile_rows_i16(w, &xs, bias, y_rows, rows, N, K, t, out_f32);
+        }
         free(buffer);
         return MINISGL_OK;
     }
