@@ -33,7 +33,6 @@ from runners.minisgl import MinisglRunner  # noqa: E402
 from workloads import OFFLINE_PRESETS, Shape, TokenSource, decode_shapes  # noqa: E402
 
 from minisgl.layers.moe import SparseMoE  # noqa: E402
-from minisgl.layers.quantized import QuantizedProjection  # noqa: E402
 from minisgl.utils.hf import cache_dir, default_gguf_path  # noqa: E402
 
 
@@ -49,10 +48,7 @@ def weight_bytes(runner: MinisglRunner) -> int:
         if projection is None or id(projection) in seen:
             continue
         seen.add(id(projection))
-        if isinstance(projection, QuantizedProjection):
-            total += projection.weight.nbytes
-        elif getattr(projection, "packed", None) is not None:
-            total += projection.packed.numel() * projection.packed.element_size()
+        total += projection.nbytes
     return total
 
 

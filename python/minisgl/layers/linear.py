@@ -175,6 +175,11 @@ class CpuProjection:
         """Whether calls multiply the module's weight itself (no packed copy replaces it)."""
         return self.packed is None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copy it holds (0 where it multiplies its module's weight)."""
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
     def _on_tiles(self, rows: int) -> bool:
         return rows > self.gemv_max_rows
 

@@ -56,14 +56,7 @@ class ExpertStack:
         if self.projections is None:
             assert self.dense is not None
             return self.dense.numel() * self.dense.element_size()
-        return sum(
-            p.weight.nbytes
-            if isinstance(p, QuantizedProjection)
-            else 0
-            if p.packed is None
-            else p.packed.numel() * p.packed.element_size()
-            for p in self.projections
-        )
+        return sum(p.nbytes for p in self.projections)
 
 
 def packs_dense_experts(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:

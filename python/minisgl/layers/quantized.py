@@ -188,6 +188,11 @@ class QuantizedProjection:
         return torch.arange(self.out_features)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of its weight as stored."""
+        return self.weight.nbytes
+
+    @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 

@@ -127,11 +127,11 @@ MINISGL_INTERNAL void avx2_block_rows(const float* xf, const float* wt, const vo
                                       int x_dtype, int out_f32);
 // quantized_tiled_avx2.c: a tiled weight's matmul and rows where there is no vpdpbusd, their
 // arguments checked; bf16 x as int16 (path QPATH_AVX2_TILED_INT16), else float32 products
-// (QPATH_AVX2_TILED_F32). An 8-bit weight's bf16 rows take int16 at every row count (a prefill
-// of 128-2048 rows 1.12-1.18x the float32 tiles, benchmark/kernels_quantized.py on Zen 3); a 4-
-// or 6-bit weight's up to AVX2_TILED_MAX_ROWS (there int16 was level with float32, and int8 x
-// would round a weight-only prefill's activations). layers/quantized.py's AVX2_TILED_MAX_ROWS
-// is this number.
+// (QPATH_AVX2_TILED_F32). An 8-bit weight's bf16 rows take int16 at every row count (prefills
+// of 65-2,048 rows 1.11-1.21x the float32 tiles, SmolLM2's layer on Zen 3); a 4- or 6-bit
+// weight's up to AVX2_TILED_MAX_ROWS (past it int16 was level with float32, and int8 x would
+// round a weight-only prefill's activations). layers/quantized.py's AVX2_TILED_MAX_ROWS is
+// this number.
 #define AVX2_TILED_MAX_ROWS 64
 MINISGL_INTERNAL int quantized_tiled_avx2_linear(const void* x, const quantized_weight* w,
                                                  const void* bias, void* y, int64_t M, int64_t N,
