@@ -102,9 +102,8 @@ class QuantizedProjection:
     and no VNNI the weight is tiled too: up to AVX2_TILED_MAX_ROWS bf16 rows meet 4- and 6-bit
     weights as int8 per 32 columns (vpmaddubsw), or as int16 (vpmaddwd) where 16 bits are kept,
     more rows and float32 x its tiles dequantized to float32; 8-bit weights meet bf16 rows as
-    int16 at every row count. gated (a
-    gate_up without bias): with AMX, `silu_and_mul` runs SiLU in the matmul. Without the C
-    kernels: dequantized per call."""
+    int16 at every row count. gated (a gate_up without bias): with AMX, `silu_and_mul` runs SiLU
+    in the matmul. Without the C kernels: dequantized per call."""
 
     def __init__(
         self,
@@ -318,9 +317,9 @@ class QuantizedProjection:
 def decode_row_bounds(model: torch.nn.Module, limit: int = 256) -> list[int]:
     """The row counts r < limit after which some quantized projection of `model` multiplies r + 1
     bf16 rows another way than r (its route or C kernel path changes: AVX2's 4- and 6-bit tiles
-    past AVX2_TILED_MAX_ROWS): between two of them a row's result does not depend on the row count,
-    so a speculative verify step that stays there gives what decoding one by one gives. (The
-    default model's 121 projections: 50 ms on Zen 3, once per engine.)"""
+    past AVX2_TILED_MAX_ROWS): between two of them a row's result does not depend on the row
+    count, so a speculative verify step that stays there gives what decoding one by one gives.
+    (The default model's 121 projections: 50 ms on Zen 3, once per engine.)"""
     bounds: set[int] = set()
     for module in model.modules():
         projection = getattr(module, "cpu_projection", None)
