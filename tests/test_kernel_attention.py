@@ -114,11 +114,11 @@ ATTENTION_BATCHES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# Groups of 1, 4, 40 (the 40-on-1 head model the portable path once overflowed on), 12 with more
-# heads than a vector task holds, and 80 (more than any task holds: slices of the group); the
+# Groups of 1, 4, 40 (the 40-on-1 head model the portable path once overflowed on), 17 with more
+# heads than a vector task holds, and 80 (more than a portable task holds: slices of it); the
 # vector path's head_dims (64, 128, 256) and the portable path's others; 3 kv heads (SmolLM2's),
 # which do not split over two threads: the portable path splits few requests by positions.
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (40, 1), (96, 8), (80, 1), (9, 3)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (40, 1), (136, 8), (80, 1), (9, 3)])
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
 def test_decode_attention_within_float32_rounding(kernels, dtype, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim)
@@ -185,12 +185,13 @@ def test_decode_attention_continues_from_a_prefix_state(kernels, dtype, heads, k
 
 # (heads, kv_heads, head_dim, dtypes, KV lengths): SmolLM2's heads (the portable path splits
 # few requests by parts; the AVX-512 path too) with one part, several, and more than 2,048
-# positions (longer parts); kv heads that split evenly over two threads (a task per kv head);
-# a group wider than a task holds (slices of it; on AVX-512, more heads than a task holds).
+# positions (longer parts); kv heads that split evenly over two threads (by parts on several
+# threads, a task per kv head on one); a group wider than a portable task holds (slices of it)
+# and more heads than an AVX-512 task holds.
 INVARIANT_CASES = [
     (9, 3, 64, DTYPES, [3, 130, 300, 2100]),
     (8, 2, 128, [torch.bfloat16], [3, 130, 300]),
-    (72, 2, 64, [torch.bfloat16], [3, 130, 300]),
+    (136, 2, 64, [torch.bfloat16], [3, 130, 300]),
 ]
 
 
@@ -258,9 +259,9 @@ def _assert_rows_as_alone(kernels, gen, paged, shape, dtypes, leading=1, bounded
 
 # Verify steps (base KV length, query rows): a request's rows are one page-table row, KV
 # lengths one apart, which the portable kernels read as runs: runs longer than a task's heads
-# take (9 rows of 9 heads: 7 and 2), rows crossing a 64-key part (62..67), lengths where parts
+# take (16 rows of 9 heads: 14 and 2), rows crossing a 64-key part (62..67), lengths where parts
 # grow past 1,024 positions (1,020..1,027: runs split where part lengths differ), a lone row.
-VERIFY_RUNS = [(3, 9), (62, 6), (300, 1), (1020, 8), (2100, 3)]
+VERIFY_RUNS = [(3, 16), (62, 6), (300, 1), (1020, 8), (2100, 3)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtypes,kv_lens", INVARIANT_CASES)

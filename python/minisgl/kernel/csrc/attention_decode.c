@@ -178,10 +178,12 @@ static void attn_task_generic(const attn_args* a, int64_t b0, int64_t nrows, int
 }
 
 // Few requests on several threads: every part of every run a task (every head of a position
-// read at once), each row's part packed, then each row's parts merged in order (by a task per kv
-// head instead, a thread sat idle where the heads do not split evenly: SmolLM2's 3 on 2
-// threads, batch 1 over 2,000 positions 161 -> 136 µs a layer). vector: the AVX-512 kernels,
-// whose runs are single rows.
+// read at once), each row's part packed, then each row's parts merged in order. By a task per
+// kv head instead, a thread sat idle where the heads or runs did not split evenly (SmolLM2's 3
+// kv heads on 2 threads, batch 1 over 2,000 positions: 161 -> 136 µs a layer; a verify step's 8
+// rows over 700, 1.15x), and each task read a narrow slice of every position's row (the Qwen3
+// shape's 8 kv heads, batch 1 over 700 positions: 1.15-1.3x; Zen 3). vector: the AVX-512
+// kernels, whose runs are single rows.
 static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
                       int64_t num_runs, int nthreads, int vector) {
     const int64_t heads = a->num_heads, dim = a->head_dim, packed = heads * (dim + 2);
@@ -200,37 +202,43 @@ static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
     run_tasks[0] = 0;
     for (int64_t i = 0; i < num_runs; i++)
         run_tasks[i + 1] = run_tasks[i] + attn_parts(a, runs[i + 1] - 1);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < run_tasks[num_runs]; task++) {
-        const int64_t i = attn_task_request(run_tasks, num_runs, task), p = task - run_tasks[i];
-        const int64_t b0 = runs[i], nrows = runs[i + 1] - b0;
-        attn_state st;
-        int64_t r0 = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < run_tasks[num_runs]; task++) {
+            const int64_t i = attn_task_request(run_tasks, num_runs, task);
+            const int64_t p = task - run_tasks[i], b0 = runs[i], nrows = runs[i + 1] - b0;
+            attn_state st;
+            int64_t r0 = 0;
 #ifdef HAVE_AVX512
-        if (vector) {
-            int64_t begin, end;
-            attn_part_range(a, b0, p, &begin, &end);
-            attn_state_begin(a, b0, 0, heads, p == 0, &st);
-            attn_range(a, b0, 0, a->num_kv_heads, begin, end, NULL, &st);
-        } else
+            if (vector) {
+                int64_t begin, end;
+                attn_part_range(a, b0, p, &begin, &end);
+                attn_state_begin(a, b0, 0, heads, p == 0, &st);
+                attn_range(a, b0, 0, a->num_kv_heads, begin, end, NULL, &st);
+            } else
 #endif
-            attn_run_part(a, b0, nrows, 0, a->num_kv_heads, 0, group, p, &st, &r0);
-        for (int64_t r = r0; r < nrows; r++)
-            attn_state_pack(&st, (r - r0) * heads, heads, dim,
-                            packs + (first[b0 + r] + p) * packed);
-    }
-    for (int64_t b = 0; b < num_reqs; b++) {  // (few: another parallel region cost more)
-        attn_state whole;
-        attn_state_unpack(packs + first[b] * packed, heads, dim, &whole);
-        for (int64_t task = first[b] + 1; task < first[b + 1]; task++)
-            attn_state_merge_packed(&whole, packs + task * packed, heads, dim);
-#ifdef HAVE_AVX512
-        if (vector) {
-            attn_state_store(a, b, 0, heads, &whole);
-            continue;
+                attn_run_part(a, b0, nrows, 0, a->num_kv_heads, 0, group, p, &st, &r0);
+            for (int64_t r = r0; r < nrows; r++)
+                attn_state_pack(&st, (r - r0) * heads, heads, dim,
+                                packs + (first[b0 + r] + p) * packed);
         }
+        // Each row's parts merged in the same region (a barrier, not a second fork): serial
+        // merges grew with the rows times the parts, past the tasks' own time on many threads.
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_reqs; b++) {
+            attn_state whole;
+            attn_state_unpack(packs + first[b] * packed, heads, dim, &whole);
+            for (int64_t task = first[b] + 1; task < first[b + 1]; task++)
+                attn_state_merge_packed(&whole, packs + task * packed, heads, dim);
+#ifdef HAVE_AVX512
+            if (vector) {
+                attn_state_store(a, b, 0, heads, &whole);
+                continue;
+            }
 #endif
-        attn_store_generic(a, b, 0, a->num_kv_heads, 0, group, &whole, 0);
+            attn_store_generic(a, b, 0, a->num_kv_heads, 0, group, &whole, 0);
+        }
     }
     free(packs);
     free(run_tasks);
@@ -248,17 +256,15 @@ static int attn_portable(const attn_args* a, int64_t num_reqs, int nthreads) {
     int64_t* runs = attn_runs(a, num_reqs, max_rows, &num_runs);
     if (!runs) return MINISGL_ERR_NOMEM;
     int status = MINISGL_OK;
-    // Few runs whose kv heads do not split evenly over the threads: by parts.
-    const int64_t head_tasks = num_runs * num_kv_heads;
-    if (nthreads > 1 && num_runs < 2 * nthreads && head_tasks % nthreads != 0 &&
-        group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS) {
+    const int fits = group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS;
+    if (fits && nthreads > 1 && num_runs < 2 * nthreads) {  // few runs: by parts (attn_split)
         status = attn_split(a, num_reqs, runs, num_runs, nthreads, 0);
-    } else if (num_runs >= 2 * nthreads && group <= ATTN_MAX_GROUP &&
-               num_heads <= ATTN_MAX_HEADS) {
-        // With two runs per thread or more, a task is a whole run (whole rows read once, in slot
-        // order): batch 64 x 160 x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build,
-        // alternated in one process) against a task per kv head, which fewer requests and heads
-        // past a task's arrays keep (a slice of a wide group per task).
+    } else if (fits) {
+        // Otherwise a task is a whole run (whole rows read once, in slot order): batch 64 x 160
+        // x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build, alternated in one process);
+        // on one thread, SmolLM2 at batch 1 over 700 positions 1.6x and the Qwen3 shape 1.25x
+        // (Zen 3), against a task per kv head, which only heads past a task's arrays keep (a
+        // slice of a wide group per task).
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t i = 0; i < num_runs; i++)
             attn_task_generic(a, runs[i], runs[i + 1] - runs[i], 0, num_kv_heads, 0, group);

@@ -17,7 +17,7 @@
 
 #define ATTN_BLOCK 64
 #define ATTN_MAX_GROUP 32
-#define ATTN_MAX_HEADS 64  // query heads one task may hold
+#define ATTN_MAX_HEADS 128  // query heads one task may hold (a verify step: rows x heads)
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
