@@ -298,10 +298,10 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
                    rows,       kv_lens,    kv_starts, prefix_out,   prefix_lse, num_heads,
                    num_kv_heads, head_dim, window,    scale,        dtype};
     const int64_t group = num_heads / num_kv_heads;
-    if (!attn_chunks(head_dim) || group > ATTN_MAX_HEADS)  // the portable path
+    if (!attn_chunks(head_dim) || group > ATTN_VECTOR_HEADS)  // the portable path
         return attn_portable(&a, num_reqs, nthreads);
 #ifdef HAVE_AVX512
-    if (num_heads > ATTN_MAX_HEADS) {  // more heads than a task holds: one kv head per task
+    if (num_heads > ATTN_VECTOR_HEADS) {  // more heads than a task holds: one kv head per task
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
             attn_task_avx512(&a, task / num_kv_heads, task % num_kv_heads, 1, NULL);

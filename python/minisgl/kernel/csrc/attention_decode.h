@@ -17,7 +17,8 @@
 
 #define ATTN_BLOCK 64
 #define ATTN_MAX_GROUP 32
-#define ATTN_MAX_HEADS 128  // query heads one task may hold (a verify step: rows x heads)
+#define ATTN_MAX_HEADS 128    // query heads a portable task (a run of rows) and a state hold
+#define ATTN_VECTOR_HEADS 64  // query heads an AVX-512 task (one request's) holds
 
 typedef struct {
     const void *q, *k_cache, *v_cache;

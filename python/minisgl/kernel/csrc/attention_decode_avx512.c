@@ -159,9 +159,9 @@ static inline FORM_INLINE void attn_range_avx512(
     const attn_next* next, attn_state* st, const int CHUNKS) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
     const int64_t heads = kv_count * group, head0 = kvh0 * group;
-    float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], scores[ATTN_BLOCK][ATTN_MAX_HEADS];
-    float correction[ATTN_MAX_HEADS];
-    int64_t key_offset[ATTN_MAX_HEADS];
+    float qf[ATTN_VECTOR_HEADS][ATTN_MAX_DIM], scores[ATTN_BLOCK][ATTN_VECTOR_HEADS];
+    float correction[ATTN_VECTOR_HEADS];
+    int64_t key_offset[ATTN_VECTOR_HEADS];
 #ifdef HAVE_AVX512_BF16
     const int bf16_dot = a->dtype == 1;
 #else
