@@ -246,6 +246,21 @@ static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
     return MINISGL_OK;
 }
 
+// Whether a run's positions (times its rows) exceed a thread's share of all runs' by a quarter:
+// whole runs as tasks would leave the other threads waiting on it (a verify step's 8 rows beside
+// 3 single rows: 1.15x by parts, Zen 3).
+static int attn_runs_uneven(const attn_args* a, const int64_t* runs, int64_t num_runs,
+                            int nthreads) {
+    int64_t total = 0, largest = 0;
+    for (int64_t i = 0; i < num_runs; i++) {
+        int64_t work = 0;
+        for (int64_t b = runs[i]; b < runs[i + 1]; b++) work += a->kv_lens[b] - attn_start(a, b);
+        total += work;
+        largest = work > largest ? work : largest;
+    }
+    return 4 * largest * nthreads > 5 * total;
+}
+
 // The portable path: rows in runs (attn_runs), tasks of runs' parts (attn_split), whole runs or
 // a run's kv heads (a slice of a wide group).
 static int attn_portable(const attn_args* a, int64_t num_reqs, int nthreads) {
@@ -257,8 +272,9 @@ static int attn_portable(const attn_args* a, int64_t num_reqs, int nthreads) {
     if (!runs) return MINISGL_ERR_NOMEM;
     int status = MINISGL_OK;
     const int fits = group <= ATTN_MAX_GROUP && num_heads <= ATTN_MAX_HEADS;
-    if (fits && nthreads > 1 && num_runs < 2 * nthreads) {  // few runs: by parts (attn_split)
-        status = attn_split(a, num_reqs, runs, num_runs, nthreads, 0);
+    if (fits && nthreads > 1 &&
+        (num_runs < 2 * nthreads || attn_runs_uneven(a, runs, num_runs, nthreads))) {
+        status = attn_split(a, num_reqs, runs, num_runs, nthreads, 0);  // by parts
     } else if (fits) {
         // Otherwise a task is a whole run (whole rows read once, in slot order): batch 64 x 160
         // x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build, alternated in one process);
