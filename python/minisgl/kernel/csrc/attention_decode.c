@@ -177,13 +177,13 @@ static void attn_task_generic(const attn_args* a, int64_t b0, int64_t nrows, int
         attn_store_generic(a, b0 + r, kvh0, kv_count, first, count, &whole, r * row_heads);
 }
 
-// Few requests on several threads: every part of every run a task (every head of a position
-// read at once), each row's part packed, then each row's parts merged in order. By a task per
-// kv head instead, a thread sat idle where the heads or runs did not split evenly (SmolLM2's 3
-// kv heads on 2 threads, batch 1 over 2,000 positions: 161 -> 136 µs a layer; a verify step's 8
-// rows over 700, 1.15x), and each task read a narrow slice of every position's row (the Qwen3
-// shape's 8 kv heads, batch 1 over 700 positions: 1.15-1.3x; Zen 3). vector: the AVX-512
-// kernels, whose runs are single rows.
+// Few or uneven runs on several threads: every part of every run a task (every head of a
+// position read at once), each row's part packed, then each row's parts merged in order. By a
+// task per kv head instead, a thread sat idle where the heads or runs did not split evenly
+// (SmolLM2's 3 kv heads on 2 threads, batch 1 over 2,000 positions: 161 -> 136 µs a layer; a
+// verify step's 8 rows over 700, 1.15x), and each task read a narrow slice of every position's
+// row (the Qwen3 shape's 8 kv heads, batch 1 over 700 positions: 1.15-1.3x; Zen 3). vector: the
+// AVX-512 kernels, whose runs are single rows.
 static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
                       int64_t num_runs, int nthreads, int vector) {
     const int64_t heads = a->num_heads, dim = a->head_dim, packed = heads * (dim + 2);
@@ -248,7 +248,7 @@ static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
 
 // Whether a run's positions (times its rows) exceed a thread's share of all runs' by a quarter:
 // whole runs as tasks would leave the other threads waiting on it (a verify step's 8 rows beside
-// 3 single rows: 1.15x by parts, Zen 3).
+// 3 single rows: 1.13x by parts, the Qwen3 shape 1.26x; Zen 3).
 static int attn_runs_uneven(const attn_args* a, const int64_t* runs, int64_t num_runs,
                             int nthreads) {
     int64_t total = 0, largest = 0;
@@ -278,7 +278,7 @@ static int attn_portable(const attn_args* a, int64_t num_reqs, int nthreads) {
     } else if (fits) {
         // Otherwise a task is a whole run (whole rows read once, in slot order): batch 64 x 160
         // x 30 layers 38 -> 31 ms, x 192 38 -> 28 ms (AVX2 build, alternated in one process);
-        // on one thread, SmolLM2 at batch 1 over 700 positions 1.6x and the Qwen3 shape 1.25x
+        // on one thread, SmolLM2 at batch 1 over 700 positions 1.45x and the Qwen3 shape 1.2x
         // (Zen 3), against a task per kv head, which only heads past a task's arrays keep (a
         // slice of a wide group per task).
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
