@@ -286,6 +286,41 @@ def test_sampling_has_the_distribution_of_decoding_without_speculation(monkeypat
     assert _chi2_p_value(plain, wrong) < 1e-6
 
 
+def test_a_seeded_request_samples_the_tokens_it_samples_without_speculation() -> None:
+    """A seeded draw is fixed by the seed and the token's index, not by the draws before it (a
+    verify step's rejected positions draw too): with speculation a seeded request samples the
+    tokens decoding one by one samples, with top-p, top-k, min-p, penalties, logit_bias and
+    min_tokens."""
+    steered = {101: 14.0, 202: 13.0, 303: 12.5}  # most mass on the prompt's tokens: drafts hold
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, logit_bias=steered, max_tokens=24, seed=7),
+        SamplingParams(
+            temperature=0.8,
+            top_k=3,
+            repetition_penalty=1.1,
+            logit_bias=steered,
+            max_tokens=24,
+            seed=-3,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            temperature=1.2,
+            min_p=0.05,
+            presence_penalty=0.4,
+            logit_bias=steered,
+            min_tokens=12,
+            max_tokens=24,
+            seed=2**63 - 1,
+        ),
+        SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=7),
+    ]
+    prompt = [101, 303, 202, 303, 202, 303, 202, 303]
+    spec, plain, llm = spec_and_plain("qwen3", [prompt, prompt, prompt, REPEATS], params)
+    assert token_ids(spec) == token_ids(plain)
+    stats = llm.speculator.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # drafts both kept and rejected
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

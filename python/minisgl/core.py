@@ -249,7 +249,6 @@ class Req:
     cache_handle: CacheHandle | None = None
     # Prompt tokens served from the prefix cache at admission (for hit-rate accounting).
     prompt_cached_tokens: int = 0
-    generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed, with finish_reason "error"
     # Where the output is constrained: the grammar's state, advanced by each token.

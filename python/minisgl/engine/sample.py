@@ -48,7 +48,8 @@ class SampleArgs:
     top_k: torch.Tensor | None = None  # [B, 1] long; vocab size where disabled
     top_p: torch.Tensor | None = None  # [B, 1]
     min_p: torch.Tensor | None = None  # [B, 1]
-    seeded: list[tuple[int, torch.Generator]] | None = None
+    # Seeded rows and the uniform number each draws with (seeded_uniform).
+    seeded: tuple[torch.Tensor, torch.Tensor] | None = None
     penalties: PenaltyArgs | None = None
     # Structured output: (rows, int32 bitmask [rows, ceil(vocab / 32)] of the allowed tokens).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -105,8 +106,17 @@ class Sampler:
             args.top_p = column([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params):
             args.min_p = column([p.min_p for p in params], torch.float32)
-        seeded = [(i, r.generator) for i, r in enumerate(reqs) if r.generator is not None]
-        args.seeded = [(i, g) for i, g in seeded if g is not None] or None
+        seeded = [
+            (i, seeded_uniform(p.seed, r.device_len - r.prompt_len))
+            for i, (r, p) in enumerate(zip(reqs, params))
+            if p.seed is not None and not p.is_greedy
+        ]
+        if seeded:
+            rows, uniforms = zip(*seeded)
+            args.seeded = (
+                torch.tensor(rows, dtype=torch.int64).to(device),
+                torch.tensor(uniforms, dtype=torch.float64).to(device),
+            )
         return args
 
     def _prepare_penalties(self, reqs: list[Req]) -> PenaltyArgs | None:
@@ -216,13 +226,11 @@ class Sampler:
             return _argmax(logits).to(torch.int32)
         logits = logits.float()
         assert args.temperatures is not None
-        # One uniform number per row (a seeded request's from its own generator, so its draws
-        # do not depend on the batch), mapped through the row's distribution function.
+        # One uniform number per row, mapped through the row's distribution function (a seeded
+        # row's fixed by its seed and token, whatever the batch: seeded_uniform).
         uniforms = torch.rand(len(logits), dtype=torch.float64, device=logits.device)
-        for row, generator in args.seeded or ():
-            uniforms[row] = torch.rand(
-                1, dtype=torch.float64, generator=generator, device=uniforms.device
-            )[0]
+        if args.seeded is not None:
+            uniforms[args.seeded[0]] = args.seeded[1]
         sampled = None
         if args.top_k is None and args.top_p is None and args.min_p is None:
             # Temperature alone: where the ops fuse it, the softmax is computed as the draw reads.
@@ -343,6 +351,29 @@ class Sampler:
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before >= top_p
         return sorted_probs.masked_fill_(drop, 0.0), order
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers whose output bits each depend on
+    every input bit."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) with which a request seeded `seed` draws its output token
+    `index` (0: the first): a hash of the two, not the next number of a generator, so a token's
+    draw does not depend on how many draws came before it. A speculative verify step samples
+    positions whose drafts are then rejected, and a retracted request samples its next token
+    again after its prompt is recomputed: each still draws every kept token with the number
+    decoding one by one uses, so a seeded request's tokens are the same with speculation as
+    without it, and on every run."""
+    return (_mix64(_mix64(seed & _MASK64) ^ (index & _MASK64)) >> 11) * 2.0**-53
 
 
 def _top_candidates(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,8 +60,6 @@ class RequestsMixin:
         req = Req(uid, ids, sampling_params, prompt_len=len(ids), max_device_len=max_device_len)
         req.lora, req.cache_key_offset = lora, key_offset
         req.pooling, req.score_tokens = pooling, score_tokens
-        if sampling_params.seed is not None:
-            req.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         if sampling_params.structured is None:
             self.waiting.append(req)
             return uid
