@@ -137,4 +137,11 @@ def test_stop_strings_cut_the_text(llm) -> None:
     assert out["text"] == text[: text.index(stop)]
     assert stop not in out["text"]
     assert out["token_ids"] == free["token_ids"][: len(out["token_ids"])]
+    # min_tokens holds stop strings off too (vLLM, SGLang): the first that ends in the text of
+    # token 10 or later ends the request.
+    held = llm.generate(["The capital of France is"], greedy(12, stop=[stop], min_tokens=10))[0]
+    before = len(llm.tokenizer.decode(free["token_ids"][:9]))
+    at = text.find(stop, before - len(stop) + 1)
+    assert 0 <= at != text.index(stop), "pick a stop string seen before token 10 and after"
+    assert held["text"] == text[:at] and held["finish_reason"] == "stop"
     assert_all_pages_free(llm)

@@ -100,6 +100,27 @@ def test_stop_string_kept_with_include_stop_str(tok, text, data):
     assert detok.stopped and "".join(chunks).endswith(stop)
 
 
+_ASCII_TEXT = st.lists(st.sampled_from([*"ab c.,", " the", "ing"]), min_size=1, max_size=30)
+
+
+@_SETTINGS
+@given(pieces=_ASCII_TEXT, data=st.data())
+def test_min_tokens_holds_off_stop_strings_that_end_before_it(tok, pieces, data):
+    """A stop string ends the text only where it ends in token min_tokens's text or later (vLLM,
+    SGLang); one straddling that token's start counts."""
+    text = "".join(pieces)
+    start = data.draw(st.integers(0, len(text) - 1))
+    stop = text[start : start + data.draw(st.integers(1, 4))]
+    ids = tok(text, add_special_tokens=False).input_ids
+    min_tokens = data.draw(st.integers(0, len(ids) + 1))
+    before = len(tok.decode(ids[: max(min_tokens - 1, 0)]))  # (ASCII: whole characters)
+    at = text.find(stop, max(before - len(stop) + 1, 0))
+    detok = IncrementalDetokenizer(tok, [stop], min_tokens=min_tokens)
+    chunks = [detok.add_token(t) for t in ids] + [detok.finish()]
+    assert "".join(chunks) == (text if at == -1 else text[:at])
+    assert detok.stopped == (at != -1)
+
+
 class _RecordingTokenizer:
     """Passes decode through, recording the options it was given."""
 

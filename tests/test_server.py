@@ -319,6 +319,20 @@ def test_stop_strings_cut_and_never_leak(client, model, expected, stream):
     assert stop not in text
 
 
+def test_min_tokens_holds_off_stop_strings(client, model, expected):
+    full = expected["stop"]
+    stop = full[len(full) // 3 :][:6]
+    choice = client.completions.create(
+        model=model,
+        prompt=STOP_PROMPT,
+        max_tokens=32,
+        temperature=0,
+        stop=[stop],
+        extra_body={"min_tokens": 32},
+    ).choices[0]
+    assert choice.text == full and choice.finish_reason == "length"
+
+
 def test_stop_token_ids_and_ignore_eos(client, model):
     resp = client.completions.create(
         model=model,

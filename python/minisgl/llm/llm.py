@@ -189,7 +189,10 @@ class LLM(Scheduler):
         # Stop strings are matched on the text as it is produced; a match ends the request.
         detoks = [
             IncrementalDetokenizer(
-                self.tokenizer, sp.stop, include_stop_str=sp.include_stop_str_in_output
+                self.tokenizer,
+                sp.stop,
+                include_stop_str=sp.include_stop_str_in_output,
+                min_tokens=sp.min_tokens,
             )
             if sp.stop
             else None

@@ -89,6 +89,7 @@ class AcceptedMsg:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str: bool = False  # SamplingParams.include_stop_str_in_output
+    min_tokens: int = 0  # SamplingParams.min_tokens: no stop string ends the text before it
     # With echo: the prompt's ids from the scheduler, its text from the detokenizer on.
     prompt_ids: list[int] | None = None
     prompt_text: str | None = None

@@ -107,6 +107,7 @@ class SchedulerIO:
             msg.skip_special_tokens,
             msg.spaces_between_special_tokens,
             sp.include_stop_str_in_output,
+            sp.min_tokens,
         )
         if msg.echo:
             accepted.prompt_ids = list(msg.input_ids)

@@ -19,6 +19,9 @@ class IncrementalDetokenizer:
     still held. The deltas concatenate to `tokenizer.decode(token_ids)` cut before the first
     stop string (after it with `include_stop_str`).
 
+    With `min_tokens`, a stop string ends the text only where it ends in the text of that
+    token or a later one (vLLM's and SGLang's min_tokens: no stop condition before it).
+
     Each step decodes a short window: the tokens since the last release (`read_offset`) plus
     the ones before them (from `prefix_offset`) as context, because some tokenizers decode a
     token differently at the start of a text (e.g. dropping a leading space).
@@ -31,6 +34,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         include_stop_str: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             stop = [stop]
@@ -43,6 +47,10 @@ class IncrementalDetokenizer:
         # tokenizers); the Rust-backed ones decode them without spaces whatever it says.
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.include_stop_str = include_stop_str  # the text ends with the matched stop string
+        self.min_tokens = min_tokens
+        # Characters of `text` decoded before token `min_tokens`: a stop string must end past
+        # them (known once min_tokens - 1 tokens are in).
+        self._stops_from = 0
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (whole characters only), cut at a stop string
         self.released = 0  # characters of `text` handed out
@@ -79,6 +87,8 @@ class IncrementalDetokenizer:
         for token in tokens:
             self.token_ids.append(token)
             self._decode_window()
+            if len(self.token_ids) == self.min_tokens - 1:
+                self._stops_from = len(self.text)
             delta += self._release(final=False)
             if self.stopped:
                 break
@@ -110,7 +120,12 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         start = self.released
         # Released text never ends with a possible stop prefix, so a match starts after it.
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
+        hits = []
+        if len(self.token_ids) >= self.min_tokens:
+            for s in self.stop:
+                at = self.text.find(s, max(start, self._stops_from - len(s) + 1))
+                if at != -1:
+                    hits.append((at, s))
         if hits:
             end, self.matched_stop = min(hits)
             if self.include_stop_str:

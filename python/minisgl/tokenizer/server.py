@@ -201,6 +201,7 @@ class DetokenizeManager:
                 msg.skip_special_tokens,
                 msg.spaces_between_special_tokens,
                 msg.include_stop_str,
+                msg.min_tokens,
             )
             self.states[msg.rid] = _DetokState(detok)
             if msg.prompt_ids is not None:  # echo: the API server wants the prompt's text
