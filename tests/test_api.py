@@ -46,6 +46,8 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm) -> None:
         llm.generate([[1, 2, 10**6]], greedy(2))
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [greedy(2)] * 3)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["a"], greedy(2, stop_token_ids=[5, 10**6]))
     with pytest.raises(TypeError, match="prompt"):
         llm.generate([3.5], greedy(2))  # type: ignore[list-item]
     assert not llm.has_work

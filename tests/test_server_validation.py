@@ -203,6 +203,7 @@ REFUSED = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [3, VOCAB]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
@@ -309,6 +310,11 @@ REFUSED = [
         "/generate",
         {"text": "x", "sampling_params": {"logit_bias": {"-1": 1}}},
         "sampling_params.logit_bias",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"stop_token_ids": [VOCAB + 5]}},
+        "sampling_params.stop_token_ids",
     ),
     (
         "/generate",

@@ -35,6 +35,11 @@ def validate_request(
             f"logit_bias token ids must lie in [0, {vocab}), got {sorted(outside)[:8]}",
             "logit_bias",
         )
+    outside = sorted(t for t in sampling_params.stop_token_ids if not 0 <= t < vocab)
+    if outside:
+        raise RequestError(
+            f"stop_token_ids must lie in [0, {vocab}), got {outside[:8]}", "stop_token_ids"
+        )
     if len(ids) >= limit:
         raise RequestError(
             f"this model's maximum context length is {limit} tokens and the prompt has "

@@ -5,7 +5,7 @@ Limits beyond OpenAI's own ranges: `seed` and `priority` within int64 (as vLLM),
 token ids within int32, at most 16 stop strings of at most 256 characters each (OpenAI allows
 4, vLLM any number) and 256 `stop_token_ids`, `repetition_penalty` in [0.01, 100] (float32
 logits divided by less overflow), at most 1,024 `logit_bias` entries, each in [-100, 100] on a
-token of the vocabulary, `max_tokens` at most the model's context. A positive temperature below
+token of the vocabulary (`stop_token_ids` too), `max_tokens` at most the model's context. A positive temperature below
 1e-5 samples greedily, as in vLLM.
 """
 
@@ -67,6 +67,19 @@ def logit_bias_ids(
     return out
 
 
+def stop_token_id_list(ids: list[int], vocab_size: int | None, param: str) -> list[int]:
+    """stop_token_ids as given; an id outside the vocabulary (which no step can sample) -> 400
+    naming `param`, as logit_bias's."""
+    outside = sorted(t for t in ids if vocab_size is not None and t >= vocab_size)
+    if outside:
+        raise APIError(
+            f"{param}: {outside[:8]} are not token ids of this model (in [0, {vocab_size}))",
+            param=param,
+            code="invalid_value",
+        )
+    return list(ids)
+
+
 def make_sampling_params(
     values: dict[str, Any],
     max_model_len: int,
@@ -104,7 +117,11 @@ def make_sampling_params(
             repetition_penalty=v.get("repetition_penalty", 1.0),
             seed=v.get("seed"),
             stop=[stop] if isinstance(stop, str) else list(stop),
-            stop_token_ids=list(v.get("stop_token_ids", [])),
+            stop_token_ids=stop_token_id_list(
+                v.get("stop_token_ids", []),
+                vocab_size,
+                names.get("stop_token_ids", "stop_token_ids"),
+            ),
             ignore_eos=v.get("ignore_eos", False),
             max_tokens=max_tokens,
             min_tokens=v.get("min_tokens", 0),
