@@ -1,12 +1,12 @@
 """Sampling parameters at the edge, whatever the endpoint calls them: their limits, and the
 conversion of a request's values to `SamplingParams` with a 400 naming the parameter.
 
-Limits beyond OpenAI's own ranges: `seed` and `priority` within int64 (as vLLM), `n` at most 64, `top_k` and
-token ids within int32, at most 16 stop strings of at most 256 characters each (OpenAI allows
-4, vLLM any number) and 256 `stop_token_ids`, `repetition_penalty` in [0.01, 100] (float32
-logits divided by less overflow), at most 1,024 `logit_bias` entries, each in [-100, 100] on a
-token of the vocabulary (`stop_token_ids` too), `max_tokens` at most the model's context. A positive temperature below
-1e-5 samples greedily, as in vLLM.
+Limits beyond OpenAI's own ranges: `seed` and `priority` within int64 (as vLLM), `n` at most
+64, `top_k` and token ids within int32, at most 16 stop strings of at most 256 characters each
+(OpenAI allows 4, vLLM any number) and 256 `stop_token_ids`, `repetition_penalty` in [0.01, 100]
+(float32 logits divided by less overflow), at most 1,024 `logit_bias` entries, each in [-100,
+100] on a token of the vocabulary (`stop_token_ids` too), `max_tokens` at most the model's
+context. A positive temperature below 1e-5 samples greedily, as in vLLM.
 """
 
 from __future__ import annotations
