@@ -95,8 +95,8 @@ static inline __m512i quad_x(const int8_t* p) {
 // shifted 8 bits at the end; the +128's correction goes to the unshifted one.
 static inline FORM_INLINE void tile_rows_impl(
     const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y, int64_t N,
-    int64_t K, int64_t t, int64_t m0, int out_f32, const int MR, const int TP,
-    const int PRECISE, const int BITS, const int QUADS) {
+    int64_t K, int64_t t, int64_t m0, const uint8_t* next, int out_f32, const int MR,
+    const int TP, const int PRECISE, const int BITS, const int QUADS) {
     const int64_t group = w->group, groups = K / group, unit = 4 * QUADS;
     const int64_t units = K / unit, units_per_group = group / unit;
     const int64_t bytes = tile_bytes(BITS, K);
@@ -123,11 +123,18 @@ static inline FORM_INLINE void tile_rows_impl(
             const int64_t at = m0 * K + u * unit;  // row m0's first column of the unit
             const int8_t *xu = xs->xq + at, *xl = PRECISE ? xs->xlo + at : NULL;
             // The unit PREFETCH_UNITS on, per tile: the hardware's streams alone left a batch
-            // of 1 at ~60% of the memory's bandwidth.
+            // of 1 at ~60% of the memory's bandwidth. The second pass over the same tiles also
+            // fetches the next tiles' same unit into L2 (`next`): the memory streams while the
+            // passes after the first compute.
+            const int64_t unit_bytes = QUADS * BITS * 8;
             for (int p = 0; p < TP; p++) {
-                const uint8_t* ahead = values + p * bytes + (u + PREFETCH_UNITS) * QUADS * BITS * 8;
-                for (int line = 0; line < QUADS * BITS * 8; line += 64)
+                const uint8_t* ahead = values + p * bytes + (u + PREFETCH_UNITS) * unit_bytes;
+                for (int line = 0; line < unit_bytes; line += 64)
                     _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+                if (next)
+                    for (int line = 0; line < unit_bytes; line += 64)
+                        _mm_prefetch((const char*)(next + p * bytes + u * unit_bytes + line),
+                                     _MM_HINT_T1);
             }
             __m512i sums[2][TILE_MR], rests[2][TILE_MR];
             for (int r = 0; r < MR; r++) {
@@ -217,12 +224,19 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
     const int64_t pass = precise ? PRECISE_MR : TILE_MR;
     const int wide = unit_cols(w->group) == 32;
     const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 + !wide : wide ? 1 : 2;
+    // As many tiles after these (a thread's pairs are consecutive), for the second pass; none
+    // where the weight has fewer left.
+    const int64_t all_tiles = (N + TILE - 1) / TILE;
+    const uint8_t* following = t + 2 * tiles <= all_tiles ? (const uint8_t*)w->values +
+                                                                (t + tiles) * tile_bytes(w->bits, K)
+                                                          : NULL;
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int64_t rows = M - m0 < pass ? M - m0 : pass;
+        const uint8_t* next = m0 == pass ? following : NULL;
         switch ((((rows * 2 + (tiles - 1)) * 2 + precise) * 5) + form) {
-#define TILE_FORM(r, tp, exact, f, bits, quads)                                              \
-    case (((r * 2 + tp - 1) * 2 + exact) * 5) + f:                                           \
-        tile_rows_impl(w, xs, bias, y, N, K, t, m0, out_f32, r, tp, exact, bits, quads);     \
+#define TILE_FORM(r, tp, exact, f, bits, quads)                                                \
+    case (((r * 2 + tp - 1) * 2 + exact) * 5) + f:                                             \
+        tile_rows_impl(w, xs, bias, y, N, K, t, m0, next, out_f32, r, tp, exact, bits, quads); \
         break;
 #define TILE_CASE(r, tp, exact)                                       \
     TILE_FORM(r, tp, exact, 0, 4, 8) TILE_FORM(r, tp, exact, 1, 8, 8) \
