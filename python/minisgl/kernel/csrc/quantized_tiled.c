@@ -101,6 +101,9 @@ static inline FORM_INLINE void tile_rows_impl(
     const int64_t units = K / unit, units_per_group = group / unit;
     const int64_t bytes = tile_bytes(BITS, K);
     const uint8_t* values = (const uint8_t*)w->values + t * bytes;
+    // What the unit loop fetches ahead: these tiles PREFETCH_UNITS units on, or (`next`: the
+    // second pass, which finds these tiles cached) the next tiles' same unit.
+    const uint8_t* fetch_from = next ? next : values + PREFETCH_UNITS * QUADS * BITS * 8;
     const __m512i nibble = _mm512_set1_epi8(15);
     __m512 acc[2][TILE_MR];
     for (int p = 0; p < TP; p++)
@@ -122,19 +125,14 @@ static inline FORM_INLINE void tile_rows_impl(
         for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
             const int64_t at = m0 * K + u * unit;  // row m0's first column of the unit
             const int8_t *xu = xs->xq + at, *xl = PRECISE ? xs->xlo + at : NULL;
-            // The unit PREFETCH_UNITS on, per tile: the hardware's streams alone left a batch
-            // of 1 at ~60% of the memory's bandwidth. The second pass over the same tiles also
-            // fetches the next tiles' same unit into L2 (`next`): the memory streams while the
-            // passes after the first compute.
-            const int64_t unit_bytes = QUADS * BITS * 8;
+            // Per tile: the hardware's streams alone left a batch of 1 at ~60% of the memory's
+            // bandwidth. The second pass fetches the next tiles instead, so that the memory
+            // streams while the passes after the first compute (as many prefetches a unit:
+            // more of them cost a 4-bit weight's products 5% in cache).
             for (int p = 0; p < TP; p++) {
-                const uint8_t* ahead = values + p * bytes + (u + PREFETCH_UNITS) * unit_bytes;
-                for (int line = 0; line < unit_bytes; line += 64)
+                const uint8_t* ahead = fetch_from + p * bytes + u * QUADS * BITS * 8;
+                for (int line = 0; line < QUADS * BITS * 8; line += 64)
                     _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
-                if (next)
-                    for (int line = 0; line < unit_bytes; line += 64)
-                        _mm_prefetch((const char*)(next + p * bytes + u * unit_bytes + line),
-                                     _MM_HINT_T1);
             }
             __m512i sums[2][TILE_MR], rests[2][TILE_MR];
             for (int r = 0; r < MR; r++) {
@@ -224,8 +222,8 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
     const int64_t pass = precise ? PRECISE_MR : TILE_MR;
     const int wide = unit_cols(w->group) == 32;
     const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 + !wide : wide ? 1 : 2;
-    // As many tiles after these (a thread's pairs are consecutive), for the second pass; none
-    // where the weight has fewer left.
+    // As many tiles after these (a thread's pairs are consecutive), for the second pass to
+    // fetch; none where the weight has fewer left.
     const int64_t all_tiles = (N + TILE - 1) / TILE;
     const uint8_t* following = t + 2 * tiles <= all_tiles ? (const uint8_t*)w->values +
                                                                 (t + tiles) * tile_bytes(w->bits, K)
