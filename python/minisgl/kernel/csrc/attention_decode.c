@@ -15,16 +15,6 @@ static __attribute__((noinline)) void merge_head(float* acc, float* max, float* 
     *max = top;
 }
 
-#ifdef HAVE_AVX512
-// `from` folded into `into` (the same heads over later positions).
-static void attn_state_merge(attn_state* into, const attn_state* from, int64_t heads,
-                             int64_t dim) {
-    for (int64_t h = 0; h < heads; h++)
-        merge_head(into->acc[h], &into->max[h], &into->sum[h], from->acc[h], from->max[h],
-                   from->sum[h], dim);
-}
-#endif
-
 // A state's heads [from, from + heads) packed into heads * (dim + 2) floats (sums, maxima, sums
 // of weights), and a packed state folded into a state as attn_state_merge folds one.
 static void attn_state_pack(const attn_state* st, int64_t from, int64_t heads, int64_t dim,
@@ -118,55 +108,62 @@ static int64_t* attn_runs(const attn_args* a, int64_t num_reqs, int64_t max_rows
     return runs;
 }
 
-#ifdef HAVE_AVX512
-// Kv heads [kvh0, kvh0 + kv_count) of request b over all its positions, part by part; `next`:
-// the positions read after them, or NULL.
-static void attn_task_avx512(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
-                             const attn_next* next) {
-    const int64_t group = a->num_heads / a->num_kv_heads, stop = a->kv_lens[b];
-    const int64_t head0 = kvh0 * group, heads = kv_count * group, parts = attn_parts(a, b);
-    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
-    attn_state whole, part;
-    for (int64_t p = 0; p < parts; p++) {
-        int64_t begin, end;
-        attn_part_range(a, b, p, &begin, &end);
-        const attn_next rest = {slots + end, stop - end};  // this request's later parts
-        attn_state* st = p == 0 ? &whole : &part;
-        attn_state_begin(a, b, head0, heads, p == 0, st);
-        attn_range(a, b, kvh0, kv_count, begin, end, p + 1 < parts ? &rest : next, st);
-        if (p > 0) attn_state_merge(&whole, &part, heads, a->head_dim);
-    }
-    attn_state_store(a, b, head0, heads, &whole);
-}
 
-#endif
-
-// Part p of a run's rows [b0, b0 + nrows), the portable kernels' heads (kv heads [kvh0, kvh0 +
-// kv_count), each one's query heads [first, first + count)), into st: the rows that have a part
-// p are the run's last ones (lengths grow along it), from *active on; row b0 + r's heads from
-// (r - *active) * kv_count * count.
+// Part p of a run's rows [b0, b0 + nrows), for kv heads [kvh0, kvh0 + kv_count), each one's
+// query heads [first, first + count) (vector: the AVX-512 kernels, every query head), into st:
+// the rows that have a part p are the run's last ones (lengths grow along it), from *active on;
+// row b0 + r's heads from (r - *active) * kv_count * count. next: what the task reads after the
+// part (the vector kernels prefetch it), or NULL.
 static void attn_run_part(const attn_args* a, int64_t b0, int64_t nrows, int64_t kvh0,
                           int64_t kv_count, int64_t first, int64_t count, int64_t p,
-                          attn_state* st, int64_t* active) {
+                          const attn_next* next, int vector, attn_state* st, int64_t* active) {
     int64_t r0 = 0, begin = 0, ends[ATTN_MAX_HEADS];
     while (attn_parts(a, b0 + r0) <= p) r0++;
     for (int64_t r = r0; r < nrows; r++) attn_part_range(a, b0 + r, p, &begin, &ends[r - r0]);
+    *active = r0;
+#ifdef HAVE_AVX512
+    if (vector) {
+        attn_part_avx512(a, b0 + r0, nrows - r0, kvh0, kv_count, begin, ends, p == 0, next, st);
+        return;
+    }
+#endif
+    (void)next, (void)vector;
     attn_part_generic(a, b0 + r0, nrows - r0, kvh0, kv_count, first, count, begin, ends, p == 0,
                       st);
-    *active = r0;
 }
 
-// The task's heads (as attn_run_part's) of a run's rows over all their positions, part by part,
-// each row's parts merged in order.
-static void attn_task_generic(const attn_args* a, int64_t b0, int64_t nrows, int64_t kvh0,
-                              int64_t kv_count, int64_t first, int64_t count) {
-    const int64_t parts = attn_parts(a, b0 + nrows - 1), dim = a->head_dim;
-    const int64_t row_heads = kv_count * count;
+// Row b's outputs for the heads of attn_run_part from a state whose heads for it start at
+// st_head.
+static void attn_run_store(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
+                           int64_t first, int64_t count, const attn_state* st, int64_t st_head,
+                           int vector) {
+#ifdef HAVE_AVX512
+    if (vector) {
+        attn_store_avx512(a, b, kvh0, kv_count, st, st_head);
+        return;
+    }
+#endif
+    (void)vector;
+    attn_store_generic(a, b, kvh0, kv_count, first, count, st, st_head);
+}
+
+// The heads (as attn_run_part's) of a run's rows over all their positions, part by part, each
+// row's parts merged in order; next: the positions the task reads after the run, or NULL.
+static void attn_task(const attn_args* a, int64_t b0, int64_t nrows, int64_t kvh0,
+                      int64_t kv_count, int64_t first, int64_t count, const attn_next* next,
+                      int vector) {
+    const int64_t last = b0 + nrows - 1, parts = attn_parts(a, last), dim = a->head_dim;
+    const int64_t row_heads = kv_count * count, stop = a->kv_lens[last];
+    const int32_t* slots = a->page_table + a->rows[last] * a->table_stride;
     attn_state whole, part;
-    int64_t r0;
-    attn_run_part(a, b0, nrows, kvh0, kv_count, first, count, 0, &whole, &r0);
-    for (int64_t p = 1; p < parts; p++) {
-        attn_run_part(a, b0, nrows, kvh0, kv_count, first, count, p, &part, &r0);
+    for (int64_t p = 0; p < parts; p++) {
+        int64_t begin, end, r0;
+        attn_part_range(a, last, p, &begin, &end);
+        const attn_next rest = {slots + end, stop - end};  // the run's later parts
+        const attn_next* after = p + 1 < parts ? &rest : next;
+        attn_run_part(a, b0, nrows, kvh0, kv_count, first, count, p, after, vector,
+                      p == 0 ? &whole : &part, &r0);
+        if (p == 0) continue;
         for (int64_t h = 0; h < (nrows - r0) * row_heads; h++) {
             const int64_t into = r0 * row_heads + h;
             merge_head(whole.acc[into], &whole.max[into], &whole.sum[into], part.acc[h],
@@ -174,7 +171,7 @@ static void attn_task_generic(const attn_args* a, int64_t b0, int64_t nrows, int
         }
     }
     for (int64_t r = 0; r < nrows; r++)
-        attn_store_generic(a, b0 + r, kvh0, kv_count, first, count, &whole, r * row_heads);
+        attn_run_store(a, b0 + r, kvh0, kv_count, first, count, &whole, r * row_heads, vector);
 }
 
 // Few or uneven runs on several threads: every part of every run a task (every head of a
@@ -183,7 +180,7 @@ static void attn_task_generic(const attn_args* a, int64_t b0, int64_t nrows, int
 // (SmolLM2's 3 kv heads on 2 threads, batch 1 over 2,000 positions: 161 -> 136 µs a layer; a
 // verify step's 8 rows over 700, 1.15x), and each task read a narrow slice of every position's
 // row (the Qwen3 shape's 8 kv heads, batch 1 over 700 positions: 1.15-1.3x; Zen 3). vector: the
-// AVX-512 kernels, whose runs are single rows.
+// AVX-512 kernels.
 static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
                       int64_t num_runs, int nthreads, int vector) {
     const int64_t heads = a->num_heads, dim = a->head_dim, packed = heads * (dim + 2);
@@ -209,16 +206,8 @@ static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
             const int64_t i = attn_task_request(run_tasks, num_runs, task);
             const int64_t p = task - run_tasks[i], b0 = runs[i], nrows = runs[i + 1] - b0;
             attn_state st;
-            int64_t r0 = 0;
-#ifdef HAVE_AVX512
-            if (vector) {
-                int64_t begin, end;
-                attn_part_range(a, b0, p, &begin, &end);
-                attn_state_begin(a, b0, 0, heads, p == 0, &st);
-                attn_range(a, b0, 0, a->num_kv_heads, begin, end, NULL, &st);
-            } else
-#endif
-                attn_run_part(a, b0, nrows, 0, a->num_kv_heads, 0, group, p, &st, &r0);
+            int64_t r0;
+            attn_run_part(a, b0, nrows, 0, a->num_kv_heads, 0, group, p, NULL, vector, &st, &r0);
             for (int64_t r = r0; r < nrows; r++)
                 attn_state_pack(&st, (r - r0) * heads, heads, dim,
                                 packs + (first[b0 + r] + p) * packed);
@@ -231,13 +220,7 @@ static int attn_split(const attn_args* a, int64_t num_reqs, const int64_t* runs,
             attn_state_unpack(packs + first[b] * packed, heads, dim, &whole);
             for (int64_t task = first[b] + 1; task < first[b + 1]; task++)
                 attn_state_merge_packed(&whole, packs + task * packed, heads, dim);
-#ifdef HAVE_AVX512
-            if (vector) {
-                attn_state_store(a, b, 0, heads, &whole);
-                continue;
-            }
-#endif
-            attn_store_generic(a, b, 0, a->num_kv_heads, 0, group, &whole, 0);
+            attn_run_store(a, b, 0, a->num_kv_heads, 0, group, &whole, 0, vector);
         }
     }
     free(packs);
@@ -283,15 +266,15 @@ static int attn_portable(const attn_args* a, int64_t num_reqs, int nthreads) {
         // slice of a wide group per task).
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t i = 0; i < num_runs; i++)
-            attn_task_generic(a, runs[i], runs[i + 1] - runs[i], 0, num_kv_heads, 0, group);
+            attn_task(a, runs[i], runs[i + 1] - runs[i], 0, num_kv_heads, 0, group, NULL, 0);
     } else {
         const int64_t slices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t task = 0; task < num_runs * num_kv_heads * slices; task++) {
             const int64_t head = task / slices, first = task % slices * ATTN_MAX_GROUP;
             const int64_t i = head / num_kv_heads;
-            attn_task_generic(a, runs[i], runs[i + 1] - runs[i], head % num_kv_heads, 1, first,
-                              group - first < ATTN_MAX_GROUP ? group - first : ATTN_MAX_GROUP);
+            attn_task(a, runs[i], runs[i + 1] - runs[i], head % num_kv_heads, 1, first,
+                      group - first < ATTN_MAX_GROUP ? group - first : ATTN_MAX_GROUP, NULL, 0);
         }
     }
     free(runs);
@@ -320,49 +303,55 @@ int minisgl_decode_attention(const void* q, const void* k_cache, const void* v_c
     if (num_heads > ATTN_VECTOR_HEADS) {  // more heads than a task holds: one kv head per task
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t task = 0; task < num_reqs * num_kv_heads; task++)
-            attn_task_avx512(&a, task / num_kv_heads, task % num_kv_heads, 1, NULL);
+            attn_task(&a, task / num_kv_heads, 1, task % num_kv_heads, 1, 0, group, NULL, 1);
         return MINISGL_OK;
     }
     if (num_reqs == 0) return MINISGL_OK;
-    if (num_reqs < 2 * nthreads) {
-        int64_t num_runs;
-        int64_t* runs = attn_runs(&a, num_reqs, 1, &num_runs);  // (single rows)
-        if (!runs) return MINISGL_ERR_NOMEM;
+    // A verify step's rows are a run: each position's rows read once for all of them.
+    int64_t num_runs;
+    int64_t* runs = attn_runs(&a, num_reqs, ATTN_MAX_HEADS / num_heads, &num_runs);
+    if (!runs) return MINISGL_ERR_NOMEM;
+    if (num_runs < 2 * nthreads ||
+        (nthreads > 1 && attn_runs_uneven(&a, runs, num_runs, nthreads))) {
         const int status = attn_split(&a, num_reqs, runs, num_runs, nthreads, 1);
         free(runs);
         return status;
     }
-    // Otherwise a task is a whole request (each position's rows are read once for all its
-    // heads), and a run of consecutive requests holding an equal share of the positions is read
-    // as one sweep along the slots (consecutive when requests' slots follow each other). Runs
-    // are claimed one at a time, ATTN_RUNS_PER_THREAD of them a thread: one per thread left the
-    // other waiting whenever the OS or another process slowed one.
-    int64_t runs = nthreads * ATTN_RUNS_PER_THREAD;
-    runs = runs < num_reqs ? runs : num_reqs;
-    int64_t* run_first = (int64_t*)kernel_alloc((size_t)(runs + 1) * sizeof(int64_t));
-    if (!run_first) return MINISGL_ERR_NOMEM;
+    // Otherwise a task is a whole run (each position's rows are read once for all its heads),
+    // and consecutive runs holding an equal share of the work are read as one sweep along the
+    // slots (consecutive when requests' slots follow each other). Sweeps are claimed one at a
+    // time, ATTN_RUNS_PER_THREAD of them a thread: one per thread left the other waiting
+    // whenever the OS or another process slowed one.
+    int64_t sweeps = nthreads * ATTN_RUNS_PER_THREAD;
+    sweeps = sweeps < num_runs ? sweeps : num_runs;
+    int64_t* sweep_first = (int64_t*)kernel_alloc((size_t)(sweeps + 1) * sizeof(int64_t));
+    if (!sweep_first) {
+        free(runs);
+        return MINISGL_ERR_NOMEM;
+    }
     int64_t total = 0, done = 0;
     for (int64_t b = 0; b < num_reqs; b++) total += kv_lens[b] - attn_start(&a, b);
-    for (int64_t r = 0, b = 0; r < runs; r++) {  // run r: the requests whose work begins in it
-        for (; b < num_reqs && done * runs < r * total; b++)
-            done += kv_lens[b] - attn_start(&a, b);
-        run_first[r] = b;
+    for (int64_t w = 0, i = 0; w < sweeps; w++) {  // sweep w: the runs whose work begins in it
+        for (; i < num_runs && done * sweeps < w * total; i++)
+            for (int64_t b = runs[i]; b < runs[i + 1]; b++) done += kv_lens[b] - attn_start(&a, b);
+        sweep_first[w] = i;
     }
-    run_first[runs] = num_reqs;
+    sweep_first[sweeps] = num_runs;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t r = 0; r < runs; r++) {
-        const int64_t hi = run_first[r + 1];
-        for (int64_t b = run_first[r]; b < hi; b++) {
+    for (int64_t w = 0; w < sweeps; w++) {
+        const int64_t hi = sweep_first[w + 1];
+        for (int64_t i = sweep_first[w]; i < hi; i++) {
             attn_next next = {NULL, 0};
-            if (b + 1 < hi) {
-                const int64_t next_start = attn_start(&a, b + 1);
-                next.slots = page_table + rows[b + 1] * table_stride + next_start;
-                next.count = kv_lens[b + 1] - next_start;
+            if (i + 1 < hi) {  // the next run's positions (its last row's)
+                const int64_t last = runs[i + 2] - 1, next_start = attn_start(&a, last);
+                next.slots = page_table + rows[last] * table_stride + next_start;
+                next.count = kv_lens[last] - next_start;
             }
-            attn_task_avx512(&a, b, 0, num_kv_heads, &next);
+            attn_task(&a, runs[i], runs[i + 1] - runs[i], 0, num_kv_heads, 0, group, &next, 1);
         }
     }
-    free(run_first);
+    free(sweep_first);
+    free(runs);
 #endif
     return MINISGL_OK;
 }

@@ -86,16 +86,15 @@ MINISGL_INTERNAL void attn_store_generic(const attn_args* a, int64_t b, int64_t 
                                          const attn_state* st, int64_t st_head);
 
 #ifdef HAVE_AVX512
-// The vector kernels (attention_decode_avx512.c), for query heads [head0, head0 + heads) and kv
-// heads [kvh0, kvh0 + kv_count): an empty (seeded: the cascade prefix's) state, positions
-// [begin, end) continued into it (`next`: what the task reads after them, or NULL), the outputs.
-MINISGL_INTERNAL void attn_state_begin(const attn_args* a, int64_t b, int64_t head0,
-                                       int64_t heads, int seeded, attn_state* st);
-MINISGL_INTERNAL void attn_range(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
-                                 int64_t begin, int64_t end, const attn_next* next,
-                                 attn_state* st);
-MINISGL_INTERNAL void attn_state_store(const attn_args* a, int64_t b, int64_t head0,
-                                       int64_t heads, const attn_state* st);
+// The vector kernels (attention_decode_avx512.c), as attn_part_generic (every query head of the
+// kv heads; a run of several rows holds every kv head), in their (even, odd) layout; `next`:
+// what the task reads after the part, or NULL. The store: row b's outputs for those heads.
+MINISGL_INTERNAL void attn_part_avx512(const attn_args* a, int64_t b0, int64_t nrows,
+                                       int64_t kvh0, int64_t kv_count, int64_t begin,
+                                       const int64_t* ends, int seeded, const attn_next* next,
+                                       attn_state* st);
+MINISGL_INTERNAL void attn_store_avx512(const attn_args* a, int64_t b, int64_t kvh0,
+                                        int64_t kv_count, const attn_state* st, int64_t st_head);
 #endif
 
 #endif

@@ -88,21 +88,23 @@ static inline void pairs_to_row(const float* src, float* dst, int64_t dim) {
     }
 }
 
-// Scores of one position against the task's `heads` query heads, 16 at a time, into
-// scores[0, heads): one partial dot product per head (its kv head's key at key + key_offset[h]),
-// summed across lanes together. BF16_DOT: vdpbf16ps on the stored bf16 key against the bf16
-// query (products of two bf16 values are exact in float32: the float32 path but for summation
-// order), scaled after; otherwise float32 FMAs against the scaled float32 query `qf`.
+// Scores of one position against queries [j0, j1) of a run (query j: q + j * head_dim, its kv
+// head's key at key + key_offset[j]), 16 at a time, into scores[j0, j1): one partial dot
+// product per query, summed across lanes together (sum_lanes16 adds each lane's values by the
+// same tree wherever it sits: a query's score is the same bits in any run). BF16_DOT:
+// vdpbf16ps on the stored bf16 key against the bf16 query (products of two bf16 values are
+// exact in float32: the float32 path but for summation order), scaled after; otherwise float32
+// FMAs against the scaled float32 query `qf`.
 static inline FORM_INLINE void attn_position_scores(
     const attn_args* a, int64_t key, const bf16_t* q, float (*qf)[ATTN_MAX_DIM],
-    const int64_t* key_offset, int64_t heads, float* scores, const int CHUNKS,
+    const int64_t* key_offset, int64_t j0, int64_t j1, float* scores, const int CHUNKS,
     const int BF16_DOT) {
-    for (int64_t h0 = 0; h0 < heads; h0 += 16) {
+    for (int64_t h0 = j0; h0 < j1; h0 += 16) {
         __m512 partial[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) {
             partial[i] = _mm512_setzero_ps();
-            if (h0 + i >= heads) continue;
+            if (h0 + i >= j1) continue;
             const int64_t k = key + key_offset[h0 + i];
 #ifdef HAVE_AVX512_BF16
             if (BF16_DOT)
@@ -120,70 +122,136 @@ static inline FORM_INLINE void attn_position_scores(
         }
         __m512 sums = sum_lanes16(partial);
         if (BF16_DOT) sums = _mm512_mul_ps(sums, _mm512_set1_ps(a->scale));
-        _mm512_mask_storeu_ps(scores + h0, first_lanes(heads - h0), sums);
+        _mm512_mask_storeu_ps(scores + h0, first_lanes(j1 - h0), sums);
     }
 }
 
-// Empty, or (seeded) the cascade prefix's state for heads [head0, head0 + heads) of request b.
-MINISGL_INTERNAL void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
-                             int seeded, attn_state* st) {
+// Row b's heads [head0, head0 + heads), empty or (seeded) the cascade prefix's, into st from
+// st_head on.
+static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
+                             int seeded, attn_state* st, int64_t st_head) {
     for (int64_t h = 0; h < heads; h++) {
         const int64_t offset = (b * a->num_heads + head0 + h) * a->head_dim;
+        float* acc = st->acc[st_head + h];
         if (seeded && a->prefix_out)
-            row_to_pairs(a->prefix_out + offset, st->acc[h], a->head_dim);
+            row_to_pairs(a->prefix_out + offset, acc, a->head_dim);
         else
-            memset(st->acc[h], 0, a->head_dim * sizeof(float));
+            memset(acc, 0, a->head_dim * sizeof(float));
         const int prefix = seeded && a->prefix_lse;
-        st->max[h] = prefix ? a->prefix_lse[b * a->num_heads + head0 + h] : -3.0e38f;
-        st->sum[h] = prefix ? 1.0f : 0.0f;
+        st->max[st_head + h] = prefix ? a->prefix_lse[b * a->num_heads + head0 + h] : -3.0e38f;
+        st->sum[st_head + h] = prefix ? 1.0f : 0.0f;
     }
 }
 
-MINISGL_INTERNAL void attn_state_store(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
-                             const attn_state* st) {
-    for (int64_t h = 0; h < heads; h++) {
+MINISGL_INTERNAL void attn_store_avx512(const attn_args* a, int64_t b, int64_t kvh0,
+                                        int64_t kv_count, const attn_state* st, int64_t st_head) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    for (int64_t h = 0; h < kv_count * group; h++) {
         float row[ATTN_MAX_DIM];
-        pairs_to_row(st->acc[h], row, a->head_dim);
-        for (int64_t d = 0; d < a->head_dim; d++) row[d] /= st->sum[h];
-        store_row(a->out, (b * a->num_heads + head0 + h) * a->head_dim, a->dtype, row,
+        pairs_to_row(st->acc[st_head + h], row, a->head_dim);
+        for (int64_t d = 0; d < a->head_dim; d++) row[d] /= st->sum[st_head + h];
+        store_row(a->out, (b * a->num_heads + kvh0 * group + h) * a->head_dim, a->dtype, row,
                   a->head_dim);
     }
 }
 
-// Positions [begin, end) of request b for kv heads [kvh0, kvh0 + kv_count), into `st`: per
-// block of ATTN_BLOCK positions the scores, the online softmax, then P V position by position
-// into the sums (a position's value row is widened once for all its heads). CHUNKS = head_dim
-// / 16, a constant in each instantiation so the row loops unroll.
-static inline FORM_INLINE void attn_range_avx512(
-    const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count, int64_t begin, int64_t end,
-    const attn_next* next, attn_state* st, const int CHUNKS) {
+// P V of a block for up to PV_QUERIES queries of one kv head (js: their heads in the state,
+// counts: how many of the block's positions each takes), 64 dims at a time: the sums stay in
+// registers over the block (scaled first by the softmax's correction), each position's value
+// rows widened once for all the queries. A sum's operations are those of one query alone, in
+// the same order: the same bits in any run.
+#define PV_QUERIES 6
+static inline FORM_INLINE void attn_pv_tile(const attn_args* a, const int32_t* slots,
+                                            int64_t value0, int64_t row_elems, const int64_t* js,
+                                            const int32_t* counts, int nq,
+                                            float (*scores)[ATTN_MAX_HEADS],
+                                            const float* correction, attn_state* st,
+                                            const int CHUNKS) {
+    int64_t shortest = ATTN_BLOCK, longest = 0;
+    for (int q = 0; q < nq; q++) {
+        shortest = counts[js[q]] < shortest ? counts[js[q]] : shortest;
+        longest = counts[js[q]] > longest ? counts[js[q]] : longest;
+    }
+    for (int c0 = 0; c0 < CHUNKS; c0 += 4) {
+        __m512 acc[PV_QUERIES][4];
+#pragma GCC unroll 6
+        for (int q = 0; q < PV_QUERIES; q++) {
+            if (q >= nq) break;
+            const __m512 shrink = _mm512_set1_ps(correction[js[q]]);
+            for (int c = 0; c < 4; c++)
+                acc[q][c] = _mm512_mul_ps(_mm512_loadu_ps(st->acc[js[q]] + 16 * (c0 + c)), shrink);
+        }
+        for (int64_t t = 0; t < longest; t++) {
+            const int64_t row = (int64_t)slots[t] * row_elems + value0 + 16 * c0;
+            __m512 v[4];
+            load_pair(a->v_cache, row, a->dtype, v, v + 1);
+            load_pair(a->v_cache, row + 32, a->dtype, v + 2, v + 3);
+#pragma GCC unroll 6
+            for (int q = 0; q < PV_QUERIES; q++) {
+                if (q >= nq) break;
+                if (t >= shortest && t >= counts[js[q]]) continue;
+                const __m512 weight = _mm512_set1_ps(scores[t][js[q]]);
+                for (int c = 0; c < 4; c++) acc[q][c] = _mm512_fmadd_ps(weight, v[c], acc[q][c]);
+            }
+        }
+#pragma GCC unroll 6
+        for (int q = 0; q < PV_QUERIES; q++) {
+            if (q >= nq) break;
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(st->acc[js[q]] + 16 * (c0 + c), acc[q][c]);
+        }
+    }
+}
+
+// A run's rows b0 + r (r < nrows: one request's consecutive positions, as a verify step's) over
+// positions [begin, ends[r]), ends growing, kv heads [kvh0, kvh0 + kv_count) (all of them when
+// nrows > 1), continued into st (row r's heads from r * kv_count * group). Per block of
+// ATTN_BLOCK positions: each position's key rows read once for every row's scores, the online
+// softmax of each row over its own positions, then P V by tiles of queries. Every row's
+// operations are those it takes alone: the same bits. CHUNKS = head_dim / 16, a constant in
+// each instantiation so the row loops unroll.
+static inline FORM_INLINE void attn_range_avx512(const attn_args* a, int64_t b0, int64_t nrows,
+                                                 int64_t kvh0, int64_t kv_count, int64_t begin,
+                                                 const int64_t* ends, const attn_next* next,
+                                                 attn_state* st, const int CHUNKS) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
-    const int64_t heads = kv_count * group, head0 = kvh0 * group;
-    float qf[ATTN_VECTOR_HEADS][ATTN_MAX_DIM], scores[ATTN_BLOCK][ATTN_VECTOR_HEADS];
-    float correction[ATTN_VECTOR_HEADS];
-    int64_t key_offset[ATTN_VECTOR_HEADS];
+    const int64_t heads = kv_count * group, queries = nrows * heads, end = ends[nrows - 1];
+    float qf[ATTN_MAX_HEADS][ATTN_MAX_DIM], scores[ATTN_BLOCK][ATTN_MAX_HEADS];
+    float correction[ATTN_MAX_HEADS];
+    int64_t key_offset[ATTN_MAX_HEADS], js[ATTN_MAX_HEADS];
+    int32_t counts[ATTN_MAX_HEADS + 16] = {0};  // (read 16 at a time)
 #ifdef HAVE_AVX512_BF16
     const int bf16_dot = a->dtype == 1;
 #else
     const int bf16_dot = 0;
 #endif
-    const bf16_t* q = (const bf16_t*)a->q + (b * a->num_heads + head0) * dim;
-    for (int64_t h = 0; h < heads; h++) {
-        key_offset[h] = (h / group) * dim;
+    // A run's rows hold every head, so its queries are consecutive in q.
+    const bf16_t* q = (const bf16_t*)a->q + (b0 * a->num_heads + kvh0 * group) * dim;
+    for (int64_t j = 0; j < queries; j++) {
+        key_offset[j] = (j % heads / group) * dim;
         if (bf16_dot) continue;
-        load_row(a->q, (b * a->num_heads + head0 + h) * dim, a->dtype, qf[h], dim);
-        for (int64_t d = 0; d < dim; d++) qf[h][d] *= a->scale;
+        load_row(a->q, (b0 * a->num_heads + kvh0 * group + j) * dim, a->dtype, qf[j], dim);
+        for (int64_t d = 0; d < dim; d++) qf[j][d] *= a->scale;
     }
     const int64_t elem = a->dtype == 0 ? 4 : 2, row_elems = a->num_kv_heads * dim;
     const int64_t row_bytes = row_elems * elem, part_bytes = kv_count * dim * elem;
     const int whole_rows = kv_count == a->num_kv_heads;
-    const int32_t* slots = a->page_table + a->rows[b] * a->table_stride;
+    const int32_t* slots = a->page_table + a->rows[b0] * a->table_stride;
     for (int64_t t0 = begin; t0 < end; t0 += ATTN_BLOCK) {
         const int64_t count = end - t0 < ATTN_BLOCK ? end - t0 : ATTN_BLOCK;
+        int64_t live = 0;  // the rows with positions in this block are the last ones
+        while (ends[live] <= t0) live++;
+        const int64_t j0 = live * heads;
+        for (int64_t j = j0; j < queries; j++) {
+            const int64_t row_count = ends[j / heads] - t0;
+            counts[j] = row_count < count ? row_count : count;
+        }
         for (int64_t t = 0; t < count; t++) {
             if (whole_rows) {
                 const int64_t ahead = slot_ahead(slots, end, next, t0 + t + ATTN_LOOKAHEAD);
-                if (ahead >= 0) prefetch_rows(a->k_cache, row_bytes, 0, row_bytes, ahead);
+                if (ahead >= 0) {
+                    prefetch_rows(a->k_cache, row_bytes, 0, row_bytes, ahead);
+                    prefetch_rows(a->v_cache, row_bytes, 0, row_bytes, ahead);
+                }
             } else if (t0 + t + ATTN_PREFETCH < end) {
                 const int64_t ahead = slots[t0 + t + ATTN_PREFETCH], first = kvh0 * dim * elem;
                 prefetch_rows(a->k_cache, row_bytes, first, part_bytes, ahead);
@@ -191,21 +259,27 @@ static inline FORM_INLINE void attn_range_avx512(
             }
             const int64_t key = (int64_t)slots[t0 + t] * row_elems + kvh0 * dim;
             if (bf16_dot)
-                attn_position_scores(a, key, q, qf, key_offset, heads, scores[t], CHUNKS, 1);
+                attn_position_scores(a, key, q, qf, key_offset, j0, queries, scores[t], CHUNKS,
+                                     1);
             else
-                attn_position_scores(a, key, q, qf, key_offset, heads, scores[t], CHUNKS, 0);
+                attn_position_scores(a, key, q, qf, key_offset, j0, queries, scores[t], CHUNKS,
+                                     0);
         }
-        // Softmax along the block, 16 heads at a time.
-        for (int64_t h0 = 0; h0 < heads; h0 += 16) {
-            const __mmask16 m = first_lanes(heads - h0);
+        // Softmax along the block, 16 queries at a time, each over its own row's positions.
+        for (int64_t h0 = j0; h0 < queries; h0 += 16) {
+            const __mmask16 m = first_lanes(queries - h0);
+            __mmask16 taking[ATTN_BLOCK];  // lanes whose row has position t
+            const __m512i lane_counts = _mm512_loadu_si512(counts + h0);
+            for (int64_t t = 0; t < count; t++)
+                taking[t] = _mm512_mask_cmpgt_epi32_mask(m, lane_counts, _mm512_set1_epi32((int)t));
             const __m512 old_max = _mm512_maskz_loadu_ps(m, st->max + h0);
             __m512 top = old_max, total = _mm512_setzero_ps();
             for (int64_t t = 0; t < count; t++)
-                top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(m, scores[t] + h0));
+                top = _mm512_mask_max_ps(top, taking[t], top, _mm512_maskz_loadu_ps(m, scores[t] + h0));
             for (int64_t t = 0; t < count; t++) {
                 __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores[t] + h0), top));
-                _mm512_mask_storeu_ps(scores[t] + h0, m, p);
-                total = _mm512_add_ps(total, p);
+                _mm512_mask_storeu_ps(scores[t] + h0, taking[t], p);
+                total = _mm512_mask_add_ps(total, taking[t], total, p);
             }
             const __m512 shrink = exp512(_mm512_sub_ps(old_max, top));
             _mm512_mask_storeu_ps(correction + h0, m, shrink);
@@ -214,41 +288,33 @@ static inline FORM_INLINE void attn_range_avx512(
                 _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, st->sum + h0), shrink, total));
             _mm512_mask_storeu_ps(st->max + h0, m, top);
         }
-        for (int64_t h = 0; h < heads; h++) {
-            const __m512 shrink = _mm512_set1_ps(correction[h]);
-            for (int c = 0; c < CHUNKS; c++)
-                _mm512_storeu_ps(st->acc[h] + 16 * c,
-                                 _mm512_mul_ps(_mm512_loadu_ps(st->acc[h] + 16 * c), shrink));
-        }
-        for (int64_t t = 0; t < count; t++) {
-            if (whole_rows) {
-                const int64_t ahead = slot_ahead(slots, end, next, t0 + t + ATTN_LOOKAHEAD);
-                if (ahead >= 0) prefetch_rows(a->v_cache, row_bytes, 0, row_bytes, ahead);
-            }
-            int64_t row = (int64_t)slots[t0 + t] * row_elems + kvh0 * dim;
-            for (int64_t kv = 0; kv < kv_count; kv++, row += dim) {
-                __m512 v[CHUNKS];
-                for (int c = 0; c < CHUNKS; c += 2)
-                    load_pair(a->v_cache, row + 16 * c, a->dtype, v + c, v + c + 1);
-                for (int64_t g = 0; g < group; g++) {
-                    float* sums = st->acc[kv * group + g];
-                    const __m512 weight = _mm512_set1_ps(scores[t][kv * group + g]);
-                    for (int c = 0; c < CHUNKS; c++)
-                        _mm512_storeu_ps(
-                            sums + 16 * c,
-                            _mm512_fmadd_ps(weight, v[c], _mm512_loadu_ps(sums + 16 * c)));
-                }
+        // P V, kv head by kv head, the live rows' queries of each in tiles.
+        for (int64_t kv = 0; kv < kv_count; kv++) {
+            int64_t listed = 0;
+            for (int64_t r = live; r < nrows; r++)
+                for (int64_t g = 0; g < group; g++) js[listed++] = r * heads + kv * group + g;
+            for (int64_t i = 0; i < listed; i += PV_QUERIES) {
+                const int nq = listed - i < PV_QUERIES ? (int)(listed - i) : PV_QUERIES;
+                attn_pv_tile(a, slots + t0, (kvh0 + kv) * dim, row_elems, js + i, counts, nq,
+                             scores, correction, st, CHUNKS);
             }
         }
     }
 }
 
-MINISGL_INTERNAL void attn_range(const attn_args* a, int64_t b, int64_t kvh0, int64_t kv_count,
-                       int64_t begin, int64_t end, const attn_next* next, attn_state* st) {
+MINISGL_INTERNAL void attn_part_avx512(const attn_args* a, int64_t b0, int64_t nrows,
+                                       int64_t kvh0, int64_t kv_count, int64_t begin,
+                                       const int64_t* ends, int seeded, const attn_next* next,
+                                       attn_state* st) {
+    const int64_t group = a->num_heads / a->num_kv_heads, heads = kv_count * group;
+    for (int64_t r = 0; r < nrows; r++)
+        attn_state_begin(a, b0 + r, kvh0 * group, heads, seeded, st, r * heads);
     switch (attn_chunks(a->head_dim)) {
-        case 4: attn_range_avx512(a, b, kvh0, kv_count, begin, end, next, st, 4); return;
-        case 8: attn_range_avx512(a, b, kvh0, kv_count, begin, end, next, st, 8); return;
-        default: attn_range_avx512(a, b, kvh0, kv_count, begin, end, next, st, 16); return;
+        case 4: attn_range_avx512(a, b0, nrows, kvh0, kv_count, begin, ends, next, st, 4); return;
+        case 8: attn_range_avx512(a, b0, nrows, kvh0, kv_count, begin, ends, next, st, 8); return;
+        default:
+            attn_range_avx512(a, b0, nrows, kvh0, kv_count, begin, ends, next, st, 16);
+            return;
     }
 }
 #endif
