@@ -56,6 +56,7 @@ HEADERS = tuple(
     CSRC / name
     for name in (
         "attention_decode.h",
+        "attention_decode_scores.h",
         "common.h",
         "emulated.h",
         "internal.h",

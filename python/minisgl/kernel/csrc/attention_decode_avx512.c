@@ -1,4 +1,4 @@
-#include "attention_decode.h"
+#include "attention_decode_scores.h"
 
 // ----------------------------------------------------------------- decode attention, AVX-512
 #ifdef HAVE_AVX512
@@ -21,27 +21,6 @@ static inline int64_t slot_ahead(const int32_t* slots, int64_t end, const attn_n
                                  int64_t i) {
     if (i < end) return slots[i];
     return next && i - end < next->count ? next->slots[i - end] : -1;
-}
-
-// Lane t of the result is the sum of v[t]'s 16 lanes: a transpose-and-add tree, ~3 ops per
-// vector instead of a full horizontal reduction each.
-static inline __m512 sum_lanes16(const __m512 v[16]) {
-    __m512 pairs[8], quads[4];
-    for (int i = 0; i < 8; i++)  // 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  // 128-bit lane: the lane's sums of v4i .. v4i+3
-        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
-                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
-    __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                              _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-    __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                              _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
-}
-
-static inline __mmask16 first_lanes(int64_t n) {
-    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
 }
 
 // Value sums are kept per 32 dims as two float32 vectors, the even dims then the odd ones: a
@@ -85,44 +64,6 @@ static inline void pairs_to_row(const float* src, float* dst, int64_t dim) {
         const __m512i second = _mm512_loadu_si512(pair_natural + 16);
         _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(even, first, odd));
         _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(even, second, odd));
-    }
-}
-
-// Scores of one position against queries [j0, j1) of a run (query j: q + j * head_dim, its kv
-// head's key at key + key_offset[j]), 16 at a time, into scores[j0, j1): one partial dot
-// product per query, summed across lanes together (sum_lanes16 adds each lane's values by the
-// same tree wherever it sits: a query's score is the same bits in any run). BF16_DOT:
-// vdpbf16ps on the stored bf16 key against the bf16 query (products of two bf16 values are
-// exact in float32: the float32 path but for summation order), scaled after; otherwise float32
-// FMAs against the scaled float32 query `qf`.
-static inline FORM_INLINE void attn_position_scores(
-    const attn_args* a, int64_t key, const bf16_t* q, float (*qf)[ATTN_MAX_DIM],
-    const int64_t* key_offset, int64_t j0, int64_t j1, float* scores, const int CHUNKS,
-    const int BF16_DOT) {
-    for (int64_t h0 = j0; h0 < j1; h0 += 16) {
-        __m512 partial[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) {
-            partial[i] = _mm512_setzero_ps();
-            if (h0 + i >= j1) continue;
-            const int64_t k = key + key_offset[h0 + i];
-#ifdef HAVE_AVX512_BF16
-            if (BF16_DOT)
-                for (int c = 0; c < CHUNKS / 2; c++)
-                    partial[i] = _mm512_dpbf16_ps(
-                        partial[i],
-                        (__m512bh)_mm512_loadu_si512(q + (h0 + i) * a->head_dim + 32 * c),
-                        (__m512bh)_mm512_loadu_si512((const bf16_t*)a->k_cache + k + 32 * c));
-#endif
-            if (!BF16_DOT)
-                for (int c = 0; c < CHUNKS; c++)
-                    partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf[h0 + i] + 16 * c),
-                                                 load16(a->k_cache, k + 16 * c, a->dtype),
-                                                 partial[i]);
-        }
-        __m512 sums = sum_lanes16(partial);
-        if (BF16_DOT) sums = _mm512_mul_ps(sums, _mm512_set1_ps(a->scale));
-        _mm512_mask_storeu_ps(scores + h0, first_lanes(j1 - h0), sums);
     }
 }
 
@@ -235,6 +176,13 @@ static inline FORM_INLINE void attn_range_avx512(const attn_args* a, int64_t b0,
     const int64_t elem = a->dtype == 0 ? 4 : 2, row_elems = a->num_kv_heads * dim;
     const int64_t row_bytes = row_elems * elem, part_bytes = kv_count * dim * elem;
     const int whole_rows = kv_count == a->num_kv_heads;
+#ifdef HAVE_AVX512_BF16
+    // A run of rows takes its scores 16 positions at a time (one row: position by position,
+    // where laying the keys out would cost more than the lane transposes it saves).
+    uint32_t kt[ATTN_KT_WORDS];
+    const int by_run = bf16_dot && nrows > 1 && whole_rows &&
+                       kv_count * (dim / 2) * 16 <= ATTN_KT_WORDS;
+#endif
     const int32_t* slots = a->page_table + a->rows[b0] * a->table_stride;
     for (int64_t t0 = begin; t0 < end; t0 += ATTN_BLOCK) {
         const int64_t count = end - t0 < ATTN_BLOCK ? end - t0 : ATTN_BLOCK;
@@ -245,6 +193,21 @@ static inline FORM_INLINE void attn_range_avx512(const attn_args* a, int64_t b0,
             const int64_t row_count = ends[j / heads] - t0;
             counts[j] = row_count < count ? row_count : count;
         }
+#ifdef HAVE_AVX512_BF16
+        if (by_run) {  // (the prefetches of attn_position_scores' loop, 16 positions at a time)
+            for (int64_t t = 0; t < count; t += 16) {
+                for (int64_t i = t; i < t + 16 && i < count; i++) {
+                    const int64_t ahead = slot_ahead(slots, end, next, t0 + i + ATTN_LOOKAHEAD);
+                    if (ahead < 0) continue;
+                    prefetch_rows(a->k_cache, row_bytes, 0, row_bytes, ahead);
+                    prefetch_rows(a->v_cache, row_bytes, 0, row_bytes, ahead);
+                }
+                const int64_t n = count - t < 16 ? count - t : 16;
+                attn_run_scores(a, slots + t0 + t, n, kvh0 * dim, row_elems, kv_count, q, j0,
+                                queries, heads, kt, scores + t, CHUNKS);
+            }
+        } else
+#endif
         for (int64_t t = 0; t < count; t++) {
             if (whole_rows) {
                 const int64_t ahead = slot_ahead(slots, end, next, t0 + t + ATTN_LOOKAHEAD);
