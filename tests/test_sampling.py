@@ -53,6 +53,15 @@ def test_per_request_params_in_one_batch(llm) -> None:
     assert len(outputs[3]["token_ids"]) == 6
 
 
+def test_temperatures_too_small_to_divide_by_are_greedy(llm) -> None:
+    """A temperature below 1e-6 samples the greedy tokens (dividing by 1e-45 overflowed every
+    logit to infinity and drew from NaNs); the engine keeps serving."""
+    want = hf_greedy("qwen3", MIXED_PROMPTS[:3], 6)
+    params = [SamplingParams(temperature=t, max_tokens=6, seed=3) for t in (1e-45, 1e-30, 5e-7)]
+    outputs = llm.generate(MIXED_PROMPTS[:3], params)
+    assert [o["token_ids"] for o in outputs] == want
+
+
 def test_temperature_sampling_varies(llm) -> None:
     outputs = llm.generate(["Hello"] * 8, SamplingParams(temperature=1.0, max_tokens=4))
     assert len({tuple(o["token_ids"]) for o in outputs}) > 1

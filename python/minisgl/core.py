@@ -122,9 +122,15 @@ class GrammarState(Protocol):
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> Any: ...
 
 
+# Temperatures below this sample greedily (SGLang's bound): dividing logits by a smaller one
+# overflows float32 (1e-45 made every logit infinite and the draw NaN).
+GREEDY_TEMPERATURE = 1e-6
+
+
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop. Greedy when temperature is 0 or top_k is 1."""
+    """How to pick each next token and when to stop. Greedy when temperature is below
+    GREEDY_TEMPERATURE (0) or top_k is 1."""
 
     temperature: float = 0.0
     top_k: int = -1
@@ -210,7 +216,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
