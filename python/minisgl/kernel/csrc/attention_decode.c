@@ -16,7 +16,7 @@ static __attribute__((noinline)) void merge_head(float* acc, float* max, float* 
 }
 
 // A state's heads [from, from + heads) packed into heads * (dim + 2) floats (sums, maxima, sums
-// of weights), and a packed state folded into a state as attn_state_merge folds one.
+// of weights), and a packed state folded into a state, head by head as merge_head folds one.
 static void attn_state_pack(const attn_state* st, int64_t from, int64_t heads, int64_t dim,
                             float* out) {
     for (int64_t h = 0; h < heads; h++)
@@ -107,7 +107,6 @@ static int64_t* attn_runs(const attn_args* a, int64_t num_reqs, int64_t max_rows
     *num_runs = count;
     return runs;
 }
-
 
 // Part p of a run's rows [b0, b0 + nrows), for kv heads [kvh0, kvh0 + kv_count), each one's
 // query heads [first, first + count) (vector: the AVX-512 kernels, every query head), into st:

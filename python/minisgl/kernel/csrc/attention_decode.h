@@ -17,8 +17,8 @@
 
 #define ATTN_BLOCK 64
 #define ATTN_MAX_GROUP 32
-#define ATTN_MAX_HEADS 128    // query heads a portable task (a run of rows) and a state hold
-#define ATTN_VECTOR_HEADS 64  // query heads an AVX-512 task (one request's) holds
+#define ATTN_MAX_HEADS 128    // query heads a task (a run of rows) and a state hold
+#define ATTN_VECTOR_HEADS 64  // a request's query heads an AVX-512 task takes whole
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
