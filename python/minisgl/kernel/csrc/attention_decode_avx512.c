@@ -238,7 +238,8 @@ static inline FORM_INLINE void attn_range_avx512(const attn_args* a, int64_t b0,
             const __m512 old_max = _mm512_maskz_loadu_ps(m, st->max + h0);
             __m512 top = old_max, total = _mm512_setzero_ps();
             for (int64_t t = 0; t < count; t++)
-                top = _mm512_mask_max_ps(top, taking[t], top, _mm512_maskz_loadu_ps(m, scores[t] + h0));
+                top = _mm512_mask_max_ps(top, taking[t], top,
+                                         _mm512_maskz_loadu_ps(m, scores[t] + h0));
             for (int64_t t = 0; t < count; t++) {
                 __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores[t] + h0), top));
                 _mm512_mask_storeu_ps(scores[t] + h0, taking[t], p);

@@ -136,7 +136,8 @@ static inline FORM_INLINE void attn_run_scores(const attn_args* a, const int32_t
         }
         transpose16(out);
         for (int p = 0; p < count; p++)
-            _mm512_mask_storeu_ps(scores[p] + h0, first_lanes(j1 - h0), _mm512_castsi512_ps(out[p]));
+            _mm512_mask_storeu_ps(scores[p] + h0, first_lanes(j1 - h0),
+                                  _mm512_castsi512_ps(out[p]));
     }
 }
 #endif
