@@ -67,6 +67,23 @@ static inline void pairs_to_row(const float* src, float* dst, int64_t dim) {
     }
 }
 
+// What a task reads ahead of position i of a range ending at `end`: its whole rows (keys and
+// values) ATTN_LOOKAHEAD positions on, into `next`; or its kv heads' part of them (bytes
+// [first, first + part_bytes) of each row) ATTN_PREFETCH positions on.
+static inline FORM_INLINE void prefetch_ahead(const attn_args* a, const int32_t* slots,
+                                              int64_t end, const attn_next* next, int64_t i,
+                                              int whole_rows, int64_t first, int64_t part_bytes,
+                                              int64_t row_bytes) {
+    int64_t ahead = -1;
+    if (whole_rows)
+        ahead = slot_ahead(slots, end, next, i + ATTN_LOOKAHEAD);
+    else if (i + ATTN_PREFETCH < end)
+        ahead = slots[i + ATTN_PREFETCH];
+    if (ahead < 0) return;
+    prefetch_rows(a->k_cache, row_bytes, first, part_bytes, ahead);
+    prefetch_rows(a->v_cache, row_bytes, first, part_bytes, ahead);
+}
+
 // Row b's heads [head0, head0 + heads), empty or (seeded) the cascade prefix's, into st from
 // st_head on.
 static void attn_state_begin(const attn_args* a, int64_t b, int64_t head0, int64_t heads,
@@ -196,12 +213,8 @@ static inline FORM_INLINE void attn_range_avx512(const attn_args* a, int64_t b0,
 #ifdef HAVE_AVX512_BF16
         if (by_run) {  // (the prefetches of attn_position_scores' loop, 16 positions at a time)
             for (int64_t t = 0; t < count; t += 16) {
-                for (int64_t i = t; i < t + 16 && i < count; i++) {
-                    const int64_t ahead = slot_ahead(slots, end, next, t0 + i + ATTN_LOOKAHEAD);
-                    if (ahead < 0) continue;
-                    prefetch_rows(a->k_cache, row_bytes, 0, row_bytes, ahead);
-                    prefetch_rows(a->v_cache, row_bytes, 0, row_bytes, ahead);
-                }
+                for (int64_t i = t; i < t + 16 && i < count; i++)
+                    prefetch_ahead(a, slots, end, next, t0 + i, 1, 0, row_bytes, row_bytes);
                 const int64_t n = count - t < 16 ? count - t : 16;
                 attn_run_scores(a, slots + t0 + t, n, kvh0 * dim, row_elems, kv_count, q, j0,
                                 queries, heads, kt, scores + t, CHUNKS);
@@ -209,17 +222,8 @@ static inline FORM_INLINE void attn_range_avx512(const attn_args* a, int64_t b0,
         } else
 #endif
         for (int64_t t = 0; t < count; t++) {
-            if (whole_rows) {
-                const int64_t ahead = slot_ahead(slots, end, next, t0 + t + ATTN_LOOKAHEAD);
-                if (ahead >= 0) {
-                    prefetch_rows(a->k_cache, row_bytes, 0, row_bytes, ahead);
-                    prefetch_rows(a->v_cache, row_bytes, 0, row_bytes, ahead);
-                }
-            } else if (t0 + t + ATTN_PREFETCH < end) {
-                const int64_t ahead = slots[t0 + t + ATTN_PREFETCH], first = kvh0 * dim * elem;
-                prefetch_rows(a->k_cache, row_bytes, first, part_bytes, ahead);
-                prefetch_rows(a->v_cache, row_bytes, first, part_bytes, ahead);
-            }
+            prefetch_ahead(a, slots, end, next, t0 + t, whole_rows, kvh0 * dim * elem, part_bytes,
+                           row_bytes);
             const int64_t key = (int64_t)slots[t0 + t] * row_elems + kvh0 * dim;
             if (bf16_dot)
                 attn_position_scores(a, key, q, qf, key_offset, j0, queries, scores[t], CHUNKS,
