@@ -34,6 +34,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,7 +193,8 @@ def main() -> None:
         f"{args.max_tokens} new tokens; {machine_note()}"
     )
     header = (
-        "| kind | batch | off tok/s | ngram tok/s | ratio | tokens/verify | drafts kept | equal |"
+        "| kind | batch | off tok/s | ngram tok/s | ratio | tokens/verify | drafts kept | equal "
+        "| tokens/step, own-text bound |"
     )
     if drafting is not None:
         header += " draft model tok/s | ratio | tokens/verify | drafts kept | equal |"
@@ -215,6 +217,8 @@ def main() -> None:
             cells = [kind, str(batch), f"{off_rate:.1f}"]
             for measured in runs[1:]:
                 cells += speculating_cells(measured, off_rate, runs[0][0].tokens)
+                if measured is runs[1]:
+                    cells.append(step_cells(measured[0], ids, args.num_draft_tokens - 1))
             print("| " + " | ".join(cells) + " |", flush=True)
     if args.peer == "llamacpp":
         llamacpp_table(plain, kinds, args)
@@ -269,6 +273,53 @@ def speculating_cells(runs: list[Run], off_rate: float, off_tokens: list[list[in
         f"{accepted / drafted:.0%}" if drafted else "-",
         "yes" if all(run.tokens == off_tokens for run in runs) else "no",
     ]
+
+
+def ngram_bound_steps(prompt: list[int], output: list[int], max_drafts: int, max_n: int) -> int:
+    """Decode steps of `output` if every step kept the longest run that some earlier occurrence
+    of the text's last n tokens (1 <= n <= max_n, prompt and output so far) continued with, up
+    to `max_drafts`, plus its next token: a bound on single-branch n-gram drafts from a
+    request's own text (the engine picks one occurrence before seeing the target's tokens)."""
+    text = list(prompt)
+    followers: defaultdict[tuple[int, ...], list[int]] = defaultdict(list)
+
+    def index(first: int) -> None:  # n-grams ending before positions first..len(text)-1
+        for end in range(max(first, 1), len(text)):
+            for n in range(1, min(max_n, end) + 1):
+                followers[tuple(text[end - n : end])].append(end)
+
+    index(1)
+    steps = done = 0
+    while done < len(output):
+        best = 0
+        for n in range(1, min(max_n, len(text)) + 1):
+            for start in followers.get(tuple(text[len(text) - n :]), ()):
+                run = 0
+                while (
+                    run < max_drafts
+                    and start + run < len(text)
+                    and done + run < len(output)
+                    and text[start + run] == output[done + run]
+                ):
+                    run += 1
+                best = max(best, run)
+        taken = min(best + 1, len(output) - done)
+        known = len(text)
+        text += output[done : done + taken]
+        index(known)
+        done += taken
+        steps += 1
+    return steps
+
+
+def step_cells(run: Run, ids: list[list[int]], max_drafts: int, max_n: int = 6) -> str:
+    """Output tokens per decode step of one speculating run (a request's step yields its kept
+    drafts and one token), beside ngram_bound_steps's for the same outputs."""
+    tokens = sum(map(len, run.tokens))
+    bound = sum(
+        ngram_bound_steps(prompt, out, max_drafts, max_n) for prompt, out in zip(ids, run.tokens)
+    )
+    return f"{tokens / (tokens - run.accepted):.2f} / {tokens / bound:.2f}"
 
 
 def llamacpp_table(llm: LLM, kinds: list[str], args: argparse.Namespace) -> None:
