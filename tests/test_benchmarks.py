@@ -162,3 +162,18 @@ def test_kv_tier_benchmark_smoke_run() -> None:
     report = proc.stdout + proc.stderr[-3000:]
     assert int(rows["cold"][4]) == 0 and int(rows["restored"][4]) == 192, report
     assert "outputs equal: yes" in proc.stdout and "tier cost over naive" in proc.stdout, report
+
+
+def test_ngram_bound_steps_counts_perfect_single_branch_drafts() -> None:
+    from speculative import ngram_bound_steps
+
+    prompt = list(range(100, 120))
+    # Nothing in the text ever repeats: one token a step.
+    assert ngram_bound_steps(prompt, [1, 2, 3, 4], max_drafts=7, max_n=6) == 4
+    # A copy of the prompt: after its first token, each step keeps 7 drafts and one token.
+    assert ngram_bound_steps(prompt, prompt[:17], max_drafts=7, max_n=6) == 1 + 2
+    # Two earlier continuations of the last token (100 -> 101 and 100 -> 5): the better is kept,
+    # whichever occurred last.
+    text = [100, 101, 102, 103, 100, 5]
+    assert ngram_bound_steps(text, [100, 101, 102, 103], max_drafts=7, max_n=1) == 1 + 1
+    assert ngram_bound_steps(text, [100, 5, 9], max_drafts=7, max_n=1) == 1 + 1
