@@ -16,8 +16,9 @@ from .cache import CacheManager
 from .grammar import GrammarQueue
 from .logprobs import collect_logprobs
 from .output import InFlight, SchedulerStats, TokenOutput, finish_reason
-from .speculative import Speculator, accepted_length
+from .speculative import Speculator
 from .table import TableManager
+from .verify import accepted_length
 
 logger = init_logger(__name__)
 

@@ -30,9 +30,10 @@ from .preemption import PreemptionMixin
 from .prepare import prepare_forward_input, produces_token
 from .requests import RequestsMixin
 from .results import ResultsMixin
-from .speculative import Speculator, verify_prefixes, verify_rows
+from .speculative import Speculator
 from .table import TableManager
 from .tier import open_disk_tier
+from .verify import verify_prefixes, verify_rows
 
 logger = init_logger(__name__)
 

@@ -16,7 +16,6 @@ batches, long contexts), drafting is dear or guesses poor.
 
 from __future__ import annotations
 
-import copy
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ from minisgl.core import Req
 
 from .config import SchedulerConfig
 from .draft_model import DECODE_CATCH_UP, DraftModelProposer
-from .grammar import allowed_prefix
 from .ngram import NgramCache, NgramIndex
 from .spec_cost import MatchStats, Rate, StepCost
+from .verify import within_grammar
 
 # A new request's chance that a draft token is accepted given the one before was, and how fast
 # its measured rate replaces that (per verified step).
@@ -374,41 +373,3 @@ def geometric(acceptance: float, depth: int) -> list[float]:
     """The chances a^j, j = 1..depth, that a draft keeps its first j tokens where each is kept
     with probability a when the one before it was."""
     return [acceptance**j for j in range(1, depth + 1)]
-
-
-def accepted_length(draft: list[int], sampled: list[int]) -> int:
-    """How many drafts a verify step keeps: those up to the first that differs from the token
-    sampled at the position before it (sampled[i] was drawn where draft[i] was guessed)."""
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == sampled[accepted]:
-        accepted += 1
-    return accepted
-
-
-def verify_rows(reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
-    """One sampled row per query position of a verify step: a request with k drafts gets k + 1,
-    row i a copy that knows i more tokens (the drafts before it), as if decoded one by one."""
-    rows: list[Req] = []
-    for req, draft in zip(reqs, drafts):
-        if not draft:
-            rows.append(req)
-            continue
-        for i in range(len(draft) + 1):
-            row = copy.copy(req)
-            row.device_len = req.cached_len + 1 + i
-            rows.append(row)
-    return rows
-
-
-def within_grammar(reqs: list[Req], drafts: list[list[int]]) -> list[list[int]]:
-    """Each constrained request's drafts cut to the run its grammar takes."""
-    return [
-        draft if req.grammar is None else draft[: allowed_prefix(req.grammar, draft)]
-        for req, draft in zip(reqs, drafts)
-    ]
-
-
-def verify_prefixes(drafts: list[list[int]]) -> list[list[int]]:
-    """For each row of `verify_rows(reqs, drafts)`, the drafts before its position: a
-    constrained row's token mask is its grammar's after them."""
-    return [draft[:i] for draft in drafts for i in range(len(draft) + 1)]
