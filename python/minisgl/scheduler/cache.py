@@ -13,6 +13,11 @@ from minisgl.utils import align_down, align_up, div_ceil
 
 from .free_pages import FreePages
 
+# New token slots up to which allocate lists their columns in Python: a decode step's few slots
+# cost one tensor, where an arange a request (and their cat) cost ~3 us each, more in a step
+# whose weights just swept the caches.
+LISTED_SLOTS = 4096
+
 
 class AdapterKeys(Protocol):
     """How LoRA adapters' prefix-cache keys map back (engine/lora.py's LoraManager)."""
@@ -235,9 +240,15 @@ class CacheManager:
             dtype=torch.int64,
             device=self.device,
         )
-        cols = torch.cat([torch.arange(s, e, device=self.device) for s, e in zip(starts, ends)])
-        slots = (page_slots[:, None] + torch.arange(ps, device=self.device)).flatten()
-        self.page_table[rows, cols] = slots.to(self.page_table.dtype)
+        if total * ps <= LISTED_SLOTS:
+            columns = [col for s, e in zip(starts, ends) for col in range(s, e)]
+            cols = torch.tensor(columns, dtype=torch.int64, device=self.device)
+        else:
+            ranges = [torch.arange(s, e, device=self.device) for s, e in zip(starts, ends)]
+            cols = torch.cat(ranges)
+        if ps > 1:
+            page_slots = (page_slots[:, None] + torch.arange(ps, device=self.device)).flatten()
+        self.page_table[rows, cols] = page_slots.to(self.page_table.dtype)
 
     def cache_req(self, req: Req, *, finished: bool) -> None:
         """Insert the request's computed KV into the prefix cache.

@@ -47,8 +47,14 @@ class FreePages:
         if not self._is_sorted:
             self._sorted = self._sorted.sort().values
             self._is_sorted = True
-        head, self._sorted = self._sorted[:count], self._sorted[count:]
-        if len(self._pending) == 0:
+        pending, free = self._pending, self._sorted
+        # Where one list's lowest `count` all lie below the other's lowest, no merge is needed
+        # (a decode step's few pages: a sort of the side list cost more than the rest of it).
+        if 0 < count <= len(pending) and (len(free) == 0 or pending[count - 1] < free[0]):
+            taken, self._pending = pending[:count], pending[count:]
+            return taken
+        head, self._sorted = free[:count], free[count:]
+        if len(pending) == 0 or count == 0 or (len(head) == count and pending[0] > head[-1]):
             return head
         # The lowest `count` of both lists are among the side list and the free list's first
         # `count`; what is left of those stays on the side list (as many as it held).
