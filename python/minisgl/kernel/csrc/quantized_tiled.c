@@ -25,7 +25,15 @@
 
 #define TILE TILE_ROWS     // weight rows a tile holds, one per int32 lane
 #define TILE_MR 4         // activation rows one pass over two tiles multiplies
+#define ONE_TILE_MR 8     // the rows of a pass over one tile (more than TILE_MR rows)
 #define PRECISE_MR 3      // the same with x to 16 bits (two sums a tile and row)
+// Rows up to which each task takes one tile (ONE_TILE_MR rows a pass), not a pair in passes of
+// TILE_MR: every row meets a weight vector while it comes from memory, where 5-8 rows in two
+// passes over a pair streamed it at a lower rate (measured on Zen 4: 1.07-1.24x at 5-8 rows for
+// 8-, 6- and 4-bit tiles; an 8-bit weight with one scale a row 1.10-1.15x up to 16). Above, the
+// pair's x broadcasts, each feeding two tiles, win: the products are compute-bound there.
+#define ONE_TILE_MAX_ROWS 8
+#define ONE_TILE_MAX_ROWS_ROW_SCALE 16
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 
 #ifdef HAVE_AVX512_VNNI
@@ -105,7 +113,7 @@ static inline FORM_INLINE void tile_rows_impl(
     // second pass, which finds these tiles cached) the next tiles' same unit.
     const uint8_t* fetch_from = next ? next : values + PREFETCH_UNITS * QUADS * BITS * 8;
     const __m512i nibble = _mm512_set1_epi8(15);
-    __m512 acc[2][TILE_MR];
+    __m512 acc[2][ONE_TILE_MR];
     for (int p = 0; p < TP; p++)
         for (int r = 0; r < MR; r++) acc[p][r] = _mm512_setzero_ps();
     // Scales and mins are fetched as far ahead as the values: unfetched, their misses took
@@ -134,7 +142,7 @@ static inline FORM_INLINE void tile_rows_impl(
                 for (int line = 0; line < QUADS * BITS * 8; line += 64)
                     _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
             }
-            __m512i sums[2][TILE_MR], rests[2][TILE_MR];
+            __m512i sums[2][ONE_TILE_MR], rests[2][ONE_TILE_MR];
             for (int r = 0; r < MR; r++) {
                 // -128 * x's sum: 8 bits' offset; 6 bits' is +32, a quarter of it.
                 const int32_t offset = xs->neg ? xs->neg[(m0 + r) * units + u] : 0;
@@ -213,13 +221,14 @@ static inline FORM_INLINE void tile_rows_impl(
     }
 }
 
-// Every row of y for tiles t..t+tiles-1 (1 or 2): passes of TILE_MR rows (precise:
-// PRECISE_MR, its sums twice the registers). Each (rows, tiles, precision, bits, unit) is its
-// own compiled form: the unit's quads unrolled, the sums in registers.
+// Every row of y for tiles t..t+tiles-1 (1 or 2): passes of TILE_MR rows (one tile of more:
+// ONE_TILE_MR; precise: PRECISE_MR, its sums twice the registers). Each (rows, tiles,
+// precision, bits, unit) is its own compiled form: the unit's quads unrolled, the sums in
+// registers.
 static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y,
                       int64_t M, int64_t N, int64_t K, int64_t t, int64_t tiles, int out_f32) {
     const int precise = xs->xlo != NULL;
-    const int64_t pass = precise ? PRECISE_MR : TILE_MR;
+    const int64_t pass = precise ? PRECISE_MR : tiles == 1 && M > TILE_MR ? ONE_TILE_MR : TILE_MR;
     const int wide = unit_cols(w->group) == 32;
     const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 + !wide : wide ? 1 : 2;
     // As many tiles after these (a thread's pairs are consecutive), for the second pass to
@@ -242,6 +251,7 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
     TILE_FORM(r, tp, exact, 4, 6, 4)
 #define TILE_CASES(r, exact) TILE_CASE(r, 1, exact) TILE_CASE(r, 2, exact)
             TILE_CASES(1, 0) TILE_CASES(2, 0) TILE_CASES(3, 0) TILE_CASES(4, 0)
+            TILE_CASE(5, 1, 0) TILE_CASE(6, 1, 0) TILE_CASE(7, 1, 0) TILE_CASE(8, 1, 0)
             TILE_CASES(1, 1) TILE_CASES(2, 1) TILE_CASES(3, 1)
 #undef TILE_CASES
 #undef TILE_CASE
@@ -446,6 +456,9 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
     // x's int8 rows (and remainders), unit scales, unit sums and group sums; or (float32 x) a
     // tile per thread.
     const int precise = path == QPATH_TILED_PRECISE;
+    const int64_t one_tile_rows =
+        w->bits == 8 && groups == 1 ? ONE_TILE_MAX_ROWS_ROW_SCALE : ONE_TILE_MAX_ROWS;
+    const int64_t per_task = !precise && M > TILE_MR && M <= one_tile_rows ? 1 : 2;
     const int64_t xq_floats = (M * K + 3) / 4, unit_floats = M * units, sum_floats = M * groups;
     const int64_t total = x_dtype == 1
                               ? (1 + precise) * xq_floats + 2 * unit_floats + sum_floats
@@ -477,9 +490,9 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
                            xs.neg ? xs.neg + m * units : NULL,
                            xs.xsum ? xs.xsum + m * groups : NULL);
 #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < (tiles + 1) / 2; pair++)
-            tile_rows(w, &xs, (const bf16_t*)bias, y, M, N, K, 2 * pair,
-                      tiles - 2 * pair < 2 ? 1 : 2, out_f32);
+        for (int64_t task = 0; task < (tiles + per_task - 1) / per_task; task++)
+            tile_rows(w, &xs, (const bf16_t*)bias, y, M, N, K, per_task * task,
+                      tiles - per_task * task < per_task ? 1 : per_task, out_f32);
     }
     free(buffer);
     return MINISGL_OK;
