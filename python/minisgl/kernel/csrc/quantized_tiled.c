@@ -24,14 +24,17 @@
 // exactly instead, against each tile dequantized to float32.
 
 #define TILE TILE_ROWS     // weight rows a tile holds, one per int32 lane
-#define TILE_MR 4         // activation rows one pass over two tiles multiplies
-#define ONE_TILE_MR 8     // the rows of a pass over one tile (more than TILE_MR rows)
-#define PRECISE_MR 3      // the same with x to 16 bits (two sums a tile and row)
-// Rows up to which each task takes one tile (ONE_TILE_MR rows a pass), not a pair in passes of
-// TILE_MR: every row meets a weight vector while it comes from memory, where 5-8 rows in two
-// passes over a pair streamed it at a lower rate (measured on Zen 4: 1.07-1.24x at 5-8 rows for
-// 8-, 6- and 4-bit tiles; an 8-bit weight with one scale a row 1.10-1.15x up to 16). Above, the
-// pair's x broadcasts, each feeding two tiles, win: the products are compute-bound there.
+// Activation rows one pass over two tiles multiplies: 6 (24 sums in registers) ran 1.04-1.10x
+// as fast as 4 at 12-128 rows (Zen 4), each weight vector's unpacking shared by more rows.
+#define TILE_MR 6
+#define ONE_TILE_MR 8  // the same over one tile
+#define PRECISE_MR 3   // over two tiles with x to 16 bits (two sums a tile and row)
+// Rows from ONE_TILE_MIN_ROWS up to ONE_TILE_MAX_ROWS: each task takes one tile (ONE_TILE_MR rows
+// a pass), not a pair: measured on Zen 4, 1.07-1.36x at 5-8 rows against passes of 4 rows over
+// pairs for 8-, 6- and 4-bit tiles (an 8-bit weight with one scale a row: 1.10-1.15x up to 16
+// rows), and 1.1-1.3x against one pass of 5-6 rows over pairs. Above, the pair's x broadcasts,
+// each feeding two tiles, win: the products are compute-bound there.
+#define ONE_TILE_MIN_ROWS 5
 #define ONE_TILE_MAX_ROWS 8
 #define ONE_TILE_MAX_ROWS_ROW_SCALE 16
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
@@ -47,16 +50,16 @@ typedef struct {
 } tiled_x;
 
 // Columns k..k+15 of a row (as t = x / step) rounded: into xq, and (xlo given) the remainder
-// in 256ths of a step; the sum of the integers (x / step in 256ths where precise).
-static inline int32_t round_half_block(__m512 t, int8_t* xq, int8_t* xlo) {
+// in 256ths of a step; the integers as stored (x / step in 256ths where precise), to be summed.
+static inline __m512i round_half_block(__m512 t, int8_t* xq, int8_t* xlo) {
     const __m512i q = _mm512_cvtps_epi32(t);
     _mm_storeu_si128((__m128i*)xq, _mm512_cvtsepi32_epi8(q));
-    if (!xlo) return _mm512_reduce_add_epi32(q);
+    if (!xlo) return q;
     const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(256));
     const __m512i q_lo = _mm512_cvtps_epi32(rest);  // |rest| <= 128: 128 saturates to 127
     _mm_storeu_si128((__m128i*)xlo, _mm512_cvtsepi32_epi8(q_lo));
     const __m512i stored = _mm512_min_epi32(q_lo, _mm512_set1_epi32(127));
-    return 256 * _mm512_reduce_add_epi32(q) + _mm512_reduce_add_epi32(stored);
+    return _mm512_add_epi32(_mm512_slli_epi32(q, 8), stored);
 }
 
 // Row x [K] (bf16) rounded to int8 per 32 columns (and, xlo given, its remainders), with its
@@ -70,18 +73,18 @@ static void quantize_x_row(const bf16_t* x, int64_t K, int64_t unit, int64_t gro
         const __m512 larger = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
         const float amax = _mm512_reduce_max_ps(larger);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const int32_t sum_lo = round_half_block(_mm512_mul_ps(lo, _mm512_set1_ps(id)), xq + k,
-                                                xlo ? xlo + k : NULL);
-        const int32_t sum_hi = round_half_block(_mm512_mul_ps(hi, _mm512_set1_ps(id)), xq + k + 16,
-                                                xlo ? xlo + k + 16 : NULL);
+        const __m512i ints_lo = round_half_block(_mm512_mul_ps(lo, _mm512_set1_ps(id)), xq + k,
+                                                 xlo ? xlo + k : NULL);
+        const __m512i ints_hi = round_half_block(_mm512_mul_ps(hi, _mm512_set1_ps(id)),
+                                                 xq + k + 16, xlo ? xlo + k + 16 : NULL);
         const int64_t u = k / unit;
         xd[u] = xlo ? d / 256.0f : d;
         if (unit == 16) xd[u + 1] = xd[u];
         if (neg && unit == 32) {
-            neg[u] = -128 * (sum_lo + sum_hi);
+            neg[u] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ints_lo, ints_hi));
         } else if (neg) {
-            neg[u] = -128 * sum_lo;
-            neg[u + 1] = -128 * sum_hi;
+            neg[u] = -128 * _mm512_reduce_add_epi32(ints_lo);
+            neg[u + 1] = -128 * _mm512_reduce_add_epi32(ints_hi);
         }
         if (xsum) {
             xsum[k / group] += _mm512_reduce_add_ps(lo);
@@ -221,14 +224,16 @@ static inline FORM_INLINE void tile_rows_impl(
     }
 }
 
-// Every row of y for tiles t..t+tiles-1 (1 or 2): passes of TILE_MR rows (one tile of more:
-// ONE_TILE_MR; precise: PRECISE_MR, its sums twice the registers). Each (rows, tiles,
-// precision, bits, unit) is its own compiled form: the unit's quads unrolled, the sums in
-// registers.
+// Every row of y for tiles t..t+tiles-1 (1 or 2): passes of TILE_MR rows (one tile, from
+// ONE_TILE_MIN_ROWS rows: ONE_TILE_MR; precise: PRECISE_MR, its sums twice the registers).
+// Each (rows, tiles, precision, bits, unit) is its own compiled form: the unit's quads
+// unrolled, the sums in registers.
 static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t* bias, void* y,
                       int64_t M, int64_t N, int64_t K, int64_t t, int64_t tiles, int out_f32) {
     const int precise = xs->xlo != NULL;
-    const int64_t pass = precise ? PRECISE_MR : tiles == 1 && M > TILE_MR ? ONE_TILE_MR : TILE_MR;
+    const int64_t pass = precise                                   ? PRECISE_MR
+                         : tiles == 1 && M >= ONE_TILE_MIN_ROWS ? ONE_TILE_MR
+                                                                : TILE_MR;
     const int wide = unit_cols(w->group) == 32;
     const int form = w->bits == 4 ? 0 : w->bits == 6 ? 3 + !wide : wide ? 1 : 2;
     // As many tiles after these (a thread's pairs are consecutive), for the second pass to
@@ -251,7 +256,7 @@ static void tile_rows(const quantized_weight* w, const tiled_x* xs, const bf16_t
     TILE_FORM(r, tp, exact, 4, 6, 4)
 #define TILE_CASES(r, exact) TILE_CASE(r, 1, exact) TILE_CASE(r, 2, exact)
             TILE_CASES(1, 0) TILE_CASES(2, 0) TILE_CASES(3, 0) TILE_CASES(4, 0)
-            TILE_CASE(5, 1, 0) TILE_CASE(6, 1, 0) TILE_CASE(7, 1, 0) TILE_CASE(8, 1, 0)
+            TILE_CASES(5, 0) TILE_CASES(6, 0) TILE_CASE(7, 1, 0) TILE_CASE(8, 1, 0)
             TILE_CASES(1, 1) TILE_CASES(2, 1) TILE_CASES(3, 1)
 #undef TILE_CASES
 #undef TILE_CASE
@@ -458,7 +463,7 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
     const int precise = path == QPATH_TILED_PRECISE;
     const int64_t one_tile_rows =
         w->bits == 8 && groups == 1 ? ONE_TILE_MAX_ROWS_ROW_SCALE : ONE_TILE_MAX_ROWS;
-    const int64_t per_task = !precise && M > TILE_MR && M <= one_tile_rows ? 1 : 2;
+    const int64_t per_task = !precise && M >= ONE_TILE_MIN_ROWS && M <= one_tile_rows ? 1 : 2;
     const int64_t xq_floats = (M * K + 3) / 4, unit_floats = M * units, sum_floats = M * groups;
     const int64_t total = x_dtype == 1
                               ? (1 + precise) * xq_floats + 2 * unit_floats + sum_floats
