@@ -31,12 +31,11 @@
 #define PRECISE_MR 3   // over two tiles with x to 16 bits (two sums a tile and row)
 // Rows from ONE_TILE_MIN_ROWS up to ONE_TILE_MAX_ROWS: each task takes one tile (ONE_TILE_MR rows
 // a pass), not a pair: measured on Zen 4, 1.07-1.36x at 5-8 rows against passes of 4 rows over
-// pairs for 8-, 6- and 4-bit tiles (an 8-bit weight with one scale a row: 1.10-1.15x up to 16
-// rows), and 1.1-1.3x against one pass of 5-6 rows over pairs. Above, the pair's x broadcasts,
-// each feeding two tiles, win: the products are compute-bound there.
+// pairs for 8-, 6- and 4-bit tiles, and 1.1-1.3x against one pass of 5-6 rows over pairs. At
+// 9-16 rows the two forms measured alike (8 bits with one scale a row) or the pair's x
+// broadcasts, each feeding two tiles, won (4 bits: its products are compute-bound there).
 #define ONE_TILE_MIN_ROWS 5
 #define ONE_TILE_MAX_ROWS 8
-#define ONE_TILE_MAX_ROWS_ROW_SCALE 16
 #define PREFETCH_UNITS 8  // how far ahead a tile's values are fetched
 
 #ifdef HAVE_AVX512_VNNI
@@ -461,9 +460,7 @@ int quantized_tiled_linear(const void* x, const quantized_weight* w, const void*
     // x's int8 rows (and remainders), unit scales, unit sums and group sums; or (float32 x) a
     // tile per thread.
     const int precise = path == QPATH_TILED_PRECISE;
-    const int64_t one_tile_rows =
-        w->bits == 8 && groups == 1 ? ONE_TILE_MAX_ROWS_ROW_SCALE : ONE_TILE_MAX_ROWS;
-    const int64_t per_task = !precise && M >= ONE_TILE_MIN_ROWS && M <= one_tile_rows ? 1 : 2;
+    const int64_t per_task = !precise && M >= ONE_TILE_MIN_ROWS && M <= ONE_TILE_MAX_ROWS ? 1 : 2;
     const int64_t xq_floats = (M * K + 3) / 4, unit_floats = M * units, sum_floats = M * groups;
     const int64_t total = x_dtype == 1
                               ? (1 + precise) * xq_floats + 2 * unit_floats + sum_floats
