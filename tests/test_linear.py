@@ -160,6 +160,32 @@ def test_bf16_linear_keeps_only_its_tile_copy(kernels, rows, shape, gated):
 
 
 @needs_tiles
+@pytest.mark.parametrize("kernels", _kernel_paths())
+@pytest.mark.parametrize("shape", [(64, 96), (96, 1100)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_bf16_rows_are_the_same_bits_at_every_row_count_between_bounds(kernels, shape, gated):
+    """A row's result does not depend on how many rows share the call, except across a bound
+    path_changes names (the GEMV's last row count on the AMX tiles): a speculative verify step's
+    rows then equal the rows decoded one by one (greedy, and seeded sampling, token for token)."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(5)
+    linear = Linear(in_features, out_features, bias=True, gated=gated)
+    linear.weight.data = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    linear.bias.data = torch.randn(out_features, generator=gen).bfloat16()
+    linear.prepare_for_cpu(kernels)
+    projection = linear.cpu_projection
+    most = 24
+    bounds = projection.path_changes(most)
+    assert bounds == ([projection.gemv_max_rows] if kernels.has_amx else []), bounds
+    x = torch.randn(most, in_features, generator=gen).bfloat16()
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(most)])
+    every = linear(x)  # past a bound: what the most rows give
+    for rows in range(1, most + 1):
+        want = alone if not bounds or rows <= bounds[0] else every
+        assert torch.equal(linear(x[:rows]), want[:rows]), rows
+
+
+@needs_tiles
 def test_bf16_tied_embedding_reads_rows_from_the_heads_tile_copy():
     gen = torch.Generator().manual_seed(4)
     embed = VocabEmbedding(300, 72)  # k padded to whole tiles in the copy

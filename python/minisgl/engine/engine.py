@@ -15,7 +15,7 @@ from minisgl.distributed import ReplicaStep, StepMessage, TPGroup
 from minisgl.env import ENV
 from minisgl.kernel.ops import ops_for
 from minisgl.kvcache import MHAKVCache
-from minisgl.layers.quantized import decode_row_bounds
+from minisgl.layers.linear import decode_row_bounds
 from minisgl.models import create_model, load_model_config
 from minisgl.utils import div_ceil, init_logger
 from minisgl.utils.memory import keep_freed_memory

@@ -312,17 +312,3 @@ class QuantizedProjection:
             gated=int(self.gated),
             quantized=self.params,
         )
-
-
-def decode_row_bounds(model: torch.nn.Module, limit: int = 256) -> list[int]:
-    """The row counts r < limit after which some quantized projection of `model` multiplies r + 1
-    bf16 rows another way than r (its route or C kernel path changes: AVX2's 4- and 6-bit tiles
-    past AVX2_TILED_MAX_ROWS): between two of them a row's result does not depend on the row
-    count, so a speculative verify step that stays there gives what decoding one by one gives.
-    (The default model's 121 projections: 50 ms on Zen 3, once per engine.)"""
-    bounds: set[int] = set()
-    for module in model.modules():
-        projection = getattr(module, "cpu_projection", None)
-        if isinstance(projection, QuantizedProjection):
-            bounds.update(projection.path_changes(limit))
-    return sorted(bounds)

@@ -544,16 +544,17 @@ static inline __m512bh pair_within(const bf16_t* row, int64_t k, int64_t K) {
 }
 
 // ROWS rows of x (stride K) times one block, summed over k into left (columns 0-15) and right
-// (16-31): an accumulator per row and tile, and for one or two rows one per parity of the pair
-// too (a longer dependency chain would bound them). The fetch ahead may pass the copy's end.
+// (16-31): one accumulator per row and tile, k in order, as the packed matmul sums them, so a
+// row's sums are the same bits at every row count (a speculative verify step's rows are what
+// decoding one by one gives). Two more per row at one or two rows, splitting the chain by the
+// pair's parity, changed those rows' bits and no speed (weights from memory). The fetch ahead
+// may pass the copy's end.
 static inline FORM_INLINE void packed_gemv_block(
     const bf16_t* x, int64_t K, const bf16_t* block, int64_t ksteps, float (*left)[16],
     float (*right)[16], const int ROWS) {
     const int64_t step = AMX_NBLOCK * AMX_KSTEP, whole = K / AMX_KSTEP;
-    const int split = ROWS <= 2 ? 2 : 1;
-    __m512 acc[PACKED_GEMV_ROWS][4];
-    for (int r = 0; r < ROWS; r++)
-        for (int c = 0; c < 2 * split; c++) acc[r][c] = _mm512_setzero_ps();
+    __m512 acc[PACKED_GEMV_ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < ksteps; kb++) {
         const bf16_t* w = block + kb * step;
         const int64_t k0 = kb * AMX_KSTEP;
@@ -563,24 +564,18 @@ static inline FORM_INLINE void packed_gemv_block(
             __builtin_prefetch(ahead + 64, 0, 1);
             const __m512bh w0 = (__m512bh)_mm512_load_si512(w + 32 * p);
             const __m512bh w1 = (__m512bh)_mm512_load_si512(w + 512 + 32 * p);
-            const int c = 2 * (p % split);
             for (int r = 0; r < ROWS; r++) {
                 const bf16_t* row = x + r * K;
                 const int64_t k = k0 + 2 * p;
                 const __m512bh xv = kb < whole ? broadcast_pair(row + k) : pair_within(row, k, K);
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w0);
-                acc[r][c + 1] = _mm512_dpbf16_ps(acc[r][c + 1], xv, w1);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
             }
         }
     }
     for (int r = 0; r < ROWS; r++) {
-        __m512 sum_left = acc[r][0], sum_right = acc[r][1];
-        if (split == 2) {
-            sum_left = _mm512_add_ps(sum_left, acc[r][2]);
-            sum_right = _mm512_add_ps(sum_right, acc[r][3]);
-        }
-        _mm512_store_ps(left[r], sum_left);
-        _mm512_store_ps(right[r], sum_right);
+        _mm512_store_ps(left[r], acc[r][0]);
+        _mm512_store_ps(right[r], acc[r][1]);
     }
 }
 #endif
