@@ -238,15 +238,19 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
 
 
-def test_dense_experts_are_packed_where_f_linear_would_loop(monkeypatch: pytest.MonkeyPatch):
-    """bf16 experts on a CPU whose C matmuls take bf16 and oneDNN does not (AVX2): each expert's
-    packed copy replaces the stack (F.linear on bf16 runs PyTorch's reference loop there), the
-    layer's output that of the dense stacks within the accumulation's rounding."""
-    from minisgl.layers.linear import CpuProjection
+def test_dense_bf16_experts_are_packed_per_expert(monkeypatch: pytest.MonkeyPatch):
+    """bf16 experts on a CPU whose C matmuls take bf16: each expert's packed copy replaces the
+    stack (F.linear on bf16 ran PyTorch's reference loop on AVX2, and elsewhere summed one row
+    another way than several), the layer's output that of the dense stacks within the
+    accumulation's rounding, and a token's output the same bits whichever tokens share its
+    experts."""
+    from minisgl.layers.linear import CpuProjection, c_matmuls_take
     from minisgl.layers.moe import packs_dense_experts
 
-    if not packs_dense_experts(torch.bfloat16, cpu_kernels()):
-        pytest.skip("this CPU multiplies dense bf16 experts through F.linear (oneDNN)")
+    kernels = cpu_kernels()
+    if not c_matmuls_take(torch.bfloat16, kernels):
+        pytest.skip("the C matmuls take no bf16 weight on this CPU")
+    assert kernels is not None and packs_dense_experts(torch.bfloat16, kernels)
     path = tiny_model("qwen3-moe")
     config = load_model_config(path)
     model = create_model(config, path, torch.bfloat16, torch.device("cpu"), 64)
@@ -266,11 +270,33 @@ def test_dense_experts_are_packed_where_f_linear_would_loop(monkeypatch: pytest.
         x = torch.randn(tokens, config.hidden_size, generator=gen).bfloat16()
         got, want = layer(x).float(), dense_layer(x).float()
         torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
+        if not kernels.has_amx:  # (with AMX an expert's 5th row leaves the GEMV for the tiles)
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(min(tokens, 9))])
+            assert torch.equal(layer(x)[: len(alone)], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_output_does_not_depend_on_the_tokens_sharing_its_experts(dtype) -> None:
+    """Each token's MoE output alone equals its row among others (the same bits): speculative
+    verify steps and batches give what decoding one by one gives. Dense stacks multiplied by
+    F.linear summed one row another way than several (MKL's float32 at 1, 2, 3, 5, 9 rows)."""
+    kernels = cpu_kernels()
+    if dtype == torch.bfloat16 and kernels is not None and kernels.has_amx:
+        pytest.skip("with AMX an expert's 5th bf16 row leaves the GEMV for the tiles")
+    path = tiny_model("qwen3-moe")
+    model = create_model(load_model_config(path), path, dtype, torch.device("cpu"), 64)
+    layer = model.model.layers[0].mlp
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(12, model.config.hidden_size, generator=gen).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(layer(x), alone)
 
 
 def test_a_checkpoints_quantized_experts_are_split_per_expert() -> None:
     """A quantized checkpoint hands each stack over as every expert's rows stacked: expert e
-    gets its own rows, and a stack that arrives dense stays dense (no quantization asked)."""
+    gets its own rows, and a stack that arrives dense (no quantization asked) is packed per
+    expert where `packs_dense_experts` (float32: oneDNN's copy), else kept as it is."""
+    from minisgl.layers.moe import packs_dense_experts
     from minisgl.layers.quant_weight import concat_rows, quantize_int4
 
     gen = torch.Generator().manual_seed(11)
@@ -283,10 +309,17 @@ def test_a_checkpoints_quantized_experts_are_split_per_expert() -> None:
     dense_down = torch.randn(experts, hidden, inter, generator=gen)
     moe.prepare_for_cpu("w_down", dense_down, cpu_kernels())
     gate_up, down = moe.stacks()
-    assert gate_up.projections is not None and down.projections is None
+    assert gate_up.projections is not None and moe.w_gate_up.numel() == 0
     for expert, part in enumerate(parts):
         assert torch.equal(gate_up.projections[expert].weight.dequantize(), part.dequantize())
-    assert torch.equal(moe.w_down, dense_down) and moe.w_gate_up.numel() == 0
+    if packs_dense_experts(torch.float32, cpu_kernels()):
+        assert down.projections is not None and moe.w_down.numel() == 0
+        rows = torch.randn(3, inter, generator=gen)
+        for expert in range(experts):
+            want = rows @ dense_down[expert].T
+            torch.testing.assert_close(down(expert, rows), want, rtol=1e-5, atol=1e-5)
+    else:
+        assert down.projections is None and torch.equal(moe.w_down, dense_down)
     with pytest.raises(ValueError, match="w_up"):
         moe.prepare_for_cpu("w_up", dense_down, cpu_kernels())
 
@@ -310,13 +343,21 @@ def test_loader_stacks_every_expert_once(tmp_path: Path) -> None:
     tensors = load_file(str(path / "model.safetensors"))
     moe = model.model.layers[1].mlp
     assert isinstance(moe, SparseMoE)
+    gate_up, down = moe.stacks()
+
+    def weight(stack: ExpertStack, expert: int, in_features: int) -> torch.Tensor:
+        """The expert's weight as the stack multiplies it (packed or not): identity rows
+        through it, each product exact in float32."""
+        return stack(expert, torch.eye(in_features)).T
+
     for e in range(8):
         prefix = f"model.layers.1.mlp.experts.{e}"
         want = torch.cat(
             [tensors[f"{prefix}.gate_proj.weight"], tensors[f"{prefix}.up_proj.weight"]]
         )
-        assert torch.equal(moe.w_gate_up[e], want)
-        assert torch.equal(moe.w_down[e], tensors[f"{prefix}.down_proj.weight"])
+        assert torch.equal(weight(gate_up, e, want.shape[1]), want)
+        want = tensors[f"{prefix}.down_proj.weight"]
+        assert torch.equal(weight(down, e, want.shape[1]), want)
 
 
 @pytest.mark.parametrize(

@@ -286,11 +286,13 @@ def test_sampling_has_the_distribution_of_decoding_without_speculation(monkeypat
     assert _chi2_p_value(plain, wrong) < 1e-6
 
 
-def test_a_seeded_request_samples_the_tokens_it_samples_without_speculation() -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_a_seeded_request_samples_the_tokens_it_samples_without_speculation(arch: str) -> None:
     """A seeded draw is fixed by the seed and the token's index, not by the draws before it (a
     verify step's rejected positions draw too): with speculation a seeded request samples the
     tokens decoding one by one samples, with top-p, top-k, min-p, penalties, logit_bias and
-    min_tokens."""
+    min_tokens. (MoE: a token's experts give it the same bits however many tokens share them;
+    F.linear on the stacked experts did not, and a sampled token parted at a near tie.)"""
     steered = {101: 14.0, 202: 13.0, 303: 12.5}  # most mass on the prompt's tokens: drafts hold
     params = [
         SamplingParams(temperature=1.0, top_p=0.9, logit_bias=steered, max_tokens=24, seed=7),
@@ -315,7 +317,7 @@ def test_a_seeded_request_samples_the_tokens_it_samples_without_speculation() ->
         SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=7),
     ]
     prompt = [101, 303, 202, 303, 202, 303, 202, 303]
-    spec, plain, llm = spec_and_plain("qwen3", [prompt, prompt, prompt, REPEATS], params)
+    spec, plain, llm = spec_and_plain(arch, [prompt, prompt, prompt, REPEATS], params)
     assert token_ids(spec) == token_ids(plain)
     stats = llm.speculator.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens  # drafts both kept and rejected

@@ -60,10 +60,13 @@ class ExpertStack:
 
 
 def packs_dense_experts(dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
-    """Whether dense experts of this dtype are packed per expert for the C matmuls: where they
-    take the dtype and F.linear would run PyTorch's reference loop on it (bf16 on AVX2, where
-    oneDNN packs no bf16: a 512-token prefill of a small MoE 4x slower than its int8 copy)."""
-    return c_matmuls_take(dtype, kernels) and not onednn_packs(dtype)
+    """Whether dense experts of this dtype are packed per expert (a CpuProjection each, as a
+    dense Linear's weight): wherever the C matmuls or oneDNN pack the dtype. F.linear on the
+    stack ran PyTorch's reference loop on bf16 where oneDNN packs none (AVX2: a 512-token
+    prefill of a small MoE 4x slower than its int8 copy), and elsewhere summed a row another way
+    at one row than at several (oneDNN's bf16 at k >= 2,048; MKL's float32 at 1, 2, 3, 5, 9
+    rows), so a token's output depended on how many tokens shared its expert."""
+    return c_matmuls_take(dtype, kernels) or onednn_packs(dtype)
 
 
 # A quantized projection's weight argument, which it does not read.
