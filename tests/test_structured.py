@@ -57,6 +57,29 @@ def test_json_schemas_regexes_and_choices_hold_at_temperature_one() -> None:
     llm.shutdown()
 
 
+def test_length_bounded_json_strings_take_escapes_and_refuse_raw_control_characters() -> None:
+    """xgrammar lowers a string with minLength / maxLength to a run that admitted raw control
+    characters (invalid JSON: a raw tab) and no escape (mlc-ai/xgrammar#800): the grammar
+    minisgl compiles takes JSON's characters there, an escape counting as one."""
+    import xgrammar as xgr
+
+    schema = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}}
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[256]), max_threads=1)
+    compiled = compiler.compile_grammar(grammar.json_schema_grammar(json.dumps(schema)))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.accept_token(256)
+
+    valid = ['["abc"]', '["a\\"b", "\\n"]', '["\\u00e9\\t!"]', '["日本語"]']
+    for text in valid:
+        assert accepts(text), text
+        assert all(1 <= len(item) <= 3 for item in json.loads(text)), text
+    for text in ['["a\tb"]', '["\x01"]', '["abcd"]', '[""]', '["\\x"]']:
+        assert not accepts(text), text
+
+
 def test_openai_and_vllm_fields_over_http(client, model) -> None:
     schema = {
         "type": "object",

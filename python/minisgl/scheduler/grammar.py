@@ -37,6 +37,28 @@ TIMEOUT_CODE = "grammar_compile_timeout"
 BUSY_CODE = "server_busy"
 
 
+# xgrammar (0.2.9) lowers a JSON-schema string with minLength or maxLength to a bounded run of
+# one character class that admits raw control characters (JSON forbids them: a raw tab or \x11
+# made the output unparseable) and no escape (mlc-ai/xgrammar#800, open). Such runs take a JSON
+# string's characters instead, an escape counting as one; a grammar printed otherwise (a fixed
+# xgrammar) is compiled as it is.
+_BOUNDED_RUN = r"_characters ::= (([^\"\\\r\n]))"
+_JSON_CHARACTERS = (
+    r'_characters ::= (([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9]{4, 4}))))'
+)
+
+
+def json_schema_grammar(schema: str) -> Any:
+    """xgrammar's Grammar of a JSON schema (compact JSON), its length-bounded strings JSON's."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = str(grammar)
+    if _BOUNDED_RUN not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_RUN, _JSON_CHARACTERS))
+
+
 def compile_structured(compiler: Any, spec: StructuredOutput) -> Any:
     """The xgrammar CompiledGrammar of a constraint; raises (ValueError, RuntimeError) for a
     spec it cannot take."""
@@ -44,7 +66,7 @@ def compile_structured(compiler: Any, spec: StructuredOutput) -> Any:
     if spec.kind == "json":
         # Compact JSON: a model sampled at a high temperature cannot stall in whitespace. No
         # schema: any JSON object (OpenAI's json_object).
-        return compiler.compile_json_schema(spec.spec or ANY_OBJECT, any_whitespace=False)
+        return compiler.compile_grammar(json_schema_grammar(spec.spec or ANY_OBJECT))
     if spec.kind == "regex":
         return compiler.compile_regex(spec.spec)
     if spec.kind == "choice":

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from minisgl.core import StructuredOutput
+from minisgl.scheduler.grammar import json_schema_grammar
 
 from .responses import APIError
 
@@ -99,7 +100,7 @@ def check_builds(param: str, spec: StructuredOutput) -> None:
 
     try:
         if spec.kind == "json" and spec.spec:
-            grammar = xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
+            grammar = json_schema_grammar(spec.spec)
         elif spec.kind == "regex":
             grammar = xgr.Grammar.from_regex(spec.spec)
         elif spec.kind == "grammar":
