@@ -15,6 +15,7 @@ from helpers import (
     build_llm,
     greedy,
     hf_greedy,
+    model_path,
 )
 
 from minisgl.core import SamplingParams, StructuredOutput
@@ -213,6 +214,39 @@ def test_constrained_requests_verify_the_drafts_their_grammar_takes(monkeypatch)
     assert spec[1]["text"] in ("one two three four five", "six seven")
     # Both constrained requests verified drafts, and kept some.
     assert len(verified) == 2 and all(sum(kept) > 0 for kept in verified.values()), verified
+
+
+@pytest.mark.parametrize(
+    ("arch", "quantization"),
+    [("qwen3-pad", None), ("qwen3-moe", None), ("llama3", "int8"), ("qwen2", "int4")],
+)
+def test_bf16_greedy_and_seeded_outputs_equal_decoding_without_it(arch, quantization) -> None:
+    """In bf16 (dense on the C GEMV and matmul, MoE experts, quantized tiles) a verify step's
+    rows are the bits decoding one by one gives: greedy and seeded sampled outputs equal those
+    without speculation, n-gram drafts and a draft model's, verify steps beside prefills."""
+    kw: dict = dict(dtype=torch.bfloat16, max_running_req=3, max_prefill_length=16)
+    if quantization is not None:
+        kw["quantization"] = quantization
+    steered = {101: 14.0, 202: 13.0, 303: 12.5}  # most mass on the prompt's tokens: drafts hold
+    params = (
+        [
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=seed, logit_bias=steered)
+            for seed in range(3)
+        ]
+        + [greedy(n) for n in (40, 17, 33)]
+        + [greedy(24, logit_bias=steered)]
+    )
+    steering = [101, 303, 202, 303, 202, 303, 202, 303]
+    prompts = [steering, steering, REPEATS, "Hello, my name is", *PROMPTS[:2], steering]
+    draft = dict(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path=str(model_path(arch))
+    )
+    for speculation in (NGRAM, draft):
+        spec, plain, llm = spec_and_plain(arch, prompts, params, speculation, **kw)
+        assert token_ids(spec) == token_ids(plain), speculation
+        # (a random draft model's guesses seldom hold: its drafts reached verification)
+        stats = llm.speculator.stats
+        assert (stats.accepted_tokens if speculation is NGRAM else stats.verify_steps) > 0, stats
 
 
 def test_tensor_parallel_verify_steps_replay() -> None:
