@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import torch
-from helpers import build_llm, greedy
+from helpers import build_llm, greedy, model_path
 
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.utils.memory import HUGE_PAGE_BYTES, advise_huge_pages, empty_on_huge_pages
@@ -53,6 +53,41 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     # A round maps 64 MB (16k pages of 4 KB) when it gets fresh memory; glibc's defaults refault
     # ~40k pages in these five rounds.
     assert int(result.stdout.strip()) < 16384, result.stdout
+
+
+def test_an_engine_bounds_onednns_per_shape_caches():
+    """After an engine starts, oneDNN matmuls at many row counts (a server's prefills of varied
+    lengths) hold no more memory than its bounded caches: at oneDNN's and PyTorch's defaults
+    these 200 row counts kept ~100 MB (~0.5 MB each)."""
+    script = """
+import ctypes, sys, torch
+from minisgl.layers.linear import onednn_pack
+from minisgl.llm import LLM
+LLM(sys.argv[1], device="cpu", dtype=torch.float32, num_page_override=64)
+class MallInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo.restype = MallInfo
+weight = onednn_pack(torch.randn(256, 128))
+def multiply(rows):
+    torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 128), weight, None, "none", [], "")
+for rows in range(1, 301):  # the caches fill
+    multiply(rows)
+before = mallinfo().uordblks
+for rows in range(301, 501):
+    multiply(rows)
+print(mallinfo().uordblks - before)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(model_path("llama3"))],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert int(result.stdout.strip().splitlines()[-1]) < 8 << 20, result.stdout
 
 
 def test_tensors_on_huge_pages_lie_back_to_back():

@@ -18,7 +18,7 @@ from minisgl.kvcache import MHAKVCache
 from minisgl.layers.linear import decode_row_bounds
 from minisgl.models import create_model, load_model_config
 from minisgl.utils import div_ceil, init_logger
-from minisgl.utils.memory import keep_freed_memory
+from minisgl.utils.memory import bound_onednn_caches, keep_freed_memory
 
 from .config import EngineConfig
 from .cpu_threads import CpuThreads
@@ -134,6 +134,7 @@ class Engine:
             max_threads = max(1, total // (config.tp_size // config.nnodes))
             self.cpu_threads = CpuThreads(max_threads, adaptive=ENV.ADAPTIVE_THREADS.value)
             keep_freed_memory()
+            bound_onednn_caches()
         self.model_config = load_model_config(config.model_path)
         model_max = self.model_config.max_position_embeddings
         self.max_seq_len = min(config.max_seq_len_override or model_max, model_max)

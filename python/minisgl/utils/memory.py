@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import math
 import mmap
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,6 +118,25 @@ def keep_freed_memory() -> bool:
     (glibc on Linux only)."""
     _HEAP.keep_freed = _set_heap(_MMAP_THRESHOLD_MAX, 1 << 30)
     return _HEAP.keep_freed
+
+
+# oneDNN's primitive cache and PyTorch's cache of its matmuls keep an entry (~0.5 MB each) per
+# weight shape and row count: at their defaults (1,024 each) a server whose prompts vary in
+# length grew ~600 MB over its first few thousand requests (the default GGUF model's prefill
+# multiplies dequantized weights through oneDNN). A step's shapes are a few per row count (its
+# 30 layers share them), and a new one costs ~1 ms once a step.
+ONEDNN_CACHE_CAPACITY = 64
+_ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's and PyTorch's per-shape matmul caches at `capacity` entries where the
+    environment sets no capacity of its own. Both read it once, at their first matmul: a
+    process that ran one before keeps the defaults."""
+    if capacity < 1:  # PyTorch's cache crashes at 0
+        raise ValueError(f"capacity must be at least 1, got {capacity}")
+    for name in _ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(capacity))
 
 
 @contextlib.contextmanager
