@@ -123,9 +123,10 @@ def keep_freed_memory() -> bool:
 # oneDNN's primitive cache and PyTorch's cache of its matmuls keep an entry (~0.5 MB each) per
 # weight shape and row count: at their defaults (1,024 each) a server whose prompts vary in
 # length grew ~600 MB over its first few thousand requests (the default GGUF model's prefill
-# multiplies dequantized weights through oneDNN). A step's shapes are a few per row count (its
-# 30 layers share them), and a new one costs ~1 ms once a step.
-ONEDNN_CACHE_CAPACITY = 64
+# multiplies dequantized weights through oneDNN). A dense model's step needs a few entries (its
+# layers share them); a float32 MoE's decode two per distinct expert row count (~70 at batch
+# 32); a missing one costs ~0.5-1 ms to create.
+ONEDNN_CACHE_CAPACITY = 128
 _ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
