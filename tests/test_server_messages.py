@@ -87,8 +87,8 @@ class FakeInbox:
     def __init__(self) -> None:
         self.items: list = []
 
-    def get(self) -> list:
-        assert self.items, "the scheduler would block here forever"
+    def get(self, timeout_s: float | None = None) -> list:
+        assert self.items or timeout_s is not None, "the scheduler would block here forever"
         return self.drain()
 
     def drain(self) -> list:
@@ -151,6 +151,32 @@ def test_scheduler_io_accepts_rejects_streams_and_aborts(llm):
     stats = outbox.sent[-1]
     assert isinstance(stats, StatsMsg) and stats.idle and stats.pages_ok
     assert stats.free_pages + stats.cached_pages == stats.num_pages
+
+
+def test_an_idle_scheduler_gives_freed_memory_back_once(llm, monkeypatch):
+    """After a request, the first wait that times out hands the heap's freed memory back; the
+    next waits block without a timeout until work comes."""
+    import minisgl.scheduler.io as scheduler_io
+
+    released: list[int] = []
+    monkeypatch.setattr(scheduler_io, "release_freed_memory", lambda: released.append(1))
+    timeouts: list[float | None] = []
+    inbox, outbox = FakeInbox(), FakeOutbox()
+    get = inbox.get
+    inbox.get = lambda timeout_s=None: timeouts.append(timeout_s) or get(timeout_s)
+    io = SchedulerIO(llm, inbox, outbox, idle_release_s=0.25)
+    inbox.items = [UserMsg(20, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+    run_until_idle(io)
+    assert timeouts == [None] and released == []  # nothing freed before the first request
+    io.run_once()  # nothing arrives within idle_release_s
+    assert timeouts == [None, 0.25] and released == [1]
+    inbox.items = [UserMsg(21, [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))]
+    io.run_once()  # a wait without a timeout: it was released
+    assert timeouts[-1] is None
+    run_until_idle(io)
+    inbox.items = [AbortMsg(99)]  # a message that brings no work restarts the wait
+    io.run_once()
+    assert timeouts[-1] == 0.25 and released == [1]
 
 
 def test_detokenize_manager_cuts_stop_string_and_aborts(llm):

@@ -77,8 +77,11 @@ class ZmqPullQueue:
         _configure(self.socket)
         self.socket.bind(address)
 
-    def get(self) -> list[Any]:
-        """Block until a frame arrives, then return it and everything else already queued."""
+    def get(self, timeout_s: float | None = None) -> list[Any]:
+        """Block until a frame arrives (or `timeout_s` passes: then []), then return it and
+        everything else already queued."""
+        if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
+            return []
         msgs = unbatch(decode(self.socket.recv()))
         return msgs + self.drain()
 

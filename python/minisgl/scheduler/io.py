@@ -29,6 +29,7 @@ from minisgl.message import (
 from minisgl.scheduler import Scheduler, TokenOutput
 from minisgl.utils import init_logger
 from minisgl.utils.faults import inject as inject_fault
+from minisgl.utils.memory import release_freed_memory
 
 logger = init_logger(__name__)
 
@@ -36,17 +37,26 @@ logger = init_logger(__name__)
 class SchedulerIO:
     """Connects a `Scheduler` to its inbox and to the detokenizer.
 
-    `inbox` needs `get()` (block, then drain) and `drain()`; `outbox` needs `put_many(list)`.
-    Request ids (`rid`, from the API server) are mapped to the scheduler's own uids here.
+    `inbox` needs `get(timeout_s=None)` (block, then drain; [] once the timeout passes) and
+    `drain()`; `outbox` needs `put_many(list)`. Request ids (`rid`, from the API server) are
+    mapped to the scheduler's own uids here. After `idle_release_s` with nothing to do, the heap's
+    freed memory goes back to the OS (the engine keeps it for the next step while busy).
     """
 
     def __init__(
-        self, scheduler: Scheduler, inbox: Any, outbox: Any, stats_interval_s: float = 0.5
+        self,
+        scheduler: Scheduler,
+        inbox: Any,
+        outbox: Any,
+        stats_interval_s: float = 0.5,
+        idle_release_s: float = 5.0,
     ) -> None:
         self.scheduler = scheduler
         self.inbox = inbox
         self.outbox = outbox
         self.stats_interval_s = stats_interval_s
+        self.idle_release_s = idle_release_s
+        self._released = True  # nothing freed since the last release
         self.uid_to_rid: dict[int, int] = {}
         self.rid_to_uid: dict[int, int] = {}
         self._started: set[int] = set()  # uids that produced their first token
@@ -220,9 +230,17 @@ class SchedulerIO:
     def run_once(self) -> None:
         """Receive (blocking only when there is nothing to run), then step once."""
         was_busy = self.scheduler.has_work
-        msgs = self.inbox.drain() if was_busy else self.inbox.get()
+        if was_busy:
+            msgs = self.inbox.drain()
+        else:
+            msgs = self.inbox.get(None if self._released else self.idle_release_s)
+            if not msgs:  # idle that long: a burst's working set need not stay resident
+                release_freed_memory()
+                self._released = True
+                return
         out = self.handle(msgs)
         if self.scheduler.has_work:
+            self._released = False
             out.extend(self.convert(self.scheduler.step()))
         now = time.monotonic()
         # Stats: periodically while busy, and always on becoming idle (so a client that waits
