@@ -1,5 +1,7 @@
 """What quantization costs in quality, per weight format: top-1 next-token agreement with a
-reference model at every position of a fixed text (teacher-forced) and the text's perplexity.
+reference model at every position of a fixed text (teacher-forced), the KL divergence of each
+position's distribution from minisgl bf16's (over bf16's 20 likeliest tokens) and the text's
+perplexity.
 
 The reference is HF transformers in float32 on the model's dense checkpoint (for the default
 model: its Q4_1 GGUF dequantized by transformers, the same weight values the "gguf" format
@@ -74,20 +76,39 @@ def hf_reference(model: Path, ids: list[int]) -> tuple[list[int], float]:
     return logits.argmax(-1).tolist(), math.exp(-logprobs.mean().item())
 
 
-def ours(path: Path, kwargs: dict, ids: list[int], chunk: int) -> tuple[list[int], float]:
-    """minisgl's top-1 at each position and the text's perplexity (teacher-forced), prefilled
-    `chunk` tokens a step."""
+# Tokens per position whose log-probabilities the KL divergence sums (a near-tie's order flips
+# top-1 agreement by a whole token; the divergence weighs how far the distribution moved).
+KL_TOP = 20
+
+
+def ours(
+    path: Path, kwargs: dict, ids: list[int], chunk: int
+) -> tuple[list[int], float, list[dict[int, float]]]:
+    """minisgl's top-1 at each position, the text's perplexity (teacher-forced), prefilled
+    `chunk` tokens a step, and each position's KL_TOP most likely tokens' log-probabilities."""
     llm = LLM(
         str(path), dtype="bfloat16", num_page_override=2048, max_prefill_length=chunk, **kwargs
     )
     try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=KL_TOP)
         out = llm.generate([ids], params, use_tqdm=False)[0]["prompt_logprobs"][1:]
     finally:
         llm.shutdown()
     top1 = [top[0][0] for _, _, top in out]
     nll = -sum(logprob for _, logprob, _ in out) / len(out)
-    return top1, math.exp(nll)
+    return top1, math.exp(nll), [dict(top) for _, _, top in out]
+
+
+def kl_divergence(ref: list[dict[int, float]], other: list[dict[int, float]]) -> float:
+    """Mean KL(ref || other) over positions, summed over ref's KL_TOP tokens (a token outside
+    other's top takes other's smallest listed log-probability, an upper bound on it)."""
+    total = 0.0
+    for ref_top, other_top in zip(ref, other):
+        floor = min(other_top.values())
+        total += sum(
+            math.exp(lp) * (lp - other_top.get(token, floor)) for token, lp in ref_top.items()
+        )
+    return total / len(ref)
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -109,27 +130,29 @@ def main() -> None:
     print(f"# {model.name}: {len(ids)} tokens; HF float32 perplexity {ref_ppl:.3f}")
     chunks = [int(c) for c in args.chunks.split(",") if c]
     print(
-        "| format | top-1 vs HF fp32 | top-1 vs minisgl bf16 | perplexity | vs HF fp32 |"
+        "| format | top-1 vs HF fp32 | top-1 vs minisgl bf16 | KL from minisgl bf16 | perplexity "
+        "| vs HF fp32 |"
         + "".join(f" {c}-token chunks: top-1, perplexity vs HF fp32 |" for c in chunks)
     )
-    print("|---|---|---|---|---|" + "---|" * len(chunks))
-    bf16_top1 = None
+    print("|---|---|---|---|---|---|" + "---|" * len(chunks))
+    bf16_top1 = bf16_tops = None
     for fmt in args.formats.split(","):
         if fmt == "gguf" and gguf is None:
             continue
         path = gguf if fmt == "gguf" else model
         kwargs = {} if fmt == "bf16" else {"quantization": fmt}
-        top1, ppl = ours(path, kwargs, ids, len(ids))
+        top1, ppl, tops = ours(path, kwargs, ids, len(ids))
         chunked = [ours(path, kwargs, ids, c) for c in chunks]
         if fmt == "bf16":
-            bf16_top1 = top1
+            bf16_top1, bf16_tops = top1, tops
         vs_bf16 = "" if bf16_top1 is None else f"{agreement(bf16_top1, top1):.1%}"
+        kl = "" if bf16_tops is None else f"{kl_divergence(bf16_tops, tops):.2e}"
         print(
-            f"| {fmt} | {agreement(ref_top1, top1):.1%} | {vs_bf16} | {ppl:.3f} | "
+            f"| {fmt} | {agreement(ref_top1, top1):.1%} | {vs_bf16} | {kl} | {ppl:.3f} | "
             f"{(ppl / ref_ppl - 1):+.1%} |"
             + "".join(
                 f" {agreement(ref_top1, c_top1):.1%}, {(c_ppl / ref_ppl - 1):+.1%} |"
-                for c_top1, c_ppl in chunked
+                for c_top1, c_ppl, _ in chunked
             ),
             flush=True,
         )

@@ -195,7 +195,7 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     dense weight quantized alone; the layer's output equals the experts' dequantized weights'
     within the activations' rounding."""
     from minisgl.layers.linear import CpuProjection
-    from minisgl.layers.quantized import QuantizedProjection, quantize
+    from minisgl.layers.quantized import QuantizedProjection, int8_group, quantize
 
     path = tiny_model("qwen3-moe")
     config = load_model_config(path)
@@ -211,7 +211,8 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     gate_up, down = layer.mlp.stacks()
     dense_gate_up, dense_down = dense_layer.mlp.stacks()
     assert gate_up.projections is not None and down.projections is not None
-    # int8: a byte a weight and a float32 scale a row; int4 where in_features is a multiple of
+    # int8: a byte a weight and a float16 scale per 64 columns (32 here where in_features is;
+    # with AMX-INT8 a float32 scale a row); int4 where in_features is a multiple of
     # 64 (gate_up's 64 here; down's 32 keeps its 4-bit values in bytes, which VNNI's tiles hold
     # in 6 bits): half a byte and a float16 scale and offset per 32 columns. Rows this short
     # make the scales weigh more. `.weight` is a QuantizedWeight, or on VNNI a TiledWeight:
@@ -223,7 +224,8 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     method = "int4-g32" if quantization == "int4" else quantization
     for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
         for expert in (0, config.num_experts - 1):
-            want = quantize(dense_stack.dense[expert], method)
+            group_int8 = int8_group(method, cpu_kernels())
+            want = quantize(dense_stack.dense[expert], method, group_int8)
             got = stack.projections[expert].weight
             assert want is not None and torch.equal(got.dequantize(), want.dequantize())
     # The layer against the same experts dequantized, in float32.

@@ -44,6 +44,7 @@ from minisgl.layers.quantized import (
     AVX2_TILED_MAX_ROWS,
     QUANTIZED_GEMV_MAX_ROWS,
     QuantizedProjection,
+    int8_group,
     quantize,
     quantize_head,
 )
@@ -193,6 +194,32 @@ def test_bad_layouts_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="multiple of 64"):
         QuantizedWeight(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 3), None, 4, 32)
     assert quantize(torch.randn(8, 40), "int8") is None  # no group fits: stays dense
+
+
+def test_int8_takes_a_float16_scale_per_64_columns_but_per_row_for_amxs_w8a8() -> None:
+    """int8 at load: a float16 scale per 64 columns (halved until it divides in_features), the
+    head per 32; one float32 scale a row where AMX-INT8's W8A8 tiles multiply it (int8, not
+    int8-wo). Finer scales round each weight no worse than one per row."""
+
+    class Cpu:
+        def __init__(self, has_amx_int8: bool) -> None:
+            self.has_amx_int8 = has_amx_int8
+
+    weight = torch.randn(24, 192, generator=torch.Generator().manual_seed(3))
+    weight[5, 7] = 40.0  # an outlier sets its row's step, not its neighbours' groups'
+    for in_features, group in ((192, 64), (160, 32), (48, 16)):
+        q = quantize(weight[:, :in_features], "int8-wo")
+        assert q is not None and (q.group, q.scales.dtype) == (group, torch.float16)
+        step = q.scales.float().repeat_interleave(group, dim=1)
+        assert torch.all((q.dequantize() - weight[:, :in_features]).abs() <= step / 2 + 1e-6)
+    grouped, per_row = quantize(weight, "int8"), quantize(weight, "int8", None)
+    assert per_row is not None and per_row.group == 192 and per_row.scales.dtype == torch.float32
+    row5_error = [(q.dequantize()[5, 64:] - weight[5, 64:]).abs().max() for q in (grouped, per_row)]
+    assert row5_error[0] < row5_error[1] / 5
+    assert quantize_head(weight, "int8").group == 32
+    assert int8_group("int8", Cpu(True)) is None  # type: ignore[arg-type]
+    assert int8_group("int8-wo", Cpu(True)) == int8_group("int8", Cpu(False)) == 64  # type: ignore[arg-type]
+    assert int8_group("int8", None) == 64
 
 
 def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -412,18 +439,22 @@ def _hf_dequantized(model: str, method: str) -> tuple[torch.nn.Module, torch.nn.
     # Eager experts: transformers' grouped matmul takes no float64.
     kw = {"experts_implementation": "eager"} if "moe" in model else {}
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model(model)), dtype=torch.float32, **kw)
+    group_int8 = int8_group(method, KERNELS)  # what the engine picks on this CPU
     with torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear):  # a MoE router is not one
-                method_of = quantize_head if name == "lm_head" else quantize
-                qweight = method_of(module.weight, method)
+                qweight = (
+                    quantize_head(module.weight, method)
+                    if name == "lm_head"
+                    else quantize(module.weight, method, group_int8)
+                )
                 if qweight is not None:
                     module.weight.copy_(qweight.dequantize())
             for stack in ("gate_up_proj", "down_proj"):  # the experts [E, N, K], per expert
                 experts = getattr(module, stack, None)
                 if isinstance(experts, torch.nn.Parameter) and experts.dim() == 3:
                     for expert in experts:
-                        qweight = quantize(expert, method)
+                        qweight = quantize(expert, method, group_int8)
                         assert qweight is not None
                         expert.copy_(qweight.dequantize())
     hf.eval()

@@ -15,7 +15,7 @@ from minisgl.kernel.cpu import CpuKernels
 from .activation import silu_and_mul
 from .lora import LoraSlots
 from .quant_weight import QuantizedWeight
-from .quantized import QuantizedProjection, quantize
+from .quantized import QuantizedProjection, int8_group, quantize
 
 # Rows per call decide the CPU matmul, always on the weight's tile-layout copy, its only one
 # (benchmark/cpu_kernels.py, offline.py --decode-batch-sizes): up to GEMV_MAX_ROWS (with AMX tiles
@@ -309,7 +309,8 @@ class Linear(nn.Module):
         handed_over = weight is not None
         weight = self.weight.data if weight is None else weight
         if isinstance(weight, torch.Tensor) and self.quantization is not None:
-            weight = quantize(weight, self.quantization) or weight
+            group_int8 = int8_group(self.quantization, kernels)
+            weight = quantize(weight, self.quantization, group_int8) or weight
         if isinstance(weight, QuantizedWeight):
             gated = self.gated and self.bias is None  # the fused SiLU takes no bias
             self.cpu_projection = QuantizedProjection(

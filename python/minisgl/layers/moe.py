@@ -16,7 +16,7 @@ from minisgl.kernel.cpu import CpuKernels
 from .activation import silu_and_mul
 from .linear import CpuProjection, Linear, c_matmuls_take, onednn_packs
 from .quant_weight import QuantizedWeight
-from .quantized import QuantizedProjection, quantize
+from .quantized import QuantizedProjection, int8_group, quantize
 
 # The two projections of every expert of a layer, by name: gate and up [E, 2I, H], down [E, H, I].
 EXPERT_STACKS = ("w_gate_up", "w_down")
@@ -136,7 +136,11 @@ class SparseMoE(nn.Module):
             ]
         else:
             method = self.quantization
-            quantized = [quantize(w, method) for w in weight] if method is not None else []
+            if method is None:
+                quantized = []
+            else:
+                group_int8 = int8_group(method, kernels)
+                quantized = [quantize(w, method, group_int8) for w in weight]
             if not quantized or any(q is None for q in quantized):
                 self._keep_dense(stack, weight, kernels)
                 return

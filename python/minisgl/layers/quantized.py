@@ -25,16 +25,24 @@ from minisgl.kernel.quantized import (
 from .quant_tiles import TiledWeight, tile_weight
 from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
-# Quantized at load: "int8" (a scale per output row; with AMX-INT8 the bf16 rows of a decode
-# batch or prefill, more than W8A8_MIN_ROWS, are rounded to int8 per row too: W8A8; with VNNI
-# alone per 32 columns, as every tiled weight's), "int8-wo" (the same weights, activations kept
-# to 16 bits: weight-only),
+# Quantized at load: "int8" (a float16 scale per INT8_GROUP columns; the bf16 rows of a decode
+# batch or prefill meet it as int8 per 32 columns where the CPU has VNNI, W8A8; with AMX-INT8
+# one scale per row, more than W8A8_MIN_ROWS rows rounded to int8 per row on the int8 tiles),
+# "int8-wo" (the same weights, activations kept to 16 bits: weight-only),
 # "int4" (a float16 scale and offset per 32 columns, Q4_1's scheme; "-g64"/"-g128": per
 # 64/128, fewer bytes, coarser: the default model kept 97% of bf16's top-1 at 32, 74% at
 # 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors.
 # "none": every weight dense, even from a quantized file.
 LOAD_QUANTIZATIONS = ("int8", "int8-wo", "int4", "int4-g32", "int4-g64", "int4-g128")
 QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
+
+# Columns per float16 scale of int8 weights quantized at load, 3% more bytes than one float32
+# scale per row: per row, W8A8 sat at 1.6-2.2x the KL divergence from bf16 (default model,
+# teacher-forced on prose and on code and docs), the rows' largest weights setting every
+# column's step. The output head's, 32 (llama.cpp's Q8_0), is what it ranks tokens by: per row
+# it cost the default model 2.6 points of top-1 against bf16 on the quality benchmark's text.
+INT8_GROUP = 64
+INT8_HEAD_GROUP = 32
 
 # Rows up to which the C kernels multiply the quantized weight as it is (measured: above,
 # dequantizing it to the activations' dtype once per call and multiplying through oneDNN is
@@ -65,30 +73,52 @@ def _scratch(dtype: torch.dtype, count: int) -> torch.Tensor:
     return scratch[:count]
 
 
-def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
+def int8_group(method: str, kernels: CpuKernels | None) -> int | None:
+    """Columns per scale of `method`'s int8 weights on this CPU: INT8_GROUP, or None (a scale
+    per output row) for `int8` where AMX-INT8's W8A8 tiles take it (they sum a row's whole
+    in_features in int32, then scale once: w8a8_fits)."""
+    if method == "int8" and kernels is not None and kernels.has_amx_int8:
+        return None
+    return INT8_GROUP
+
+
+def quantize(
+    weight: torch.Tensor, method: str, group_int8: int | None = INT8_GROUP
+) -> QuantizedWeight | None:
     """A dense weight quantized by a LOAD_QUANTIZATIONS method; None where its in_features fit
     no group of the kernels (int8: a multiple of 16; int4: of 32), which then stays dense.
-    int4's group is the largest of the one asked (32 unless named), 64 and 32 dividing
-    in_features."""
+    int8: a float16 scale per `group_int8` columns (None: a float32 one per output row; see
+    int8_group). A group asked is halved (to 16 for int8, 32 for int4, 32 unless named) until
+    it divides in_features."""
     in_features = weight.shape[1]
     if method in ("int8", "int8-wo"):
-        return quantize_int8(weight) if in_features % 16 == 0 else None
+        if in_features % 16:
+            return None
+        if group_int8 is None:
+            return quantize_int8(weight)
+        return quantize_int8(weight, _fitting(group_int8, 16, in_features), 127, torch.float16)
     if method.startswith("int4"):
-        group = int(method.partition("-g")[2] or 32)
-        while group > 32 and in_features % group:
-            group //= 2
+        group = _fitting(int(method.partition("-g")[2] or 32), 32, in_features)
         return quantize_int4(weight, group) if in_features % group == 0 else None
     raise ValueError(f"quantization {method!r} is not one of {list(LOAD_QUANTIZATIONS)}")
+
+
+def _fitting(group: int, smallest: int, in_features: int) -> int:
+    """`group` halved until it divides in_features or reaches `smallest`."""
+    while group > smallest and in_features % group:
+        group //= 2
+    return group
 
 
 def quantize_head(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     """An output head (or tied embedding) quantized for `method`, at higher precision than its
     layers, as llama.cpp keeps its output layer (4 bits lose logit order: the default model's
-    int4 top-1 fell from 97% to 86%): int8 per row, or for the 4-bit methods 6 bits per 32
-    columns with float16 scales (Q6_K's size; tiled in 6 bits, 0.81 of int8's bytes)."""
+    int4 top-1 fell from 97% to 86%): int8 with a float16 scale per INT8_HEAD_GROUP columns,
+    or for the 4-bit methods 6 bits per 32 columns with float16 scales (Q6_K's size; tiled in
+    6 bits, 0.81 of int8's bytes)."""
     if method.startswith("int4") and weight.shape[1] % 32 == 0:
         return quantize_int8(weight, 32, limit=31, scale_dtype=torch.float16)
-    return quantize(weight, "int8")
+    return quantize(weight, "int8", INT8_HEAD_GROUP)
 
 
 class QuantizedProjection:
