@@ -3,8 +3,12 @@
 engine multiplies them in bf16 on this CPU and from each quantized layout through the C
 kernel (tiled: with int8 activations where the CPU has VNNI, int16 ones with AVX2; and then
 the row layout's kernels too) and through dequantize + oneDNN, and the ratio bf16 / quantized. "w8a8" is the int8
-weights with `--quantization int8`'s activations (int8 per row above 5 rows, where the kernels
-tile the weight; the "int8" columns are `int8-wo`'s).
+weights with `--quantization int8`'s activations (above 5 rows, where the kernels tile the
+weight: int8 per 32 columns with VNNI, per row on AMX-INT8's tiles; the "int8" columns are
+`int8-wo`'s). Beside w8a8, oneDNN's int8 matmul through torch (`torch._int_mm`, SGLang's and
+vLLM's CPU W8A8 scheme: x rounded to int8 per row, one weight scale per row, int32 sums scaled
+once): the whole call in torch ops, and its matmul alone (what a fused rounding and epilogue
+could approach).
 
 Weights cycle through --layers layers, so they come from memory as in a decode step. Figures
 only: `python benchmark/kernels_quantized.py` (about a minute); --rows 1,8,64.
@@ -21,7 +25,8 @@ from timing import median_seconds
 
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.layers.linear import CpuProjection, computes_in_float32
-from minisgl.layers.quantized import QuantizedProjection, quantize
+from minisgl.layers.quant_weight import quantize_int8
+from minisgl.layers.quantized import QuantizedProjection, int8_group, quantize
 
 BF16 = torch.bfloat16
 FORMATS = ("int8", "w8a8", "int4-g32", "int4-g128")
@@ -64,9 +69,17 @@ def main() -> None:
     ]
     dense = [CpuProjection(w, kernels) for w in weights]
     formats = args.formats.split(",")
+
+    def method(f: str) -> str:
+        return "int8" if f == "w8a8" else f
+
     quantized = {
-        f: [quantize(w.float(), "int8" if f == "w8a8" else f) for w in weights] for f in formats
+        f: [quantize(w.float(), method(f), int8_group(method(f), kernels)) for w in weights]
+        for f in formats
     }
+    # oneDNN's int8 route: one scale per weight row, the weight [K, N] as _int_mm takes it.
+    per_row = [quantize_int8(w.float()) for w in weights] if "w8a8" in formats else []
+    int_mm_weights = [(q.values.t(), q.scales[:, 0]) for q in per_row]
     projections = {
         f: [QuantizedProjection(q, kernels, int8_activations=f == "w8a8") for q in qs]  # type: ignore[arg-type]
         for f, qs in quantized.items()
@@ -88,8 +101,11 @@ def main() -> None:
     header += "".join(
         (" {f} C |" + rows_cell + " {f} dequant | bf16/{f} |").format(f=f) for f in formats
     )
+    if int_mm_weights:
+        header += " oneDNN int8 | its matmul alone | bf16/oneDNN int8 |"
     print(header)
-    print("|" + "---|" * (2 + (4 if row_layout else 3) * len(formats)))
+    columns = 2 + (4 if row_layout else 3) * len(formats) + (3 if int_mm_weights else 0)
+    print("|" + "---|" * columns)
     for rows in map(int, args.rows.split(",")):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=BF16) for w in weights}
         base = median_seconds(lambda xs=xs: bf16(weights, dense, xs), args.repeat)
@@ -109,6 +125,12 @@ def main() -> None:
                 )
                 cells.append(f"{rows_time / args.layers * 1e6:.0f}")
             cells += [f"{deq:.0f}", f"{base / min(c_time, deq):.2f}x"]
+        if int_mm_weights:
+            whole = median_seconds(lambda xs=xs: int_mm(int_mm_weights, xs), args.repeat)
+            xq = {k: torch.randint(-127, 128, x.shape, dtype=torch.int8) for k, x in xs.items()}
+            alone = median_seconds(lambda xq=xq: int_mm_alone(int_mm_weights, xq), args.repeat)
+            whole, alone = whole / args.layers * 1e6, alone / args.layers * 1e6
+            cells += [f"{whole:.0f}", f"{alone:.0f}", f"{base / whole:.2f}x"]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -132,6 +154,22 @@ def dequantized(projections: list[QuantizedProjection], xs: dict) -> None:
         x = xs[proj.in_features]
         dtype = torch.float32 if computes_in_float32(BF16, proj.kernels) else BF16
         torch.nn.functional.linear(x.to(dtype), proj.dequantized(dtype)).to(BF16)
+
+
+def int_mm(weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict) -> None:
+    """Every weight through oneDNN's int8 matmul: x rounded to int8 per row, the int32 sums
+    scaled by the row's and the weight row's scales, bf16 out."""
+    for values, scales in weights:
+        x = xs[values.shape[0]].float()
+        x_scale = (x.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+        xq = torch.round(x / x_scale).to(torch.int8)
+        (torch._int_mm(xq, values).float() * x_scale * scales).to(BF16)
+
+
+def int_mm_alone(weights: list[tuple[torch.Tensor, torch.Tensor]], xq: dict) -> None:
+    """oneDNN's int8 matmul alone on x already int8 (no rounding, no scaling)."""
+    for values, _ in weights:
+        torch._int_mm(xq[values.shape[0]], values)
 
 
 if __name__ == "__main__":
