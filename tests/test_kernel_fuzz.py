@@ -249,6 +249,29 @@ def test_quantized_linear_shapes_stay_in_bounds_and_within_their_path(kernels):
     assert not missing, f"paths this build takes that the fuzz did not run: {sorted(missing)}"
 
 
+def test_a_prefill_past_the_row_block_equals_its_rows_in_shorter_calls(kernels):
+    """More bf16 rows than the tile kernels' ROW_BLOCK (512; csrc/quantized_tiled.c) go through
+    in blocks: every row comes out as a call of fewer rows (on the same path) gives it, bit for
+    bit, and nothing is written past the output. Grouped weights: a W8A8 call's outlier columns
+    follow its rows, so its rows do depend on the call."""
+    gen = torch.Generator().manual_seed(13)
+    rows, part = 1100, 275  # two whole blocks and a partial one; parts on the same path
+    for tiled, layout in itertools.product(layouts(kernels), (LAYOUTS[2], LAYOUTS[6])):
+        q = make_weight(layout, 40, 128, gen)
+        params, _held, _bits = weight_params(q, tiled, kernels.has_amx)
+        x = torch.randn(rows, 128, generator=gen).bfloat16()
+        path = kernels.quantized_path(params, rows, 128, torch.bfloat16)
+        assert path == kernels.quantized_path(params, part, 128, torch.bfloat16), path
+        buffer, whole = guarded(rows, 40, torch.bfloat16)
+        kernels.quantized_linear(x, params, (40, 128), None, False, whole)
+        assert_guards(buffer, f"{path} {layout[0]}")
+        parts = [
+            kernels.quantized_linear(x[start : start + part].contiguous(), params, (40, 128), None)
+            for start in range(0, rows, part)
+        ]
+        assert torch.equal(whole, torch.cat(parts)), (path, layout[0])
+
+
 def test_quantized_rows_are_the_dequantized_weight_and_stay_in_bounds(kernels):
     """Row lookups (an embedding) and the whole weight in order (a prefill's dequantization):
     exactly the float32 dequantization, or it rounded to bf16 once."""
