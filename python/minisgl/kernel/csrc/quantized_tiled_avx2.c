@@ -81,66 +81,65 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
     __m256 acc[2][AVX2_TILE_MR];
     for (int p = 0; p < 2; p++)
         for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 scale[2];
-        group_scales(scale, w, t, g, groups, groups_ahead, m0);
-        for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; u++) {
-            const int16_t* xu = xs->x16 + m0 * K + u * unit;  // row m0's first column of u
-            prefetch_unit(tile, u, PREFETCH_UNITS, unit * BITS * 2, m0);
-            __m256i sums[2][AVX2_TILE_MR];
-            for (int r = 0; r < R; r++) {
-                const __m256i start = xs->neg ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
-                                              : _mm256_setzero_si256();
-                for (int p = 0; p < 2; p++) sums[p][r] = start;
-            }
-            if (BITS == 8) {
+    __m256 scale[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t u = 0, g = 0, in_group = 0; u < units; u++) {
+        if (in_group == 0) group_scales(scale, w, t, g, groups, groups_ahead, m0);
+        const int16_t* xu = xs->x16 + m0 * K + u * unit;  // row m0's first column of u
+        prefetch_unit(tile, u, PREFETCH_UNITS, unit * BITS * 2, m0);
+        __m256i sums[2][AVX2_TILE_MR];
+        for (int r = 0; r < R; r++) {
+            const __m256i start = xs->neg ? _mm256_set1_epi32(xs->neg[(m0 + r) * units + u])
+                                          : _mm256_setzero_si256();
+            for (int p = 0; p < 2; p++) sums[p][r] = start;
+        }
+        if (BITS == 8) {
 #pragma GCC unroll 8
-                for (int q = 0; q < QUADS; q++) {
+            for (int q = 0; q < QUADS; q++) {
+                __m256i even[2], odd[2];
+                for (int p = 0; p < 2; p++) {
+                    const __m256i v = _mm256_loadu_si256(
+                        (const __m256i*)(tile + (u * QUADS + q) * 64 + p * 32));
+                    even[p] = _mm256_and_si256(v, low8), odd[p] = _mm256_srli_epi16(v, 8);
+                }
+                accumulate_pairs(sums, even, odd, xu + 4 * q, K, R);
+            }
+        } else {
+            // 4 and 6 bits: the unit's chunk (a 16-column unit: nibble half u % 2 of it)
+            const int64_t chunk = QUADS == 8 ? u : u / 2;
+            const uint8_t* at = tile + chunk * 64 * BITS;
+            const int64_t xoff = chunk * 32 - u * unit;  // the chunk's column 0, from xu's
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m256i v[2];
+                for (int p = 0; p < 2; p++)
+                    v[p] = _mm256_loadu_si256((const __m256i*)(at + j * 64 + p * 32));
+#pragma GCC unroll 2
+                for (int hh = 0; hh < 2; hh++) {
+                    if (QUADS == 4 && hh != u % 2) continue;
                     __m256i even[2], odd[2];
                     for (int p = 0; p < 2; p++) {
-                        const __m256i v = _mm256_loadu_si256(
-                            (const __m256i*)(tile + (u * QUADS + q) * 64 + p * 32));
-                        even[p] = _mm256_and_si256(v, low8), odd[p] = _mm256_srli_epi16(v, 8);
-                    }
-                    accumulate_pairs(sums, even, odd, xu + 4 * q, K, R);
-                }
-            } else {
-                // 4 and 6 bits: the unit's chunk (a 16-column unit: nibble half u % 2 of it)
-                const int64_t chunk = QUADS == 8 ? u : u / 2;
-                const uint8_t* at = tile + chunk * 64 * BITS;
-                const int64_t xoff = chunk * 32 - u * unit;  // the chunk's column 0, from xu's
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    __m256i v[2];
-                    for (int p = 0; p < 2; p++)
-                        v[p] = _mm256_loadu_si256((const __m256i*)(at + j * 64 + p * 32));
-#pragma GCC unroll 2
-                    for (int hh = 0; hh < 2; hh++) {
-                        if (QUADS == 4 && hh != u % 2) continue;
-                        __m256i even[2], odd[2];
-                        for (int p = 0; p < 2; p++) {
-                            if (BITS == 4) {
-                                even[p] = _mm256_and_si256(_mm256_srli_epi16(v[p], 4 * hh), low4);
-                                odd[p] = hh ? _mm256_srli_epi16(v[p], 12)
-                                            : _mm256_and_si256(_mm256_srli_epi16(v[p], 8), low4);
-                            } else {
-                                const __m256i tops = _mm256_loadu_si256(
-                                    (const __m256i*)(at + 256 + hh * 64 + p * 32));
-                                even[p] = six_bit_pair(v[p], tops, hh, j, 0);
-                                odd[p] = six_bit_pair(v[p], tops, hh, j, 1);
-                            }
+                        if (BITS == 4) {
+                            even[p] = _mm256_and_si256(_mm256_srli_epi16(v[p], 4 * hh), low4);
+                            odd[p] = hh ? _mm256_srli_epi16(v[p], 12)
+                                        : _mm256_and_si256(_mm256_srli_epi16(v[p], 8), low4);
+                        } else {
+                            const __m256i tops = _mm256_loadu_si256(
+                                (const __m256i*)(at + 256 + hh * 64 + p * 32));
+                            even[p] = six_bit_pair(v[p], tops, hh, j, 0);
+                            odd[p] = six_bit_pair(v[p], tops, hh, j, 1);
                         }
-                        accumulate_pairs(sums, even, odd, xu + xoff + 16 * hh + 4 * j, K, R);
                     }
+                    accumulate_pairs(sums, even, odd, xu + xoff + 16 * hh + 4 * j, K, R);
                 }
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256 xd = _mm256_set1_ps(xs->xd[(m0 + r) * xblocks + u * unit / 32]);
-                for (int p = 0; p < 2; p++)
-                    acc[p][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[p][r]),
-                                                _mm256_mul_ps(scale[p], xd), acc[p][r]);
             }
         }
+        for (int r = 0; r < R; r++) {
+            const __m256 xd = _mm256_set1_ps(xs->xd[(m0 + r) * xblocks + u * unit / 32]);
+            for (int p = 0; p < 2; p++)
+                acc[p][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[p][r]),
+                                            _mm256_mul_ps(scale[p], xd), acc[p][r]);
+        }
+        if (++in_group == units_per_group) in_group = 0, g++;
     }
     if (w->mins) add_offsets(acc, w, xs->xsum, t, groups, m0, R);
     store_tile_rows(acc, bias, y, N, t, m0, out_f32, R);
