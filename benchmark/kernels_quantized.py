@@ -74,7 +74,10 @@ def main() -> None:
         return "int8" if f == "w8a8" else f
 
     quantized = {
-        f: [quantize(w.float(), method(f), int8_group(method(f), kernels)) for w in weights]
+        f: [
+            quantize(w.float(), method(f), int8_group(method(f), kernels, w.shape[1]))
+            for w in weights
+        ]
         for f in formats
     }
     # oneDNN's int8 route: one scale per weight row, the weight [K, N] as _int_mm takes it.

@@ -224,7 +224,7 @@ def test_load_quantization_quantizes_the_experts_and_keeps_the_router_dense(
     method = "int4-g32" if quantization == "int4" else quantization
     for stack, dense_stack in ((gate_up, dense_gate_up), (down, dense_down)):
         for expert in (0, config.num_experts - 1):
-            group_int8 = int8_group(method, cpu_kernels())
+            group_int8 = int8_group(method, cpu_kernels(), dense_stack.dense.shape[-1])
             want = quantize(dense_stack.dense[expert], method, group_int8)
             got = stack.projections[expert].weight
             assert want is not None and torch.equal(got.dequantize(), want.dequantize())

@@ -8,6 +8,7 @@ their top-1 agreement with the dense model (bf16 activations, for the GGUF)."""
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_int8_takes_a_float16_scale_per_64_columns_but_per_row_for_amxs_w8a8() -
 
     class Cpu:
         def __init__(self, has_amx_int8: bool) -> None:
-            self.has_amx_int8 = has_amx_int8
+            self.has_amx_int8 = self.reads_tiles = has_amx_int8
 
     weight = torch.randn(24, 192, generator=torch.Generator().manual_seed(3))
     weight[5, 7] = 40.0  # an outlier sets its row's step, not its neighbours' groups'
@@ -217,9 +218,11 @@ def test_int8_takes_a_float16_scale_per_64_columns_but_per_row_for_amxs_w8a8() -
     row5_error = [(q.dequantize()[5, 64:] - weight[5, 64:]).abs().max() for q in (grouped, per_row)]
     assert row5_error[0] < row5_error[1] / 5
     assert quantize_head(weight, "int8").group == 32
-    assert int8_group("int8", Cpu(True)) is None  # type: ignore[arg-type]
-    assert int8_group("int8-wo", Cpu(True)) == int8_group("int8", Cpu(False)) == 64  # type: ignore[arg-type]
-    assert int8_group("int8", None) == 64
+    amx, vnni = cast(CpuKernels, Cpu(True)), cast(CpuKernels, Cpu(False))
+    assert int8_group("int8", amx, 192) is None
+    assert int8_group("int8", amx, 48) == 64  # 48 columns do not tile: no W8A8 to need a row
+    assert int8_group("int8-wo", amx, 192) == int8_group("int8", vnni, 192) == 64
+    assert int8_group("int8", None, 192) == 64
 
 
 def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -429,6 +432,11 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     return sum(x == y for x, y in pairs) / len(pairs), len(pairs)
 
 
+def _engines_group(method: str, weight: torch.Tensor) -> int | None:
+    """The int8 group the engine picks for this weight on this CPU."""
+    return int8_group(method, KERNELS, weight.shape[-1])
+
+
 def _hf_dequantized(model: str, method: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """HF's model of the named test model with every weight that `method` quantizes at load
     replaced by its dequantization (projections and experts by `quantize`, the output head, and
@@ -439,14 +447,13 @@ def _hf_dequantized(model: str, method: str) -> tuple[torch.nn.Module, torch.nn.
     # Eager experts: transformers' grouped matmul takes no float64.
     kw = {"experts_implementation": "eager"} if "moe" in model else {}
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model(model)), dtype=torch.float32, **kw)
-    group_int8 = int8_group(method, KERNELS)  # what the engine picks on this CPU
     with torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear):  # a MoE router is not one
                 qweight = (
                     quantize_head(module.weight, method)
                     if name == "lm_head"
-                    else quantize(module.weight, method, group_int8)
+                    else quantize(module.weight, method, _engines_group(method, module.weight))
                 )
                 if qweight is not None:
                     module.weight.copy_(qweight.dequantize())
@@ -454,7 +461,7 @@ def _hf_dequantized(model: str, method: str) -> tuple[torch.nn.Module, torch.nn.
                 experts = getattr(module, stack, None)
                 if isinstance(experts, torch.nn.Parameter) and experts.dim() == 3:
                     for expert in experts:
-                        qweight = quantize(expert, method, group_int8)
+                        qweight = quantize(expert, method, _engines_group(method, expert))
                         assert qweight is not None
                         expert.copy_(qweight.dequantize())
     hf.eval()

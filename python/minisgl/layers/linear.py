@@ -309,7 +309,7 @@ class Linear(nn.Module):
         handed_over = weight is not None
         weight = self.weight.data if weight is None else weight
         if isinstance(weight, torch.Tensor) and self.quantization is not None:
-            group_int8 = int8_group(self.quantization, kernels)
+            group_int8 = int8_group(self.quantization, kernels, weight.shape[1])
             weight = quantize(weight, self.quantization, group_int8) or weight
         if isinstance(weight, QuantizedWeight):
             gated = self.gated and self.bias is None  # the fused SiLU takes no bias

@@ -139,7 +139,7 @@ class SparseMoE(nn.Module):
             if method is None:
                 quantized = []
             else:
-                group_int8 = int8_group(method, kernels)
+                group_int8 = int8_group(method, kernels, weight.shape[-1])
                 quantized = [quantize(w, method, group_int8) for w in weight]
             if not quantized or any(q is None for q in quantized):
                 self._keep_dense(stack, weight, kernels)

@@ -73,13 +73,19 @@ def _scratch(dtype: torch.dtype, count: int) -> torch.Tensor:
     return scratch[:count]
 
 
-def int8_group(method: str, kernels: CpuKernels | None) -> int | None:
-    """Columns per scale of `method`'s int8 weights on this CPU: INT8_GROUP, or None (a scale
-    per output row) for `int8` where AMX-INT8's W8A8 tiles take it (they sum a row's whole
-    in_features in int32, then scale once: w8a8_fits)."""
-    if method == "int8" and kernels is not None and kernels.has_amx_int8:
-        return None
-    return INT8_GROUP
+def int8_group(method: str, kernels: CpuKernels | None, in_features: int) -> int | None:
+    """Columns per scale of `method`'s int8 weights of this width on this CPU: INT8_GROUP, or
+    None (a scale per output row) for `int8` where AMX-INT8's W8A8 tiles will take it (they sum
+    a row's whole in_features in int32, then scale once: w8a8_fits)."""
+    w8a8 = (
+        method == "int8"
+        and kernels is not None
+        and kernels.has_amx_int8
+        and kernels.reads_tiles
+        and quantized_fits(8, in_features, in_features, tiled=True)
+        and w8a8_fits(8, in_features, in_features, has_mins=False)
+    )
+    return None if w8a8 else INT8_GROUP
 
 
 def quantize(
