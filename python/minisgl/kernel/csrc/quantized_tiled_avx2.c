@@ -81,6 +81,8 @@ static inline FORM_INLINE void tile_rows_impl(const quantized_weight* w, const t
     __m256 acc[2][AVX2_TILE_MR];
     for (int p = 0; p < 2; p++)
         for (int r = 0; r < R; r++) acc[p][r] = _mm256_setzero_ps();
+    // One loop over the units, a group's scales loaded where it starts: a loop per group cost
+    // 8-bit weights in groups of 64 4-8% at 16-512 rows against one scale a row.
     __m256 scale[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t u = 0, g = 0, in_group = 0; u < units; u++) {
         if (in_group == 0) group_scales(scale, w, t, g, groups, groups_ahead, m0);
