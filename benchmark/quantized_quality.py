@@ -6,9 +6,10 @@ perplexity.
 The reference is HF transformers in float32 on the model's dense checkpoint (for the default
 model: its Q4_1 GGUF dequantized by transformers, the same weight values the "gguf" format
 keeps quantized) and, for formats quantized at load, also minisgl bf16 (their own starting
-point). The text is prefilled whole (weights past 128 rows are dequantized: exact arithmetic)
-and in chunks of --chunks tokens (the row counts decode batches take: where the CPU has VNNI,
-up to 16 rows activations kept to 16 bits, 17-128 rounded to int8 per 32 columns). Figures only:
+point). The text is prefilled whole (past 128 rows a weight-only format's weights are
+dequantized: exact arithmetic; `int8` is W8A8 at every row count where the CPU has VNNI or
+AMX-INT8) and in chunks of --chunks tokens (the row counts decode batches take: where the CPU
+has VNNI, activations rounded to int8 per 32 columns but `int8-wo`'s). Figures only:
 
     python benchmark/quantized_quality.py                         # the default model
     python benchmark/quantized_quality.py --formats bf16,int8,int4,int4-g32,gguf
