@@ -80,6 +80,13 @@ class _Env:
             _parse_bool,
             "the AMX matmul for 5-1023 rows where the CPU has tiles (0: oneDNN)",
         )
+        self.CPU_INT8_SMOOTHING = EnvVar(
+            "CPU_INT8_SMOOTHING",
+            True,
+            _parse_bool,
+            "`int8` where activations are rounded to int8 (VNNI, AMX-INT8): SmoothQuant's "
+            "per-channel smoothing, calibrated by a short prefill at start (models/smoothing.py)",
+        )
         self.CPU_INT8_ACTIVATIONS = EnvVar(
             "CPU_INT8_ACTIVATIONS",
             True,

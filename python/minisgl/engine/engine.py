@@ -20,6 +20,7 @@ from minisgl.models import create_model, load_model_config
 from minisgl.utils import div_ceil, init_logger
 from minisgl.utils.memory import bound_onednn_caches, keep_freed_memory
 
+from .calibration import smooth_int8
 from .config import EngineConfig
 from .cpu_threads import CpuThreads
 from .logprobs import (
@@ -187,6 +188,18 @@ class Engine:
         )
         set_global_ctx(self.ctx)
         self.sampler = Sampler(mc.vocab_size, self.device)
+        # Norm/projection pairs smoothed for `int8`'s int8 activations (models/smoothing.py).
+        self.smoothed_pairs = 0
+        if config.quantization == "int8" and ENV.CPU_INT8_SMOOTHING.value:
+            self.smoothed_pairs = smooth_int8(
+                self.model,
+                self.ctx,
+                config.dtype,
+                self.max_model_len - 1,
+                config.model_path,
+                config.quantization,
+                config.gguf_path,
+            )
         logger.info(
             "engine ready: %s %s on %s, %d KV pages x %d tokens, max_model_len %d "
             "(model context %d, page-table row %d, KV pool %d tokens)",

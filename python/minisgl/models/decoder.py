@@ -165,6 +165,11 @@ class DecoderModel(nn.Module):
             self._fused = FusedDecode(self, get_global_ctx(), self._fused.kernels)
         return self._fused
 
+    def forget_fused_decode(self) -> None:
+        """Build the C decode layers' parameter blocks again at the next forward (after a
+        projection's weight was replaced: they hold pointers into it)."""
+        self._fused, self._fused_checked = None, False
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         fused = self._fused_decode(x)

@@ -307,6 +307,25 @@ def load_weights(
         checkpoint.release(parts[0][0])
 
 
+def dense_weight(
+    checkpoint: Checkpoint, target: str, shape: tuple[int, int], cut: Cut | None = None
+) -> torch.Tensor | None:
+    """A 2-D parameter's weight read again from the checkpoint (open) in float32, q/k/v or
+    gate/up fused, cut to this tensor-parallel rank's shard; None where the checkpoint holds any
+    part quantized (re-rounding its integers would only add error)."""
+    prefix, _, kind = target.rpartition(".")
+    fused = prefix.rpartition(".")[2]
+    if target in checkpoint.entries or fused not in _PART_NAMES:
+        names = [target]
+    else:
+        names = [f"{prefix.rpartition('.')[0]}.{part}.{kind}" for part in _PART_NAMES[fused]]
+    if any(name in checkpoint.quantized_names for name in names):
+        return None
+    weight = torch.empty(shape, dtype=torch.float32)
+    _copy_rows(checkpoint, target, _stacked(checkpoint, target, names, cut), weight, cut)
+    return weight
+
+
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, tied: bool) -> int:
     """Bytes the checkpoint's tensors take in `dtype` (a tied lm_head counted once)."""
     total = 0

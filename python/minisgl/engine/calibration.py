@@ -1,0 +1,67 @@
+"""SmoothQuant's calibration at start: `int8` projections that round their bf16 input to int8
+are smoothed from the norm outputs of one short prefill (models/smoothing.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.kernel.cpu import cpu_kernels
+from minisgl.models import CausalLM
+from minisgl.models.smoothing import (
+    CALIBRATION_TOKENS,
+    calibration_ids,
+    input_maxima,
+    smooth,
+    smoothing_pairs,
+)
+from minisgl.utils import init_logger
+from minisgl.utils.memory import freed_memory_returned, release_freed_memory
+
+logger = init_logger(__name__)
+
+
+def run_prefill(model: CausalLM, ctx: Context, input_ids: torch.Tensor) -> None:
+    """One prefill of `input_ids` through `model` on KV slots [0, n) of page-table row 0,
+    nothing kept: before the scheduler starts no request holds a page or a row."""
+    assert ctx.page_table is not None and ctx.attn_backend is not None
+    tokens, page_table = len(input_ids), ctx.page_table
+    req = Req(-1, input_ids.cpu().to(torch.int32), SamplingParams(), tokens, tokens, 0, 0, tokens)
+    batch = Batch([req], "prefill")
+    positions = torch.arange(tokens, device=page_table.device)
+    page_table[0, :tokens] = positions.to(page_table.dtype)
+    batch.positions, batch.out_loc = positions, positions.clone()
+    set_global_ctx(ctx)
+    try:
+        ctx.attn_backend.prepare_metadata(batch)
+        ctx.set_batch(batch)
+        with torch.inference_mode():
+            model.hidden_states(input_ids.to(page_table.device), positions)
+    finally:
+        ctx.set_batch(None)
+        page_table[0, :tokens] = 0
+
+
+def smooth_int8(
+    model: CausalLM,
+    ctx: Context,
+    dtype: torch.dtype,
+    max_tokens: int,
+    model_dir: str | Path,
+    quantization: str,
+    gguf_path: str | Path | None,
+) -> int:
+    """Calibrate and smooth the pairs `smoothing_pairs` finds (none off VNNI and AMX-INT8):
+    a prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the pairs smoothed."""
+    pairs = smoothing_pairs(model, dtype)
+    if not pairs:
+        return 0
+    ids = calibration_ids(model.config.vocab_size, min(CALIBRATION_TOKENS, max_tokens))
+    maxima = input_maxima(pairs, lambda: run_prefill(model, ctx, ids))
+    with freed_memory_returned():  # the replaced weights and the dense temporaries
+        done = smooth(model, pairs, maxima, cpu_kernels(), model_dir, quantization, gguf_path)
+    release_freed_memory()
+    logger.info("int8: %d of %d norm/projection pairs smoothed (SmoothQuant)", done, len(pairs))
+    return done
