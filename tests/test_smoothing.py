@@ -54,13 +54,16 @@ def _outlier_model(target: Path) -> Path:
     return target
 
 
-def _prefill_logits(path: Path, quantization: str | None) -> tuple[torch.Tensor, int]:
-    """bf16 prefill logits of MIXED_PROMPTS (one batch) and the pairs the engine smoothed."""
+def _prefill_logits(
+    path: Path, quantization: str | None, tp_size: int = 1
+) -> tuple[torch.Tensor, int]:
+    """bf16 prefill logits of MIXED_PROMPTS (one batch) and the pairs rank 0 smoothed."""
     llm = LLM(
         str(path),
         device="cpu",
         dtype=torch.bfloat16,
         quantization=quantization,
+        tp_size=tp_size,
         num_page_override=4096,
         max_seq_len_override=512,
         max_running_req=len(MIXED_PROMPTS),
@@ -97,3 +100,13 @@ def test_int8_smooths_outlier_channels_where_activations_are_rounded_to_int8(
     assert error(smoothed) < 0.5 * error(plain), (error(smoothed), error(plain))
     same = (smoothed.argmax(-1) == dense.argmax(-1)).float().mean().item()
     assert same >= (plain.argmax(-1) == dense.argmax(-1)).float().mean().item(), same
+
+    # Two tensor-parallel ranks calibrate together once connected (the prefill's all-reduces
+    # pair up), each smoothing its own shard of qkv and gate_up.
+    monkeypatch.setattr(ENV.CPU_INT8_SMOOTHING, "value", True)
+    monkeypatch.setenv("MINISGL_NUM_THREADS", "1")
+    monkeypatch.setenv("MINISGL_TP_TIMEOUT", "60")
+    torch.set_num_threads(1)
+    sharded, sharded_pairs = _prefill_logits(path, "int8", tp_size=2)
+    assert sharded_pairs == 2 * 2
+    assert error(sharded) < 0.5 * error(plain), (error(sharded), error(plain))

@@ -100,6 +100,7 @@ def worker_main(config: EngineConfig, init_method: str, timeout_s: float, ready:
     engine = Engine(config)
     ready.set()
     engine.tp.connect(init_method, timeout_s)
+    engine.smooth_int8()  # with rank 0's, collective by collective
     try:
         while (step := engine.tp.receive_step(engine.page_table)) is not None:
             engine.replay(step)
@@ -138,6 +139,7 @@ class TPWorkers:
         except Exception as e:
             workers.stop()
             raise TPWorkerError(f"tensor-parallel ranks could not connect: {e}") from e
+        engine.smooth_int8()  # with every worker's, collective by collective
         return workers
 
     def check(self, when: str = "", grace_s: float = 0.0) -> None:

@@ -188,18 +188,11 @@ class Engine:
         )
         set_global_ctx(self.ctx)
         self.sampler = Sampler(mc.vocab_size, self.device)
-        # Norm/projection pairs smoothed for `int8`'s int8 activations (models/smoothing.py).
+        # Norm/projection pairs smoothed for `int8`'s int8 activations (models/smoothing.py);
+        # a tensor-parallel rank's once the group is connected (its prefill all-reduces).
         self.smoothed_pairs = 0
-        if config.quantization == "int8" and ENV.CPU_INT8_SMOOTHING.value:
-            self.smoothed_pairs = smooth_int8(
-                self.model,
-                self.ctx,
-                config.dtype,
-                self.max_model_len - 1,
-                config.model_path,
-                config.quantization,
-                config.gguf_path,
-            )
+        if not self.tp.sharded:
+            self.smooth_int8()
         logger.info(
             "engine ready: %s %s on %s, %d KV pages x %d tokens, max_model_len %d "
             "(model context %d, page-table row %d, KV pool %d tokens)",
@@ -212,6 +205,22 @@ class Engine:
             model_max,
             self.max_seq_len,
             self.num_pages * self.page_size,
+        )
+
+    def smooth_int8(self) -> None:
+        """SmoothQuant's calibration and smoothing for `int8` (see calibration.smooth_int8):
+        at start, before any request; every tensor-parallel rank at once."""
+        config = self.config
+        if config.quantization != "int8" or not ENV.CPU_INT8_SMOOTHING.value:
+            return
+        self.smoothed_pairs = smooth_int8(
+            self.model,
+            self.ctx,
+            config.dtype,
+            self.max_model_len - 1,
+            config.model_path,
+            config.quantization,
+            config.gguf_path,
         )
 
     def decode_row_bounds(self) -> list[int]:
