@@ -84,7 +84,7 @@ class _Env:
             "CPU_INT8_SMOOTHING",
             True,
             _parse_bool,
-            "`int8` where activations are rounded to int8 (VNNI, AMX-INT8): SmoothQuant's "
+            "`int8` where activations are rounded to int8 per 32 columns (VNNI): SmoothQuant's "
             "per-channel smoothing, calibrated by a short prefill at start (models/smoothing.py)",
         )
         self.CPU_INT8_ACTIVATIONS = EnvVar(

@@ -216,9 +216,9 @@ class QuantizedProjection:
         self.c_takes_every_row = (
             self.no_bf16_dots and kernels.has_avx2 and not (tiled and kernels.has_vnni)
         ) or (int8_prefill and not self.on_amx)
-        # bf16 rows meet the weight as int8 at every row count: what SmoothQuant's smoothing
-        # is for (models/smoothing.py).
-        self.rounds_x_to_int8 = bool(int8_prefill or self.int8_x)
+        # bf16 rows meet the weight as int8 per 32 columns at every row count (VNNI without
+        # AMX-INT8's per-row W8A8): what SmoothQuant's smoothing is for (models/smoothing.py).
+        self.rounds_x_per_32 = bool(int8_prefill and not self.int8_x)
 
     @functools.cached_property
     def _all_rows(self) -> torch.Tensor:

@@ -285,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights (CPU): int8, int8-wo, int4 (-g64, -g128) quantize a dense checkpoint at "
         "load (int8 a float16 scale per 64 columns, per output row with AMX-INT8: batches of "
         "more than 5 rows meet it with their activations rounded to int8, W8A8, per 32 columns "
-        "with AVX-512 VNNI, per row on AMX-INT8's tiles, smoothed per channel as SmoothQuant "
-        "from a short calibration prefill at start; int8-wo the same weights, activations "
+        "with AVX-512 VNNI (smoothed per channel as SmoothQuant, calibrated by a short "
+        "prefill at start), per row on AMX-INT8's tiles; int8-wo the same weights, activations "
         "kept to 16 bits; int4 a scale and offset per 32 columns, or per 64/128, weight-only); "
         "gguf serves a GGUF file's quantized tensors as they are (the default for a .gguf model "
         "path and the default model); none loads every weight dense",
