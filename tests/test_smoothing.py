@@ -35,8 +35,9 @@ def test_smoothing_scales_are_smoothquants_and_one_where_nothing_balances() -> N
 
 
 def _outlier_model(target: Path) -> Path:
-    """Tiny qwen3 rewritten so that every layer's norms put OUTLIER_CHANNELS OUTLIER times
-    above the rest, the projections they feed scaled back."""
+    """Tiny qwen3 rewritten so that every layer's norms, and its up rows (down's input, silu(gate)
+    * up), put OUTLIER_CHANNELS OUTLIER times above the rest, the projections they feed scaled
+    back."""
     source = tiny_model("qwen3")
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors*"))
     tensors: dict[str, torch.Tensor] = {}
@@ -48,7 +49,12 @@ def _outlier_model(target: Path) -> Path:
             tensor[channels] *= OUTLIER
         elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             tensor[:, channels] /= OUTLIER
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+        elif name.endswith("gate_proj.weight"):
+            tensor[:, channels] /= OUTLIER
+        elif name.endswith("up_proj.weight"):
+            tensor[:, channels] /= OUTLIER
+            tensor[channels] *= OUTLIER
+        elif name.endswith("down_proj.weight"):
             tensor[:, channels] /= OUTLIER
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
@@ -57,7 +63,7 @@ def _outlier_model(target: Path) -> Path:
 def _prefill_logits(
     path: Path, quantization: str | None, tp_size: int = 1
 ) -> tuple[torch.Tensor, int]:
-    """bf16 prefill logits of MIXED_PROMPTS (one batch) and the pairs rank 0 smoothed."""
+    """bf16 prefill logits of MIXED_PROMPTS (one batch) and the projections rank 0 smoothed."""
     llm = LLM(
         str(path),
         device="cpu",
@@ -73,7 +79,7 @@ def _prefill_logits(
     assert len(prefill) == 1, len(prefill)
     assert llm.generate(MIXED_PROMPTS[:3], greedy(6))[0]["token_ids"]  # decode runs after it
     assert_all_pages_free(llm)
-    smoothed = llm.engine.smoothed_pairs
+    smoothed = llm.engine.smoothed
     llm.shutdown()
     return prefill[0].float(), smoothed
 
@@ -84,16 +90,16 @@ def test_int8_smooths_outlier_channels_where_activations_are_rounded_to_int8(
     torch.set_num_threads(2)
     path = _outlier_model(tmp_path / "qwen3-outliers")
     dense, _ = _prefill_logits(path, None)
-    smoothed, pairs = _prefill_logits(path, "int8")
+    smoothed, projections = _prefill_logits(path, "int8")
     monkeypatch.setattr(ENV.CPU_INT8_SMOOTHING, "value", False)
-    plain, no_pairs = _prefill_logits(path, "int8")
-    assert no_pairs == 0
+    plain, none = _prefill_logits(path, "int8")
+    assert none == 0
     # AVX2 keeps an 8-bit weight's activations to 16 bits; AMX-INT8 rounds them per row beside
     # outlier columns against per-row weights, where smoothing measured no gain.
     if KERNELS is None or not KERNELS.has_vnni or KERNELS.has_amx_int8:
-        assert pairs == 0 and torch.equal(smoothed, plain)
+        assert projections == 0 and torch.equal(smoothed, plain)
         return
-    assert pairs == 2 * 2  # qkv and gate_up of both layers
+    assert projections == 2 * 3  # qkv, gate_up and down of both layers
 
     def error(logits: torch.Tensor) -> float:
         return ((logits - dense).norm() / dense.norm()).item()
@@ -109,6 +115,6 @@ def test_int8_smooths_outlier_channels_where_activations_are_rounded_to_int8(
     monkeypatch.setenv("MINISGL_NUM_THREADS", "1")
     monkeypatch.setenv("MINISGL_TP_TIMEOUT", "60")
     torch.set_num_threads(1)
-    sharded, sharded_pairs = _prefill_logits(path, "int8", tp_size=2)
-    assert sharded_pairs == 2 * 2
+    sharded, sharded_projections = _prefill_logits(path, "int8", tp_size=2)
+    assert sharded_projections == 2 * 3
     assert error(sharded) < 0.5 * error(plain), (error(sharded), error(plain))

@@ -1,5 +1,5 @@
 """SmoothQuant's calibration at start: `int8` projections that round their bf16 input to int8
-are smoothed from the norm outputs of one short prefill (models/smoothing.py)."""
+are smoothed from their inputs in one short prefill (models/smoothing.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from minisgl.models.smoothing import (
     calibration_ids,
     input_maxima,
     smooth,
-    smoothing_pairs,
+    smoothing_plan,
 )
 from minisgl.utils import init_logger
 from minisgl.utils.memory import freed_memory_returned, release_freed_memory
@@ -53,15 +53,16 @@ def smooth_int8(
     quantization: str,
     gguf_path: str | Path | None,
 ) -> int:
-    """Calibrate and smooth the pairs `smoothing_pairs` finds (none off VNNI and AMX-INT8):
-    a prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the pairs smoothed."""
-    pairs = smoothing_pairs(model, dtype)
-    if not pairs:
+    """Calibrate and smooth what `smoothing_plan` finds (nothing off VNNI, or on AMX-INT8): a
+    prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the projections smoothed."""
+    plan = smoothing_plan(model, dtype)
+    if not plan:
         return 0
     ids = calibration_ids(model.config.vocab_size, min(CALIBRATION_TOKENS, max_tokens))
-    maxima = input_maxima(pairs, lambda: run_prefill(model, ctx, ids))
+    maxima = input_maxima(plan, lambda: run_prefill(model, ctx, ids))
     with freed_memory_returned():  # the replaced weights and the dense temporaries
-        done = smooth(model, pairs, maxima, cpu_kernels(), model_dir, quantization, gguf_path)
+        done = smooth(model, plan, maxima, cpu_kernels(), model_dir, quantization, gguf_path)
     release_freed_memory()
-    logger.info("int8: %d of %d norm/projection pairs smoothed (SmoothQuant)", done, len(pairs))
+    planned = sum(len(layer.projections()) for layer in plan)
+    logger.info("int8: %d of %d projections smoothed (SmoothQuant)", done, planned)
     return done

@@ -188,9 +188,9 @@ class Engine:
         )
         set_global_ctx(self.ctx)
         self.sampler = Sampler(mc.vocab_size, self.device)
-        # Norm/projection pairs smoothed for `int8`'s int8 activations (models/smoothing.py);
-        # a tensor-parallel rank's once the group is connected (its prefill all-reduces).
-        self.smoothed_pairs = 0
+        # Projections smoothed for `int8`'s int8 activations (models/smoothing.py); a
+        # tensor-parallel rank's once the group is connected (its prefill all-reduces).
+        self.smoothed = 0
         if not self.tp.sharded:
             self.smooth_int8()
         logger.info(
@@ -213,7 +213,7 @@ class Engine:
         config = self.config
         if config.quantization != "int8" or not ENV.CPU_INT8_SMOOTHING.value:
             return
-        self.smoothed_pairs = smooth_int8(
+        self.smoothed = smooth_int8(
             self.model,
             self.ctx,
             config.dtype,
