@@ -1,7 +1,7 @@
 """What quantization costs in quality, per weight format: top-1 next-token agreement with a
-reference model at every position of a fixed text (teacher-forced), the KL divergence of each
-position's distribution from minisgl bf16's (over bf16's 20 likeliest tokens) and the text's
-perplexity.
+reference model at every position of a fixed text (teacher-forced), the mean KL divergence of
+each position's distribution from minisgl bf16's (over the whole vocabulary, the text in one
+prefill) and the text's perplexity.
 
 The reference is HF transformers in float32 on the model's dense checkpoint (for the default
 model: its Q4_1 GGUF dequantized by transformers, the same weight values the "gguf" format
@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from models import resolve_bench_model  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.engine.calibration import run_prefill  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.utils.hf import default_gguf_path  # noqa: E402
 
@@ -77,39 +78,34 @@ def hf_reference(model: Path, ids: list[int]) -> tuple[list[int], float]:
     return logits.argmax(-1).tolist(), math.exp(-logprobs.mean().item())
 
 
-# Tokens per position whose log-probabilities the KL divergence sums (a near-tie's order flips
-# top-1 agreement by a whole token; the divergence weighs how far the distribution moved).
-KL_TOP = 20
-
-
 def ours(
     path: Path, kwargs: dict, ids: list[int], chunk: int
-) -> tuple[list[int], float, list[dict[int, float]]]:
-    """minisgl's top-1 at each position, the text's perplexity (teacher-forced), prefilled
-    `chunk` tokens a step, and each position's KL_TOP most likely tokens' log-probabilities."""
+) -> tuple[list[int], float, torch.Tensor | None]:
+    """minisgl's top-1 at each position and the text's perplexity (teacher-forced), prefilled
+    `chunk` tokens a step; for the whole text in one prefill also every position's
+    log-probabilities over the vocabulary [positions, vocab] (else None)."""
     llm = LLM(
         str(path), dtype="bfloat16", num_page_override=2048, max_prefill_length=chunk, **kwargs
     )
     try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=KL_TOP)
+        logprobs = None
+        if chunk >= len(ids):  # the same prefill with its logits kept, before any request
+            hidden = run_prefill(llm.engine.model, llm.engine.ctx, torch.tensor(ids))[:-1]
+            with torch.inference_mode():
+                rows = [llm.engine.model.logits(h).float() for h in hidden.split(64)]
+            logprobs = torch.cat(rows).log_softmax(-1)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1)
         out = llm.generate([ids], params, use_tqdm=False)[0]["prompt_logprobs"][1:]
     finally:
         llm.shutdown()
     top1 = [top[0][0] for _, _, top in out]
     nll = -sum(logprob for _, logprob, _ in out) / len(out)
-    return top1, math.exp(nll), [dict(top) for _, _, top in out]
+    return top1, math.exp(nll), logprobs
 
 
-def kl_divergence(ref: list[dict[int, float]], other: list[dict[int, float]]) -> float:
-    """Mean KL(ref || other) over positions, summed over ref's KL_TOP tokens (a token outside
-    other's top takes other's smallest listed log-probability, an upper bound on it)."""
-    total = 0.0
-    for ref_top, other_top in zip(ref, other):
-        floor = min(other_top.values())
-        total += sum(
-            math.exp(lp) * (lp - other_top.get(token, floor)) for token, lp in ref_top.items()
-        )
-    return total / len(ref)
+def kl_divergence(ref: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(ref || other), each over the whole vocabulary."""
+    return float((ref.exp() * (ref - other)).sum(-1).mean())
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -136,18 +132,20 @@ def main() -> None:
         + "".join(f" {c}-token chunks: top-1, perplexity vs HF fp32 |" for c in chunks)
     )
     print("|---|---|---|---|---|---|" + "---|" * len(chunks))
-    bf16_top1 = bf16_tops = None
+    bf16_top1 = bf16_logprobs = None
     for fmt in args.formats.split(","):
         if fmt == "gguf" and gguf is None:
             continue
         path = gguf if fmt == "gguf" else model
         kwargs = {} if fmt == "bf16" else {"quantization": fmt}
-        top1, ppl, tops = ours(path, kwargs, ids, len(ids))
+        top1, ppl, logprobs = ours(path, kwargs, ids, len(ids))
         chunked = [ours(path, kwargs, ids, c) for c in chunks]
         if fmt == "bf16":
-            bf16_top1, bf16_tops = top1, tops
+            bf16_top1, bf16_logprobs = top1, logprobs
         vs_bf16 = "" if bf16_top1 is None else f"{agreement(bf16_top1, top1):.1%}"
-        kl = "" if bf16_tops is None else f"{kl_divergence(bf16_tops, tops):.2e}"
+        kl = ""
+        if bf16_logprobs is not None and logprobs is not None:
+            kl = f"{kl_divergence(bf16_logprobs, logprobs):.2e}"
         print(
             f"| {fmt} | {agreement(ref_top1, top1):.1%} | {vs_bf16} | {kl} | {ppl:.3f} | "
             f"{(ppl / ref_ppl - 1):+.1%} |"

@@ -23,9 +23,10 @@ from minisgl.utils.memory import freed_memory_returned, release_freed_memory
 logger = init_logger(__name__)
 
 
-def run_prefill(model: CausalLM, ctx: Context, input_ids: torch.Tensor) -> None:
-    """One prefill of `input_ids` through `model` on KV slots [0, n) of page-table row 0,
-    nothing kept: before the scheduler starts no request holds a page or a row."""
+def run_prefill(model: CausalLM, ctx: Context, input_ids: torch.Tensor) -> torch.Tensor:
+    """One prefill of `input_ids` through `model` on KV slots [0, n) of page-table row 0: its
+    final hidden states [n, hidden]. Nothing is kept, so it may run only where no request holds
+    a page or a row (before the scheduler starts, or between requests offline)."""
     assert ctx.page_table is not None and ctx.attn_backend is not None
     tokens, page_table = len(input_ids), ctx.page_table
     req = Req(-1, input_ids.cpu().to(torch.int32), SamplingParams(), tokens, tokens, 0, 0, tokens)
@@ -38,7 +39,7 @@ def run_prefill(model: CausalLM, ctx: Context, input_ids: torch.Tensor) -> None:
         ctx.attn_backend.prepare_metadata(batch)
         ctx.set_batch(batch)
         with torch.inference_mode():
-            model.hidden_states(input_ids.to(page_table.device), positions)
+            return model.hidden_states(input_ids.to(page_table.device), positions)
     finally:
         ctx.set_batch(None)
         page_table[0, :tokens] = 0

@@ -91,7 +91,7 @@ def smoothing_plan(model: CausalLM, dtype: torch.dtype) -> list[LayerSmoothing]:
 
 
 def input_maxima(
-    plan: list[LayerSmoothing], run_calibration: Callable[[], None]
+    plan: list[LayerSmoothing], run_calibration: Callable[[], object]
 ) -> dict[Linear, torch.Tensor]:
     """Each planned projection's input's largest magnitude per channel (float32) over the
     forward that `run_calibration` runs."""
