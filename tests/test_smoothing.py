@@ -89,8 +89,18 @@ def test_int8_smooths_outlier_channels_where_activations_are_rounded_to_int8(
 ) -> None:
     torch.set_num_threads(2)
     path = _outlier_model(tmp_path / "qwen3-outliers")
+    monkeypatch.setattr(ENV.CACHE_DIR, "value", tmp_path / "cache")  # the scales' cache
     dense, _ = _prefill_logits(path, None)
     smoothed, projections = _prefill_logits(path, "int8")
+    # The next start applies the cached scales as the weights load, calibrating nothing: the
+    # same integers, the same logits.
+    import minisgl.engine.calibration as calibration
+
+    monkeypatch.setattr(calibration, "run_prefill", None)
+    from_cache, cached_projections = _prefill_logits(path, "int8")
+    monkeypatch.undo()
+    monkeypatch.setattr(ENV.CACHE_DIR, "value", tmp_path / "cache")
+    assert cached_projections == projections and torch.equal(from_cache, smoothed)
     monkeypatch.setattr(ENV.CPU_INT8_SMOOTHING, "value", False)
     plain, none = _prefill_logits(path, "int8")
     assert none == 0

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.env import ENV
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.models import CausalLM
 from minisgl.models.smoothing import (
@@ -17,8 +18,11 @@ from minisgl.models.smoothing import (
     smooth,
     smoothing_plan,
 )
+from minisgl.models.smoothing_cache import load_scales, save_scales, scales_file
 from minisgl.utils import init_logger
 from minisgl.utils.memory import freed_memory_returned, release_freed_memory
+
+from .config import EngineConfig
 
 logger = init_logger(__name__)
 
@@ -45,25 +49,53 @@ def run_prefill(model: CausalLM, ctx: Context, input_ids: torch.Tensor) -> torch
         page_table[0, :tokens] = 0
 
 
+def smooths(config: EngineConfig) -> bool:
+    """Whether this engine's `int8` projections may be smoothed (bf16 on the CPU, no adapters:
+    theirs would read the inputs as they were)."""
+    return (
+        config.quantization == "int8"
+        and ENV.CPU_INT8_SMOOTHING.value
+        and config.dtype == torch.bfloat16
+        and config.device.type == "cpu"
+        and not config.enable_lora
+    )
+
+
+def cached_scales(
+    config: EngineConfig, sharded: bool
+) -> tuple[Path | None, dict[str, torch.Tensor] | None]:
+    """Where this engine's smoothing scales are cached, and the scales there (None where none
+    are yet); (None, None) where it keeps none (not smoothed, or tensor-parallel)."""
+    if not smooths(config) or sharded:
+        return None, None
+    path = scales_file(config.model_path, config.gguf_path, cpu_kernels())
+    return path, load_scales(path)
+
+
 def smooth_int8(
     model: CausalLM,
     ctx: Context,
-    dtype: torch.dtype,
     max_tokens: int,
     model_dir: str | Path,
     quantization: str,
     gguf_path: str | Path | None,
+    cache_to: Path | None = None,
 ) -> int:
     """Calibrate and smooth what `smoothing_plan` finds (nothing off VNNI, or on AMX-INT8): a
-    prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the projections smoothed."""
-    plan = smoothing_plan(model, dtype)
+    prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the projections smoothed
+    (their scales written to `cache_to`, where given)."""
+    plan = smoothing_plan(model, torch.bfloat16)
     if not plan:
         return 0
     ids = calibration_ids(model.config.vocab_size, min(CALIBRATION_TOKENS, max_tokens))
     maxima = input_maxima(plan, lambda: run_prefill(model, ctx, ids))
     with freed_memory_returned():  # the replaced weights and the dense temporaries
-        done = smooth(model, plan, maxima, cpu_kernels(), model_dir, quantization, gguf_path)
+        scales = smooth(
+            model, plan, maxima, cpu_kernels(), torch.bfloat16, model_dir, quantization, gguf_path
+        )
     release_freed_memory()
     planned = sum(len(layer.projections()) for layer in plan)
-    logger.info("int8: %d of %d projections smoothed (SmoothQuant)", done, planned)
-    return done
+    logger.info("int8: %d of %d projections smoothed (SmoothQuant)", len(scales), planned)
+    if cache_to is not None and scales:
+        save_scales(cache_to, scales)
+    return len(scales)

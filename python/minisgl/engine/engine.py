@@ -20,7 +20,7 @@ from minisgl.models import create_model, load_model_config
 from minisgl.utils import div_ceil, init_logger
 from minisgl.utils.memory import bound_onednn_caches, keep_freed_memory
 
-from .calibration import smooth_int8
+from .calibration import cached_scales, smooth_int8, smooths
 from .config import EngineConfig
 from .cpu_threads import CpuThreads
 from .logprobs import (
@@ -139,6 +139,8 @@ class Engine:
         self.model_config = load_model_config(config.model_path)
         model_max = self.model_config.max_position_embeddings
         self.max_seq_len = min(config.max_seq_len_override or model_max, model_max)
+        # `int8` smoothing's scales from an earlier start, applied as the weights load.
+        self._scales_path, cached = cached_scales(config, self.tp.sharded)
         self.model = create_model(
             self.model_config,
             config.model_path,
@@ -148,7 +150,12 @@ class Engine:
             config.quantization,
             config.gguf_path,
             self.tp,
+            cached,
         )
+        # Projections smoothed for `int8`'s int8 activations (models/smoothing.py); without
+        # cached scales a tensor-parallel rank's once the group is connected (the calibration
+        # prefill all-reduces).
+        self.smoothed = len(cached) if cached else 0
         self.lora: LoraManager | None = None
         if config.enable_lora:  # before the KV budget: the slots' memory is the model's
             self.lora = LoraManager(
@@ -188,9 +195,6 @@ class Engine:
         )
         set_global_ctx(self.ctx)
         self.sampler = Sampler(mc.vocab_size, self.device)
-        # Projections smoothed for `int8`'s int8 activations (models/smoothing.py); a
-        # tensor-parallel rank's once the group is connected (its prefill all-reduces).
-        self.smoothed = 0
         if not self.tp.sharded:
             self.smooth_int8()
         logger.info(
@@ -211,16 +215,16 @@ class Engine:
         """SmoothQuant's calibration and smoothing for `int8` (see calibration.smooth_int8):
         at start, before any request; every tensor-parallel rank at once."""
         config = self.config
-        if config.quantization != "int8" or not ENV.CPU_INT8_SMOOTHING.value:
+        if self.smoothed or not smooths(config):  # done as it loaded, or nothing to do
             return
         self.smoothed = smooth_int8(
             self.model,
             self.ctx,
-            config.dtype,
             self.max_model_len - 1,
             config.model_path,
             config.quantization,
             config.gguf_path,
+            self._scales_path,
         )
 
     def decode_row_bounds(self) -> list[int]:

@@ -24,6 +24,7 @@ from minisgl.utils.memory import (
 from .checkpoint import open_checkpoint
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import CausalLM, rotary_for
+from .smoothing import fold_into_neighbours, smoothed_weight
 from .weight import Checkpoint, load_weights, quantized_targets
 
 
@@ -42,6 +43,7 @@ def create_model(
     quantization: str | None = None,
     gguf_path: str | Path | None = None,
     tp: TensorParallel | None = None,
+    smoothing: dict[str, torch.Tensor] | None = None,
 ) -> CausalLM:
     """Build the model on `device` in `dtype` and load its checkpoint into it tensor by tensor,
     each weight resident once: on the CPU every parameter and packed copy in one buffer on
@@ -49,7 +51,8 @@ def create_model(
     `_CpuPlacement`). quantization: quantized.QUANTIZATIONS ("gguf": the quantized tensors of
     `gguf_path`; None: as the checkpoint holds them). tp: load only this tensor-parallel
     rank's shard (see models.sharding; a quantized tensor's shard stays quantized, or where its
-    columns cut a group, is loaded dense)."""
+    columns cut a group, is loaded dense). smoothing: `int8` smoothing's scales by projection
+    name, applied as the weights load (models/smoothing.py; from smoothing_cache)."""
     # Rotary tables are computed, not loaded: on the CPU in float32, like transformers'.
     rotary = rotary_for(config, max_positions).to(device)
     with torch.device("meta"):
@@ -71,9 +74,11 @@ def create_model(
                 if isinstance(module, (Linear, LMHead, SparseMoE)) and module not in routers:
                     module.quantization = quantization
         with freed_memory_returned():
-            placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized)
+            placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized, smoothing)
             load_weights(model, checkpoint, dtype, placement.take_packed, cut)
             placement.finish()
+        if smoothing:
+            fold_into_neighbours(model, smoothing)
     release_freed_memory()
     return model.eval()
 
@@ -99,8 +104,10 @@ class _CpuPlacement:
         dtype: torch.dtype,
         kernels: CpuKernels | None,
         prequantized: set[str],
+        smoothing: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.kernels, self.dtype = kernels, dtype
+        self.smoothing = smoothing or {}
         params = dict(model.named_parameters())
         # Parameter name -> the module whose packed or quantized copy replaces it, and that
         # copy's elements in the tile layout (None: oneDNN's copy, or quantized).
@@ -163,6 +170,8 @@ class _CpuPlacement:
             module.prepare_for_cpu(name.rpartition(".")[2], weight, self.kernels)
             return
         if isinstance(module, Linear):
+            if isinstance(weight, torch.Tensor) and self.smoothing:
+                weight = smoothed_weight(name.removesuffix(".weight"), weight, self.smoothing)
             module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight)
         else:  # rows of a quantized embedding come out in the model's dtype
             module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)

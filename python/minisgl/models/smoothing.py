@@ -128,61 +128,86 @@ def smoothing_scales(
     return torch.where(usable, scales, torch.ones_like(scales))
 
 
-def _divide_norm(norm: RMSNorm, scales: torch.Tensor) -> None:
-    weight = norm.weight.data  # in place: the C decode layer holds its address
-    weight.copy_((weight.float() / scales).to(weight.dtype))
+def smoothed_weight(
+    projection: str, weight: torch.Tensor, scales: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """A projection's dense weight (as loaded, not written) with its smoothing: columns times
+    its scales, and a gate_up's up rows divided by its down's (float32; `weight` itself where
+    `scales` has neither). projection: its name, e.g. "model.layers.3.mlp.gate_up_proj"."""
+    columns = scales.get(projection)
+    downs = None
+    if projection.endswith(".mlp.gate_up_proj"):
+        downs = scales.get(projection.removesuffix("gate_up_proj") + "down_proj")
+    if columns is None and downs is None:
+        return weight
+    smoothed = weight.to(torch.float32, copy=True)
+    if columns is not None:
+        smoothed.mul_(columns)
+    if downs is not None:  # silu(gate) * up / s: the up rows carry down's 1/s
+        smoothed[smoothed.shape[0] // 2 :].div_(downs[:, None])
+    return smoothed
+
+
+def fold_into_neighbours(model: CausalLM, scales: dict[str, torch.Tensor]) -> None:
+    """Divide by the scales where each smoothed input is produced: qkv's by the input norm's
+    weight, gate_up's by the post-attention norm's, down's by gate_up's up bias (its up rows
+    are `smoothed_weight`'s). In place: the C decode layer holds their addresses."""
+
+    def divide(tensor: torch.Tensor, by: torch.Tensor) -> None:
+        tensor.copy_((tensor.float() / by).to(tensor.dtype))
+
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        qkv = scales.get(f"{prefix}.self_attn.qkv_proj")
+        if qkv is not None:
+            divide(layer.input_layernorm.weight.data, qkv)
+        gate_up = scales.get(f"{prefix}.mlp.gate_up_proj")
+        if gate_up is not None:
+            divide(layer.post_attention_layernorm.weight.data, gate_up)
+        down = scales.get(f"{prefix}.mlp.down_proj")
+        if down is not None and isinstance(layer.mlp, MLP):
+            bias = layer.mlp.gate_up_proj.bias
+            if bias is not None:
+                divide(bias.data[bias.shape[0] // 2 :], down)
 
 
 class _Reader:
-    """Dense float32 weights of this rank's projections, read again from the checkpoint."""
+    """This rank's projections' dense weights read again from the checkpoint, in the model's
+    dtype as the loader handed them over (so that smoothing now and smoothing from cached
+    scales as they load give the same integers)."""
 
-    def __init__(self, checkpoint: Checkpoint, cut: Cut | None) -> None:
-        self.checkpoint, self.cut = checkpoint, cut
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, cut: Cut | None) -> None:
+        self.checkpoint, self.dtype, self.cut = checkpoint, dtype, cut
 
-    def __call__(self, linear: Linear, target: str) -> torch.Tensor | None:
+    def __call__(self, linear: Linear, name: str) -> torch.Tensor | None:
         shape = (linear.out_features, linear.in_features)
-        return dense_weight(self.checkpoint, f"{target}.weight", shape, self.cut)
+        return dense_weight(self.checkpoint, f"{name}.weight", shape, self.dtype, self.cut)
 
 
-def _smooth_layer(
-    smoothed: LayerSmoothing,
-    maxima: dict[Linear, torch.Tensor],
-    read: _Reader,
-    kernels: CpuKernels | None,
-) -> int:
-    """Smooth one layer as planned; the projections re-quantized (a weight the checkpoint holds
-    quantized, or whose input went unseen, stays as it is, and so does what carries its 1/s)."""
-    done = 0
-    qkv, gate_up, down = smoothed.qkv, smoothed.gate_up, smoothed.down
-    if qkv is not None and qkv in maxima:
-        weight = read(qkv, f"{smoothed.prefix}.self_attn.qkv_proj")
-        if weight is not None:
-            scales = smoothing_scales(maxima[qkv], weight.abs().amax(0))
-            _divide_norm(smoothed.attn_norm, scales)
-            qkv.prepare_for_cpu(kernels, None, weight.mul_(scales))
-            done += 1
-    if gate_up is None or gate_up not in maxima:
-        return done
-    weight = read(gate_up, f"{smoothed.prefix}.mlp.gate_up_proj")
-    if weight is None:
-        return done
-    scales = smoothing_scales(maxima[gate_up], weight.abs().amax(0))
-    if down is not None and down in maxima:
-        down_weight = read(down, f"{smoothed.prefix}.mlp.down_proj")
-        if down_weight is not None:
-            down_scales = smoothing_scales(maxima[down], down_weight.abs().amax(0))
-            down.prepare_for_cpu(kernels, None, down_weight.mul_(down_scales))
-            del down_weight
-            # silu(gate) * up / s: the up rows (and their bias) carry down's 1/s.
-            inter = down.in_features
-            weight[inter:].div_(down_scales[:, None])
-            if gate_up.bias is not None:
-                bias = gate_up.bias.data[inter:]
-                bias.copy_((bias.float() / down_scales).to(bias.dtype))
-            done += 1
-    _divide_norm(smoothed.mlp_norm, scales)
-    gate_up.prepare_for_cpu(kernels, None, weight.mul_(scales))
-    return done + 1
+def _layer_scales(
+    smoothed: LayerSmoothing, maxima: dict[Linear, torch.Tensor], read: _Reader
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Linear, torch.Tensor]]]:
+    """One planned layer's scales by projection name, and the dense weights read for them (a
+    weight the checkpoint holds quantized, or whose input went unseen, is left as it is, and
+    down without gate_up, whose up rows carry its 1/s)."""
+    scales: dict[str, torch.Tensor] = {}
+    dense: dict[str, tuple[Linear, torch.Tensor]] = {}
+
+    def take(linear: Linear, name: str) -> bool:
+        weight = read(linear, name) if linear in maxima else None
+        if weight is None:
+            return False
+        scales[name] = smoothing_scales(maxima[linear], weight.abs().amax(0).float())
+        dense[name] = (linear, weight)
+        return True
+
+    prefix = smoothed.prefix
+    if smoothed.qkv is not None:
+        take(smoothed.qkv, f"{prefix}.self_attn.qkv_proj")
+    if smoothed.gate_up is not None and take(smoothed.gate_up, f"{prefix}.mlp.gate_up_proj"):
+        if smoothed.down is not None:
+            take(smoothed.down, f"{prefix}.mlp.down_proj")
+    return scales, dense
 
 
 def smooth(
@@ -190,21 +215,28 @@ def smooth(
     plan: list[LayerSmoothing],
     maxima: dict[Linear, torch.Tensor],
     kernels: CpuKernels | None,
+    dtype: torch.dtype,
     model_dir: str | Path,
     quantization: str,
     gguf_path: str | Path | None = None,
-) -> int:
+) -> dict[str, torch.Tensor]:
     """Smooth the planned layers, each projection re-quantized from the checkpoint's dense
-    weight times its scales; the projections done."""
+    weight (read in the model's `dtype`) times its scales; the scales applied, by projection
+    name."""
     cut = model.shard.cut if model.shard.size > 1 else None
-    done = 0
+    applied: dict[str, torch.Tensor] = {}
     with open_checkpoint(Path(model_dir), quantization, gguf_path) as checkpoint:
-        read = _Reader(checkpoint, cut)
+        read = _Reader(checkpoint, dtype, cut)
         for smoothed in plan:
-            done += _smooth_layer(smoothed, maxima, read, kernels)
-    if done:
+            scales, dense = _layer_scales(smoothed, maxima, read)
+            for name, (linear, weight) in dense.items():
+                linear.prepare_for_cpu(kernels, None, smoothed_weight(name, weight, scales))
+            applied.update(scales)
+            del dense
+    fold_into_neighbours(model, applied)
+    if applied:
         model.model.forget_fused_decode()
-    return done
+    return applied
 
 
 def calibration_ids(vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
@@ -219,8 +251,10 @@ __all__ = [
     "SMOOTHING_ALPHA",
     "LayerSmoothing",
     "calibration_ids",
+    "fold_into_neighbours",
     "input_maxima",
     "smooth",
+    "smoothed_weight",
     "smoothing_plan",
     "smoothing_scales",
 ]

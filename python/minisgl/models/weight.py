@@ -308,11 +308,16 @@ def load_weights(
 
 
 def dense_weight(
-    checkpoint: Checkpoint, target: str, shape: tuple[int, int], cut: Cut | None = None
+    checkpoint: Checkpoint,
+    target: str,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    cut: Cut | None = None,
 ) -> torch.Tensor | None:
-    """A 2-D parameter's weight read again from the checkpoint (open) in float32, q/k/v or
-    gate/up fused, cut to this tensor-parallel rank's shard; None where the checkpoint holds any
-    part quantized (re-rounding its integers would only add error)."""
+    """A 2-D parameter's weight read again from the checkpoint (open) in `dtype`, as
+    `load_weights` hands it over: q/k/v or gate/up fused, cut to this tensor-parallel rank's
+    shard; None where the checkpoint holds any part quantized (re-rounding its integers would
+    only add error)."""
     prefix, _, kind = target.rpartition(".")
     fused = prefix.rpartition(".")[2]
     if target in checkpoint.entries or fused not in _PART_NAMES:
@@ -321,7 +326,7 @@ def dense_weight(
         names = [f"{prefix.rpartition('.')[0]}.{part}.{kind}" for part in _PART_NAMES[fused]]
     if any(name in checkpoint.quantized_names for name in names):
         return None
-    weight = torch.empty(shape, dtype=torch.float32)
+    weight = torch.empty(shape, dtype=dtype)
     _copy_rows(checkpoint, target, _stacked(checkpoint, target, names, cut), weight, cut)
     return weight
 
