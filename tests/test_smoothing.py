@@ -17,6 +17,7 @@ from minisgl.env import ENV
 from minisgl.kernel.cpu import cpu_kernels
 from minisgl.llm import LLM
 from minisgl.models.smoothing import smoothing_scales
+from minisgl.models.smoothing_cache import load_scales, save_scales, scales_file
 
 KERNELS = cpu_kernels()
 # The channels made outliers, and by how much: the norm's weight times OUTLIER, the columns it
@@ -128,3 +129,25 @@ def test_int8_smooths_outlier_channels_where_activations_are_rounded_to_int8(
     sharded, sharded_projections = _prefill_logits(path, "int8", tp_size=2)
     assert sharded_projections == 2 * 3
     assert error(sharded) < 0.5 * error(plain), (error(sharded), error(plain))
+
+
+def test_writing_a_folders_scales_removes_its_older_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ENV.CACHE_DIR, "value", tmp_path)
+    path = scales_file(tiny_model("qwen3"), None, KERNELS)
+    assert path.parent == tmp_path / "smoothing"
+    older = path.with_name(path.name[: -len("0123abcd.safetensors")] + "0123abcd.safetensors")
+    other = path.with_name("another-0123abcd0123abcd.safetensors")
+    path.parent.mkdir()
+    older.write_bytes(b"stale")
+    other.write_bytes(b"kept")
+    scales = {"model.layers.0.self_attn.qkv_proj": torch.tensor([0.5, 2.0])}
+    save_scales(path, scales)
+    assert not older.exists() and other.exists()
+    loaded = load_scales(path)
+    assert loaded is not None and torch.equal(
+        loaded["model.layers.0.self_attn.qkv_proj"], scales["model.layers.0.self_attn.qkv_proj"]
+    )
+    path.write_bytes(b"truncated")  # unreadable: calibrated again, not an error
+    assert load_scales(path) is None

@@ -1,7 +1,8 @@
 """int8 smoothing's scales kept between starts: the first start calibrates, smooths and writes
 each smoothed projection's scales to the cache; later starts apply them as the weights load, so
-no projection is quantized twice and nothing is calibrated. Keyed by the checkpoint's files
-(path, size, modification time), the kernels' capabilities and the smoothing's settings. Any
+no projection is quantized twice and nothing is calibrated. Named by the model folder's path,
+then keyed by the checkpoint's files (path, size, modification time), the kernels'
+capabilities and the smoothing's settings; writing a folder's scales removes its older ones. Any
 positive scales leave the model exact (1/s and s fold into neighbours), so a stale file could
 cost quality, never correctness; unsharded engines only (tensor-parallel ranks would have to
 agree on whether to calibrate, collective by collective)."""
@@ -53,9 +54,22 @@ def scales_file(
         stat = file.stat()
         sources.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
     settings = [SCALES_VERSION, SMOOTHING_ALPHA, CALIBRATION_TOKENS, CALIBRATION_SEED]
-    key = json.dumps([sources, _kernels_tag(kernels), settings])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "smoothing" / f"{Path(model_dir).name}-{digest}.safetensors"
+    place = _digest(str(Path(model_dir).resolve()))
+    version = _digest(json.dumps([sources, _kernels_tag(kernels), settings]))
+    return cache_dir() / "smoothing" / f"{Path(model_dir).name}-{place}{version}.safetensors"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _remove_older_scales(path: Path) -> None:
+    """Delete the other scales of path's model folder: its checkpoint or settings since
+    changed (or another CPU's), so never read again here."""
+    place = path.name[: -len(".safetensors") - 8]
+    for old in path.parent.glob(f"{place}*.safetensors"):
+        if old != path and len(old.name) == len(path.name):
+            old.unlink(missing_ok=True)
 
 
 def load_scales(path: Path) -> dict[str, torch.Tensor] | None:
@@ -77,6 +91,7 @@ def save_scales(path: Path, scales: dict[str, torch.Tensor]) -> None:
     try:
         save_file({name: s.contiguous() for name, s in scales.items()}, str(staging))
         staging.replace(path)
+        _remove_older_scales(path)
     except OSError as exc:  # a read-only cache costs the next start a calibration
         staging.unlink(missing_ok=True)
         logger.warning("int8 smoothing: scales not cached at %s (%s)", path, exc)
