@@ -18,6 +18,7 @@ from minisgl.kernel.cpu import cpu_kernels
 from minisgl.llm import LLM
 from minisgl.models.smoothing import smoothing_scales
 from minisgl.models.smoothing_cache import load_scales, save_scales, scales_file
+from minisgl.scheduler.tier import tier_fingerprint
 
 KERNELS = cpu_kernels()
 # The channels made outliers, and by how much: the norm's weight times OUTLIER, the columns it
@@ -62,7 +63,7 @@ def _outlier_model(target: Path) -> Path:
 
 
 def _prefill_logits(
-    path: Path, quantization: str | None, tp_size: int = 1
+    path: Path, quantization: str | None, tp_size: int = 1, fingerprints: list[str] | None = None
 ) -> tuple[torch.Tensor, int]:
     """bf16 prefill logits of MIXED_PROMPTS (one batch) and the projections rank 0 smoothed."""
     llm = LLM(
@@ -81,6 +82,8 @@ def _prefill_logits(
     assert llm.generate(MIXED_PROMPTS[:3], greedy(6))[0]["token_ids"]  # decode runs after it
     assert_all_pages_free(llm)
     smoothed = llm.engine.smoothed
+    if fingerprints is not None:  # the disk KV tier's key: never KV of other scales, or none
+        fingerprints.append(tier_fingerprint(llm.config, llm.engine))
     llm.shutdown()
     return prefill[0].float(), smoothed
 
@@ -92,19 +95,21 @@ def test_int8_smooths_outlier_channels_where_activations_are_rounded_to_int8(
     path = _outlier_model(tmp_path / "qwen3-outliers")
     monkeypatch.setattr(ENV.CACHE_DIR, "value", tmp_path / "cache")  # the scales' cache
     dense, _ = _prefill_logits(path, None)
-    smoothed, projections = _prefill_logits(path, "int8")
+    fingerprints: list[str] = []
+    smoothed, projections = _prefill_logits(path, "int8", fingerprints=fingerprints)
     # The next start applies the cached scales as the weights load, calibrating nothing: the
     # same integers, the same logits.
     import minisgl.engine.calibration as calibration
 
     monkeypatch.setattr(calibration, "run_prefill", None)
-    from_cache, cached_projections = _prefill_logits(path, "int8")
+    from_cache, cached_projections = _prefill_logits(path, "int8", fingerprints=fingerprints)
     monkeypatch.undo()
     monkeypatch.setattr(ENV.CACHE_DIR, "value", tmp_path / "cache")
     assert cached_projections == projections and torch.equal(from_cache, smoothed)
     monkeypatch.setattr(ENV.CPU_INT8_SMOOTHING, "value", False)
-    plain, none = _prefill_logits(path, "int8")
-    assert none == 0
+    plain, none = _prefill_logits(path, "int8", fingerprints=fingerprints)
+    assert none == 0 and fingerprints[0] == fingerprints[1]
+    assert (fingerprints[0] != fingerprints[2]) == (projections > 0), fingerprints
     # AVX2 keeps an 8-bit weight's activations to 16 bits; AMX-INT8 rounds them per row beside
     # outlier columns against per-row weights, where smoothing measured no gain.
     if KERNELS is None or not KERNELS.has_vnni or KERNELS.has_amx_int8:

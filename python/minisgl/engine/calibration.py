@@ -80,13 +80,13 @@ def smooth_int8(
     quantization: str,
     gguf_path: str | Path | None,
     cache_to: Path | None = None,
-) -> int:
+) -> dict[str, torch.Tensor]:
     """Calibrate and smooth what `smoothing_plan` finds (nothing off VNNI, or on AMX-INT8): a
-    prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the projections smoothed
-    (their scales written to `cache_to`, where given)."""
+    prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the scales applied, by
+    projection name (written to `cache_to`, where given)."""
     plan = smoothing_plan(model, torch.bfloat16)
     if not plan:
-        return 0
+        return {}
     ids = calibration_ids(model.config.vocab_size, min(CALIBRATION_TOKENS, max_tokens))
     maxima = input_maxima(plan, lambda: run_prefill(model, ctx, ids))
     with freed_memory_returned():  # the replaced weights and the dense temporaries
@@ -98,4 +98,4 @@ def smooth_int8(
     logger.info("int8: %d of %d projections smoothed (SmoothQuant)", len(scales), planned)
     if cache_to is not None and scales:
         save_scales(cache_to, scales)
-    return len(scales)
+    return scales

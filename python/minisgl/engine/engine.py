@@ -152,10 +152,10 @@ class Engine:
             self.tp,
             cached,
         )
-        # Projections smoothed for `int8`'s int8 activations (models/smoothing.py); without
-        # cached scales a tensor-parallel rank's once the group is connected (the calibration
-        # prefill all-reduces).
-        self.smoothed = len(cached) if cached else 0
+        # `int8` smoothing's scales by projection name (models/smoothing.py); without cached
+        # ones a tensor-parallel rank's once the group is connected (the calibration prefill
+        # all-reduces).
+        self.smoothing_scales: dict[str, torch.Tensor] = cached or {}
         self.lora: LoraManager | None = None
         if config.enable_lora:  # before the KV budget: the slots' memory is the model's
             self.lora = LoraManager(
@@ -215,9 +215,9 @@ class Engine:
         """SmoothQuant's calibration and smoothing for `int8` (see calibration.smooth_int8):
         at start, before any request; every tensor-parallel rank at once."""
         config = self.config
-        if self.smoothed or not smooths(config):  # done as it loaded, or nothing to do
+        if self.smoothing_scales or not smooths(config):  # done as it loaded, or nothing to do
             return
-        self.smoothed = smooth_int8(
+        self.smoothing_scales = smooth_int8(
             self.model,
             self.ctx,
             self.max_model_len - 1,
@@ -226,6 +226,11 @@ class Engine:
             config.gguf_path,
             self._scales_path,
         )
+
+    @property
+    def smoothed(self) -> int:
+        """How many projections `int8` smoothing rewrote (0: none)."""
+        return len(self.smoothing_scales)
 
     def decode_row_bounds(self) -> list[int]:
         """Row counts past which a decode step multiplies a row another way (the quantized

@@ -13,6 +13,7 @@ the per-row weights take the moved magnitude badly)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,18 @@ def smooth(
     return applied
 
 
+def scales_digest(scales: dict[str, torch.Tensor]) -> str | None:
+    """A digest of the scales applied (None: none): what a model's KV depends on beyond its
+    checkpoint and quantization (the disk KV tier's fingerprint)."""
+    if not scales:
+        return None
+    digest = hashlib.sha256()
+    for name in sorted(scales):
+        digest.update(name.encode())
+        digest.update(scales[name].float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def calibration_ids(vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
     """Seeded random token ids: the calibration prefill's input (no tokenizer at this layer;
     outlier channels show on any input, see CALIBRATION_TOKENS)."""
@@ -252,6 +265,7 @@ __all__ = [
     "LayerSmoothing",
     "calibration_ids",
     "fold_into_neighbours",
+    "scales_digest",
     "input_maxima",
     "smooth",
     "smoothed_weight",

@@ -7,6 +7,7 @@ from minisgl.engine import Engine
 from minisgl.env import ENV
 from minisgl.kvcache import DiskKVTier, model_fingerprint
 from minisgl.kvcache.tier_file import FORMAT_VERSION
+from minisgl.models.smoothing import scales_digest
 from minisgl.utils import init_logger
 
 from .config import SchedulerConfig
@@ -28,6 +29,8 @@ def tier_fingerprint(config: SchedulerConfig, engine: Engine) -> str:
         "quantization": config.quantization,
         # Quantized weights meet int8-rounded activations, or bf16 ones: other KV values.
         "int8_activations": ENV.CPU_INT8_ACTIVATIONS.value,
+        # int8 smoothing re-quantizes projections: other integers, other KV values.
+        "smoothing": scales_digest(engine.smoothing_scales),
         "tp": [config.tp_rank, config.tp_size],
     }
     return model_fingerprint(config.model_path, config.gguf_path, settings)
