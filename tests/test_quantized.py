@@ -566,3 +566,33 @@ def test_unknown_quantization_is_refused() -> None:
         EngineConfig(model_path="x", quantization="int3")
     with pytest.raises(ValueError, match="gguf"):
         EngineConfig(model_path="x", quantization="gguf")
+
+
+def test_weights_quantized_at_load_round_the_checkpoints_own_values() -> None:
+    """A bf16 model's weights quantized at load are rounded from the checkpoint's float32
+    values (the loader hands them over so), not from bf16's rounding of them: every row as
+    `quantize` gives it on the float32 weight, exactly."""
+    torch.set_num_threads(2)
+    llm = build_llm("qwen3", quantization="int8-wo", dtype=torch.bfloat16)
+    from safetensors import safe_open
+
+    from minisgl.models.weight import safetensors_files
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    for shard in safetensors_files(tiny_model("qwen3")):
+        with safe_open(str(shard), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118
+                source = f.get_tensor(name)
+    assert source.dtype == torch.float32
+    projection = llm.engine.model.model.layers[0].mlp.down_proj.cpu_projection
+    assert isinstance(projection, QuantizedProjection)
+    rows = torch.arange(source.shape[0])
+    group = int8_group("int8-wo", KERNELS, source.shape[1])
+    want = quantize(source, "int8-wo", group)
+    assert want is not None
+    assert torch.equal(projection.rows(rows, torch.float32), want.dequantize(rows))
+    from_bf16 = quantize(source.bfloat16(), "int8-wo", group)
+    assert from_bf16 is not None and not torch.equal(
+        from_bf16.dequantize(rows), want.dequantize(rows)
+    )
+    llm.shutdown()

@@ -90,9 +90,7 @@ def smooth_int8(
     ids = calibration_ids(model.config.vocab_size, min(CALIBRATION_TOKENS, max_tokens))
     maxima = input_maxima(plan, lambda: run_prefill(model, ctx, ids))
     with freed_memory_returned():  # the replaced weights and the dense temporaries
-        scales = smooth(
-            model, plan, maxima, cpu_kernels(), torch.bfloat16, model_dir, quantization, gguf_path
-        )
+        scales = smooth(model, plan, maxima, cpu_kernels(), model_dir, quantization, gguf_path)
     release_freed_memory()
     planned = sum(len(layer.projections()) for layer in plan)
     logger.info("int8: %d of %d projections smoothed (SmoothQuant)", len(scales), planned)

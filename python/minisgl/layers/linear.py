@@ -301,16 +301,23 @@ class Linear(nn.Module):
         kernels: CpuKernels | None,
         tiles_out: torch.Tensor | None = None,
         weight: torch.Tensor | QuantizedWeight | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """Pick the CPU matmul path for the weight (after loading); a packed copy (into
         `tiles_out` where given, see CpuProjection) or a quantized one replaces the weight.
         weight: the loaded weight where the module's own parameter does not hold it (e.g. is
-        on the meta device), already quantized where the checkpoint held it so."""
+        on the meta device), already quantized where the checkpoint held it so; dtype: the
+        model's, which a weight handed over for quantizing in another takes where no group fits
+        it and it stays dense."""
         handed_over = weight is not None
         weight = self.weight.data if weight is None else weight
         if isinstance(weight, torch.Tensor) and self.quantization is not None:
             group_int8 = int8_group(self.quantization, kernels, weight.shape[1])
-            weight = quantize(weight, self.quantization, group_int8) or weight
+            quantized = quantize(weight, self.quantization, group_int8)
+            if quantized is not None:
+                weight = quantized
+            elif dtype is not None:  # no group fits it: dense, in the model's dtype
+                weight = weight.to(dtype)
         if isinstance(weight, QuantizedWeight):
             gated = self.gated and self.bias is None  # the fused SiLU takes no bias
             self.cpu_projection = QuantizedProjection(

@@ -75,7 +75,9 @@ def create_model(
                     module.quantization = quantization
         with freed_memory_returned():
             placement = _CpuPlacement(model, dtype, cpu_kernels(), prequantized, smoothing)
-            load_weights(model, checkpoint, dtype, placement.take_packed, cut)
+            load_weights(
+                model, checkpoint, dtype, placement.take_packed, cut, placement.hand_over_dtype
+            )
             placement.finish()
         if smoothing:
             fold_into_neighbours(model, smoothing)
@@ -163,6 +165,13 @@ class _CpuPlacement:
         out_features, in_features = weight.shape
         return tile_copy_elems(out_features, in_features, self.dtype, self.kernels)
 
+    def hand_over_dtype(self, name: str) -> torch.dtype:
+        """float32 for a projection quantized at load (rounded from the checkpoint's values, not
+        from the model dtype's rounding of them), else the model's dtype."""
+        module, _ = self.packed[name]
+        quantizes = isinstance(module, Linear) and module.quantization is not None
+        return torch.float32 if quantizes else self.dtype
+
     def take_packed(self, name: str, weight: torch.Tensor | QuantizedWeight) -> None:
         """The loader's hand-over of a weight that a packed copy replaces."""
         module, _ = self.packed[name]
@@ -172,7 +181,7 @@ class _CpuPlacement:
         if isinstance(module, Linear):
             if isinstance(weight, torch.Tensor) and self.smoothing:
                 weight = smoothed_weight(name.removesuffix(".weight"), weight, self.smoothing)
-            module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight)
+            module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)
         else:  # rows of a quantized embedding come out in the model's dtype
             module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)
         self.prepared.add(module)

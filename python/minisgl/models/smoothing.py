@@ -173,16 +173,16 @@ def fold_into_neighbours(model: CausalLM, scales: dict[str, torch.Tensor]) -> No
 
 
 class _Reader:
-    """This rank's projections' dense weights read again from the checkpoint, in the model's
-    dtype as the loader handed them over (so that smoothing now and smoothing from cached
-    scales as they load give the same integers)."""
+    """This rank's projections' dense weights read again from the checkpoint in float32, as the
+    loader hands a weight quantized at load over (so that smoothing now and smoothing from
+    cached scales as they load give the same integers)."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, cut: Cut | None) -> None:
-        self.checkpoint, self.dtype, self.cut = checkpoint, dtype, cut
+    def __init__(self, checkpoint: Checkpoint, cut: Cut | None) -> None:
+        self.checkpoint, self.cut = checkpoint, cut
 
     def __call__(self, linear: Linear, name: str) -> torch.Tensor | None:
         shape = (linear.out_features, linear.in_features)
-        return dense_weight(self.checkpoint, f"{name}.weight", shape, self.dtype, self.cut)
+        return dense_weight(self.checkpoint, f"{name}.weight", shape, torch.float32, self.cut)
 
 
 def _layer_scales(
@@ -216,18 +216,16 @@ def smooth(
     plan: list[LayerSmoothing],
     maxima: dict[Linear, torch.Tensor],
     kernels: CpuKernels | None,
-    dtype: torch.dtype,
     model_dir: str | Path,
     quantization: str,
     gguf_path: str | Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """Smooth the planned layers, each projection re-quantized from the checkpoint's dense
-    weight (read in the model's `dtype`) times its scales; the scales applied, by projection
-    name."""
+    weight times its scales; the scales applied, by projection name."""
     cut = model.shard.cut if model.shard.size > 1 else None
     applied: dict[str, torch.Tensor] = {}
     with open_checkpoint(Path(model_dir), quantization, gguf_path) as checkpoint:
-        read = _Reader(checkpoint, dtype, cut)
+        read = _Reader(checkpoint, cut)
         for smoothed in plan:
             scales, dense = _layer_scales(smoothed, maxima, read)
             for name, (linear, weight) in dense.items():

@@ -271,6 +271,7 @@ def load_weights(
     dtype: torch.dtype,
     on_loaded: Callable[[str, torch.Tensor | QuantizedWeight], None] | None = None,
     cut: Cut | None = None,
+    hand_over_dtype: Callable[[str], torch.dtype] | None = None,
 ) -> None:
     """Fill every parameter of `model` from `checkpoint` (open), in `dtype`, fusing q/k/v and
     gate/up. A parameter with storage is written in place, converted as it is copied. One on
@@ -278,7 +279,9 @@ def load_weights(
     checkpoint holds it quantized, else a tensor (a view of the mapped file where the
     checkpoint holds it as it is, else a temporary), which must not be kept; those come after
     every parameter with storage, so a module's bias is in place by then. cut: this
-    tensor-parallel rank's shard of each parameter (see `Cut`)."""
+    tensor-parallel rank's shard of each parameter (see `Cut`). hand_over_dtype: the dtype a
+    parameter handed to `on_loaded` comes in, where not `dtype` (a weight quantized at load: the
+    checkpoint's precision, not the model's)."""
     params = dict(model.named_parameters())
     sources = _sources(checkpoint, model, cut)
 
@@ -299,8 +302,9 @@ def load_weights(
             continue
         uncut = len(parts) == 1 and (cut is None or cut(target, parts[0][0]) is None)
         whole = checkpoint.tensor(parts[0][0]) if uncut else None
-        if whole is None or whole.dtype != dtype:  # converted, fused or cut: a temporary
-            whole = torch.empty(param.shape, dtype=dtype)
+        wanted = dtype if hand_over_dtype is None else hand_over_dtype(target)
+        if whole is None or whole.dtype != wanted:  # converted, fused or cut: a temporary
+            whole = torch.empty(param.shape, dtype=wanted)
             _copy_rows(checkpoint, target, parts, whole, cut)
         on_loaded(target, whole)
         del whole
