@@ -34,6 +34,10 @@ from .quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 # 64-128, benchmark/quantized_quality.py). "gguf": a GGUF file's own quantized tensors.
 # "none": every weight dense, even from a quantized file.
 LOAD_QUANTIZATIONS = ("int8", "int8-wo", "int4", "int4-g32", "int4-g64", "int4-g128")
+# Bumped whenever quantizing at load gives other integers (KV computed before is then not the
+# engine's: the disk KV tier's fingerprint carries it). 2: int8 per 64 columns, rounded from the
+# checkpoint's own values.
+LOAD_QUANTIZATION_VERSION = 2
 QUANTIZATIONS = (*LOAD_QUANTIZATIONS, "gguf", "none")
 
 # Columns per float16 scale of int8 weights quantized at load, 3% more bytes than one float32

@@ -7,6 +7,7 @@ from minisgl.engine import Engine
 from minisgl.env import ENV
 from minisgl.kvcache import DiskKVTier, model_fingerprint
 from minisgl.kvcache.tier_file import FORMAT_VERSION
+from minisgl.layers.quantized import LOAD_QUANTIZATION_VERSION, LOAD_QUANTIZATIONS
 from minisgl.models.smoothing import scales_digest
 from minisgl.utils import init_logger
 
@@ -27,6 +28,9 @@ def tier_fingerprint(config: SchedulerConfig, engine: Engine) -> str:
         "kv_heads": engine.num_kv_heads,
         "head_dim": mc.head_dim,
         "quantization": config.quantization,
+        "quantized_at_load": (
+            LOAD_QUANTIZATION_VERSION if config.quantization in LOAD_QUANTIZATIONS else None
+        ),
         # Quantized weights meet int8-rounded activations, or bf16 ones: other KV values.
         "int8_activations": ENV.CPU_INT8_ACTIVATIONS.value,
         # int8 smoothing re-quantizes projections: other integers, other KV values.
