@@ -84,7 +84,7 @@ def smooth_int8(
     """Calibrate and smooth what `smoothing_plan` finds (nothing off VNNI, or on AMX-INT8): a
     prefill of min(CALIBRATION_TOKENS, max_tokens) seeded token ids; the scales applied, by
     projection name (written to `cache_to`, where given)."""
-    plan = smoothing_plan(model, torch.bfloat16)
+    plan = smoothing_plan(model)
     if not plan:
         return {}
     ids = calibration_ids(model.config.vocab_size, min(CALIBRATION_TOKENS, max_tokens))

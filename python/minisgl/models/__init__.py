@@ -178,12 +178,10 @@ class _CpuPlacement:
         if isinstance(module, SparseMoE):
             module.prepare_for_cpu(name.rpartition(".")[2], weight, self.kernels)
             return
-        if isinstance(module, Linear):
-            if isinstance(weight, torch.Tensor) and self.smoothing:
-                weight = smoothed_weight(name.removesuffix(".weight"), weight, self.smoothing)
-            module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)
-        else:  # rows of a quantized embedding come out in the model's dtype
-            module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)
+        if isinstance(module, Linear) and isinstance(weight, torch.Tensor) and self.smoothing:
+            weight = smoothed_weight(name.removesuffix(".weight"), weight, self.smoothing)
+        # dtype: a quantized embedding's rows, or a weight no group fits, in the model's
+        module.prepare_for_cpu(self.kernels, self.tile_slots.get(name), weight, self.dtype)
         self.prepared.add(module)
 
     def finish(self) -> None:

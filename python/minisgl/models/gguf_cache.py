@@ -7,7 +7,6 @@ sooner)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minisgl.layers.quant_weight import QuantizedWeight
-from minisgl.utils.hf import cache_dir
+from minisgl.utils.hf import cache_dir, short_digest
 
 from .gguf import GgufCheckpoint
 from .weight import TensorEntry
@@ -33,17 +32,17 @@ MAX_DENSE_BYTES = 256 << 20
 _CACHE_NAME = re.compile(r"(?P<source>.+-[0-9a-f]{8})[0-9a-f]{8}\.safetensors")
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
 def cache_file(gguf: Path) -> Path:
     """Where the repacked tensors of this GGUF file live: named by the file's path, then by its
     size, modification time and the layout's version (a changed file gets a new name; writing
     it removes the path's older ones, `_remove_older_copies`)."""
     stat = gguf.stat()
-    version = _digest(f"{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}")
-    return cache_dir() / "gguf" / f"{gguf.stem}-{_digest(str(gguf.resolve()))}{version}.safetensors"
+    version = short_digest(f"{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}")
+    return (
+        cache_dir()
+        / "gguf"
+        / f"{gguf.stem}-{short_digest(str(gguf.resolve()))}{version}.safetensors"
+    )
 
 
 def _remove_older_copies(target: Path) -> None:

@@ -67,11 +67,10 @@ def _smoothable(linear: Linear) -> bool:
     )
 
 
-def smoothing_plan(model: CausalLM, dtype: torch.dtype) -> list[LayerSmoothing]:
-    """Per decoder layer with anything to smooth, what (bf16 activations, `dtype`, only)."""
+def smoothing_plan(model: CausalLM) -> list[LayerSmoothing]:
+    """Per decoder layer with anything to smooth, what (a bf16 model's: the engine's `smooths`
+    asks that)."""
     plan: list[LayerSmoothing] = []
-    if dtype != torch.bfloat16:
-        return plan
     for i, layer in enumerate(model.model.layers):
         qkv = layer.self_attn.qkv_proj
         gate_up = down = None
@@ -198,7 +197,7 @@ def _layer_scales(
         weight = read(linear, name) if linear in maxima else None
         if weight is None:
             return False
-        scales[name] = smoothing_scales(maxima[linear], weight.abs().amax(0).float())
+        scales[name] = smoothing_scales(maxima[linear], weight.abs().amax(0))
         dense[name] = (linear, weight)
         return True
 

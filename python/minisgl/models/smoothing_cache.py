@@ -9,7 +9,6 @@ agree on whether to calibrate, collective by collective)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from minisgl.env import ENV
 from minisgl.kernel.cpu import CpuKernels
 from minisgl.utils import init_logger
-from minisgl.utils.hf import cache_dir
+from minisgl.utils.hf import cache_dir, short_digest
 
 from .smoothing import CALIBRATION_SEED, CALIBRATION_TOKENS, SMOOTHING_ALPHA
 from .weight import safetensors_files
@@ -54,13 +53,9 @@ def scales_file(
         stat = file.stat()
         sources.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
     settings = [SCALES_VERSION, SMOOTHING_ALPHA, CALIBRATION_TOKENS, CALIBRATION_SEED]
-    place = _digest(str(Path(model_dir).resolve()))
-    version = _digest(json.dumps([sources, _kernels_tag(kernels), settings]))
+    place = short_digest(str(Path(model_dir).resolve()))
+    version = short_digest(json.dumps([sources, _kernels_tag(kernels), settings]))
     return cache_dir() / "smoothing" / f"{Path(model_dir).name}-{place}{version}.safetensors"
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def _remove_older_scales(path: Path) -> None:

@@ -32,6 +32,11 @@ def cache_dir() -> Path:
     return path
 
 
+def short_digest(text: str) -> str:
+    """The first 8 hex digits of text's SHA-256: a part of a cache file's name."""
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
     """Return a local Hugging Face folder (config.json + safetensors + tokenizer) for the model."""
     if model_path is None:
