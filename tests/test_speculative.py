@@ -39,7 +39,7 @@ def every_draft(request, monkeypatch):
 
     if "cost_model" not in request.node.name:
         monkeypatch.setattr(
-            Speculator, "_worth_it", lambda self, guesses, rows: [g for g, _ in guesses]
+            Speculator, "_worth_it", lambda self, guesses, rows, slack=None: [g for g, _ in guesses]
         )
         monkeypatch.setattr(Speculator, "_catch_up_loses", lambda self, req, drafts, rows: False)
 
@@ -312,7 +312,7 @@ def test_sampling_has_the_distribution_of_decoding_without_speculation(monkeypat
 
     # Every draft verified, whatever the cost model would keep: the rule is what is tested.
     monkeypatch.setattr(
-        Speculator, "_worth_it", lambda self, guesses, rows: [g for g, _ in guesses]
+        Speculator, "_worth_it", lambda self, guesses, rows, slack=None: [g for g, _ in guesses]
     )
     plain, _ = _samples(False, 400)
     spec, accepted = _samples(True, 400)
@@ -415,8 +415,9 @@ def test_served_with_speculation_reports_it_and_equals_offline(tmp_path) -> None
 def test_cost_model_drafts_where_rows_are_cheap_and_not_where_dear() -> None:
     """The policy: drafts while a row costs little against a step and guesses are good; none
     where a row costs as much as the step (a compute-bound CPU) or guesses are poor."""
+    from minisgl.scheduler.spec_choice import geometric
     from minisgl.scheduler.spec_cost import StepCost
-    from minisgl.scheduler.speculative import Speculator, geometric
+    from minisgl.scheduler.speculative import Speculator
 
     def drafts(row_seconds: float, acceptance: float, batch: int, base: float = 0.010) -> list[int]:
         spec = Speculator(8, 1, 4, 8, 0)
@@ -452,7 +453,8 @@ def test_cost_model_keeps_every_requests_pace() -> None:
     tenth of a step, a request with good guesses beside one without drafts nothing (the other
     would decode ~10% slower), alone it drafts, and beside one whose guesses hold too both do;
     where rows cost 1% of a step, its drafts are taken beside the other."""
-    from minisgl.scheduler.speculative import SLOWDOWN_ALLOWED, Speculator, geometric, keeps_pace
+    from minisgl.scheduler.spec_choice import SLOWDOWN_ALLOWED, geometric, keeps_pace
+    from minisgl.scheduler.speculative import Speculator
 
     def taken(row_seconds: float, guesses: list) -> list[int]:
         spec = Speculator(8, 1, 4, 8, 0)
@@ -467,6 +469,50 @@ def test_cost_model_keeps_every_requests_pace() -> None:
     assert min(taken(0.001, [good, good])) > 0
     assert taken(0.0001, [good, none])[0] > 0
     assert keeps_pace(0.0, 1.0 - SLOWDOWN_ALLOWED / 2, 1.0) and not keeps_pace(0.0, 1.1, 1.0)
+
+
+def test_cost_model_keeps_the_pace_over_a_requests_decode() -> None:
+    """The pace is kept over a request's decode: one whose drafts were kept (or that decoded
+    long without drafts) banks slack, which lets another's good guesses slow its step where it
+    has none; a fresh request, or one with little banked, stops them as before. The bank is
+    capped, never negative, and the requests that finished bank nothing."""
+    from types import SimpleNamespace
+
+    from minisgl.scheduler.spec_choice import BANKED_STEPS, SLOWDOWN_ALLOWED, bank_slack
+    from minisgl.scheduler.speculative import Speculator, geometric
+
+    spec = Speculator(8, 1, 4, 8, 0)
+    for rows in range(1, 12):
+        for _ in range(5):
+            spec.cost.observe(rows, 0.010 + 0.001 * rows)  # a row: 1/12 of a 2-row step
+    good, none = ([1, 2, 3, 4], geometric(0.9, 4)), ([], [])
+    plain = spec.cost.seconds(2, spec.cost.coefficients())
+    assert [len(d) for d in spec._worth_it([good, none], 2, [0.0, 0.0])] == [0, 0]
+    assert [len(d) for d in spec._worth_it([good, none], 2, [0.0, 0.2 * plain])][0] > 0
+    # The slack pays for the rows taken: a little buys one row, not four.
+    assert [len(d) for d in spec._worth_it([good, none], 2, [0.0, 0.1 * plain])][0] == 1
+    # A draft model's depths likewise (its steps cost a tenth of a target step, DRAFT_MARGIN).
+    spec.drafter = SimpleNamespace()
+    assert spec._worth_it([good, none], 2, [0.0, 0.0]) == [[], []]
+    assert spec._worth_it([good, none], 2, [0.0, 2 * plain])[0]
+    spec.drafter = None
+
+    # Banking: kept drafts earn their plain steps' seconds, a step's cost is spent.
+    step = 0.012
+    assert bank_slack(0.0, 1, step, step) == pytest.approx(step * SLOWDOWN_ALLOWED / 0.97)
+    assert bank_slack(0.0, 3, step, 1.5 * step) == pytest.approx(3 * step / 0.97 - 1.5 * step)
+    assert bank_slack(0.0, 1, step, 2 * step) == 0.0
+    assert bank_slack(0.0, 100, step, step) == BANKED_STEPS * step
+
+    class Running:  # (a request as settle reads it: weakly referenced, finished or not)
+        def __init__(self, finish_reason: str | None) -> None:
+            self.finish_reason = finish_reason
+
+    reqs = [Running(None), Running("stop")]
+    for req in reqs:
+        spec.state(req)
+    spec.settle(reqs, [4, 1], 5)
+    assert spec.state(reqs[0]).slack > 0 and spec.state(reqs[1]).slack == 0.0
 
 
 def test_cost_model_judges_ngram_drafts_by_their_match_length() -> None:

@@ -10,13 +10,12 @@ rejection sampling (a draft is kept with its probability under the target), gree
 Drafts come from n-grams (ngram.py: NGRAM) or a draft model (draft_model.py: STANDALONE).
 Whether a draft token is worth its row is a cost model (`StepCost`: a step's seconds against
 its query rows, fitted as it runs; with a draft model, its steps' seconds too) against each
-request's measured acceptance, so speculation turns itself down where rows are dear (large
-batches, long contexts), drafting is dear or guesses poor.
+request's measured acceptance (spec_choice.py), so speculation turns itself down where rows are
+dear (large batches, long contexts), drafting is dear or guesses poor.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -26,6 +25,7 @@ from minisgl.core import Req
 from .config import SchedulerConfig
 from .draft_model import DECODE_CATCH_UP, DraftModelProposer
 from .ngram import NgramCache, NgramIndex
+from .spec_choice import bank_slack, best_drafts, best_drafts_by_depth, geometric
 from .spec_cost import MatchStats, Rate, StepCost
 from .verify import within_grammar
 
@@ -44,16 +44,6 @@ RECOVERY = 0.02
 # A draft-model step's cost relative to a target step, until both were measured: optimistic, so
 # that drafts get tried and measured.
 PRIOR_DRAFT_COST = 0.1
-# The most a request's expected tokens per second may fall by other requests' draft rows in its
-# step (their noise-level share): a batch's drafts pay only where every request in it keeps its
-# pace. Maximizing the batch's tokens per second alone drafted for the requests whose guesses
-# held and slowed the others, whose pace set the batch's end (the default model, batch 4, Zen
-# 3: the same number of steps as without drafts, each dearer; 0.82-0.93x on edit and chat).
-SLOWDOWN_ALLOWED = 0.03
-# A draft model runs only where it is expected to raise tokens per second by this share:
-# its costs come in lumps (a forward of the draft for a few tokens' gain), so a predicted gain of
-# a few percent was as often a loss (Zen 2, the dense default with its GGUF draft at batch 4).
-DRAFT_MARGIN = 0.1
 
 
 @dataclass
@@ -77,6 +67,8 @@ class DraftState:
     index: NgramIndex | None = None
     match: tuple[bool, int] | None = None  # its n-gram drafts' match (MatchStats.key)
     acceptance: float = PRIOR_ACCEPTANCE
+    # Seconds it may lose to other requests' drafts and keep its pace (spec_choice.bank_slack).
+    slack: float = 0.0
     verify_steps: int = 0
     accepted_tokens: int = 0
 
@@ -153,7 +145,10 @@ class Speculator:
         if self.drafter is None:
             guesses = [self._ngram_guess(req, limit) for req, limit in zip(reqs, limits)]
             drafts = within_grammar(reqs, [draft for draft, _ in guesses])
-            drafts = self._worth_it([(d, k) for d, (_, k) in zip(drafts, guesses)], len(reqs))
+            slack = [self.state(req).slack for req in reqs]
+            drafts = self._worth_it(
+                [(d, k) for d, (_, k) in zip(drafts, guesses)], len(reqs), slack
+            )
         else:
             # (a constrained request's drafts are cut after the draft model ran: it drafts free)
             drafts = within_grammar(reqs, self._model_drafts(reqs, limits))
@@ -186,7 +181,8 @@ class Speculator:
             ([0] * limit, geometric(self.state(req).acceptance, limit))
             for req, limit in zip(reqs, limits)
         ]
-        counts = [len(draft) for draft in self._worth_it(slots, len(reqs))]
+        slack = [self.state(req).slack for req in reqs]
+        counts = [len(draft) for draft in self._worth_it(slots, len(reqs), slack)]
         counts = [
             0 if count and self._catch_up_loses(req, count, len(reqs)) else count
             for req, count in zip(reqs, counts)
@@ -233,89 +229,36 @@ class Speculator:
         c0, c1 = self.cost.coefficients()
         return PRIOR_DRAFT_COST * c0, PRIOR_DRAFT_COST * c1
 
-    def _worth_it(self, guesses: list[tuple[list[int], list[float]]], rows: int) -> list[list[int]]:
-        """Cut the drafts to the tokens that give the most expected tokens per second: each
-        guess comes with the chances k_j that its first j tokens are kept; drafts are taken best
-        chance first, as many as maximize (rows + sum of their k_j) / seconds(rows + drafts), the
-        step's time per row count measured (StepCost.seconds: lumpy costs, where one row more
-        loses and four more win, are seen), while every request's own expected tokens per second
-        stays within SLOWDOWN_ALLOWED of a step without drafts (keeps_pace). With a draft model
-        see _worth_it_by_depth."""
-        if self.drafter is not None:
-            return self._worth_it_by_depth(guesses, rows)
-        line = self.cost.coefficients()
-        candidates = sorted(
-            (
-                (chances[j - 1], i, j)
-                for i, (draft, chances) in enumerate(guesses)
-                for j in range(1, len(draft) + 1)
-            ),
-            key=lambda c: (-c[0], c[1], c[2]),
-        )[: self._room(rows)]
-        plain = self.cost.seconds(rows, line)
-        best_rate, best_count = rows / plain, 0
-        expected = float(rows)
-        # Each request's expected kept drafts, and a heap of them (stale entries skipped) whose
-        # least is the slowest request's gain.
-        gains = [0.0] * len(guesses)
-        least = [(0.0, i) for i in range(len(guesses))]
-        for count, (chance, i, _) in enumerate(candidates, 1):
-            expected += chance
-            gains[i] += chance
-            heapq.heappush(least, (gains[i], i))
-            while least[0][0] != gains[least[0][1]]:
-                heapq.heappop(least)
-            seconds = self.cost.seconds(rows + count, line)
-            rate = expected / seconds
-            if rate > best_rate and keeps_pace(least[0][0], seconds, plain):
-                best_rate, best_count = rate, count
-        # (chances fall with depth, so a request's j-th draft comes after its first j - 1)
-        taken = [0] * len(guesses)
-        for _, i, j in candidates[:best_count]:
-            taken[i] = max(taken[i], j)
-        return [draft[:count] for (draft, _), count in zip(guesses, taken)]
-
-    def _worth_it_by_depth(
-        self, guesses: list[tuple[list[int], list[float]]], rows: int
+    def _worth_it(
+        self,
+        guesses: list[tuple[list[int], list[float]]],
+        rows: int,
+        slack: Sequence[float] | None = None,
     ) -> list[list[int]]:
-        """With a draft model, depth by depth: the requests drafting a j-th token share one
-        draft-model step (d0 + d1 * requests) and each adds a row (c1); a depth runs for the
-        requests of best gain k_j (a^j), as many as give the most expected tokens per second, and
-        only if that beats stopping at the depth before (a step's fixed cost is shared: one
-        request alone may not pay it where several do); none unless all of them together beat
-        no drafts by DRAFT_MARGIN."""
-        c0, c1 = self.cost.coefficients()
-        d0, d1 = self._draft_coefficients()
-        taken = [0] * len(guesses)
-        expected, seconds, room = float(rows), c0 + c1 * rows, self._room(rows)
-        for depth in range(1, max((len(draft) for draft, _ in guesses), default=0) + 1):
-            level = sorted(
-                (
-                    (chances[depth - 1], i)
-                    for i, (draft, chances) in enumerate(guesses)
-                    if taken[i] == depth - 1 and len(draft) >= depth
-                ),
-                key=lambda c: (-c[0], c[1]),
-            )
-            best_rate, best_count, gains = expected / seconds, 0, 0.0
-            for count, (gain, _) in enumerate(level[:room], 1):
-                gains += gain
-                rate = (expected + gains) / (seconds + d0 + (c1 + d1) * count)
-                if rate > best_rate:
-                    best_rate, best_count = rate, count
-            if best_count == 0:
-                break
-            for gain, i in level[:best_count]:
-                taken[i] = depth
-                expected += gain
-            seconds += d0 + (c1 + d1) * best_count
-            room -= best_count
-        if expected / seconds < rows / (c0 + c1 * rows) * (1.0 + DRAFT_MARGIN):
-            return [[] for _ in guesses]
-        slowest = min(sum(chances[:count]) for (_, chances), count in zip(guesses, taken))
-        if not keeps_pace(slowest, seconds, c0 + c1 * rows):
-            return [[] for _ in guesses]
-        return [draft[:count] for (draft, _), count in zip(guesses, taken)]
+        """The drafts that pay (spec_choice): by expected tokens per second, each request
+        keeping its pace once its `slack` seconds (none where not given) are spent."""
+        if self.drafter is None:
+            return best_drafts(guesses, rows, self.cost, self._room(rows), slack)
+        return best_drafts_by_depth(
+            guesses,
+            rows,
+            self.cost.coefficients(),
+            self._draft_coefficients(),
+            self._room(rows),
+            slack,
+        )
+
+    def settle(self, reqs: Sequence[Req], emitted: Sequence[int], rows: int) -> None:
+        """After a decode step of `rows` query rows: each unfinished request banks its
+        `emitted` tokens against the step's seconds (spec_choice.bank_slack, the cost model's
+        seconds, as the drafts were chosen)."""
+        line = self.cost.coefficients()
+        plain = self.cost.seconds(len(reqs), line)
+        seconds = plain if rows <= len(reqs) else self.cost.seconds(rows, line)
+        for req, count in zip(reqs, emitted):
+            state = self._states.get(req)
+            if state is not None and req.finish_reason is None:
+                state.slack = bank_slack(state.slack, count, plain, seconds)
 
     def skipped(self, req: Req) -> None:
         """A step in which `req` had no drafts: its estimate recovers toward the prior."""
@@ -361,15 +304,3 @@ class Speculator:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
-
-
-def keeps_pace(gain: float, seconds: float, plain_seconds: float) -> bool:
-    """Whether a request expecting `gain` kept drafts in a step of `seconds` gets at least
-    1 - SLOWDOWN_ALLOWED of the tokens per second of a step without drafts (`plain_seconds`)."""
-    return (1.0 + gain) * plain_seconds >= (1.0 - SLOWDOWN_ALLOWED) * seconds
-
-
-def geometric(acceptance: float, depth: int) -> list[float]:
-    """The chances a^j, j = 1..depth, that a draft keeps its first j tokens where each is kept
-    with probability a when the one before it was."""
-    return [acceptance**j for j in range(1, depth + 1)]
