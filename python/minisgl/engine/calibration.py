@@ -50,14 +50,12 @@ def run_prefill(model: CausalLM, ctx: Context, input_ids: torch.Tensor) -> torch
 
 
 def smooths(config: EngineConfig) -> bool:
-    """Whether this engine's `int8` projections may be smoothed (bf16 on the CPU, no adapters:
-    theirs would read the inputs as they were)."""
+    """Whether this engine's `int8` projections may be smoothed (bf16 on the CPU)."""
     return (
         config.quantization == "int8"
         and ENV.CPU_INT8_SMOOTHING.value
         and config.dtype == torch.bfloat16
         and config.device.type == "cpu"
-        and not config.enable_lora
     )
 
 

@@ -163,6 +163,7 @@ class Engine:
             )
             for name, path in (config.lora_modules or {}).items():
                 self.lora.register(name, path)
+            self.lora.smoothed(self.smoothing_scales)
         # This rank's KV heads (all of them without tensor parallelism).
         self.num_kv_heads = self.model.shard.kv_heads
         self.page_size = config.page_size
@@ -226,6 +227,8 @@ class Engine:
             config.gguf_path,
             self._scales_path,
         )
+        if self.lora is not None:
+            self.lora.smoothed(self.smoothing_scales)
 
     @property
     def smoothed(self) -> int:

@@ -91,6 +91,22 @@ class LoraManager:
         linear.lora = slots
         self.projections[(layer, name)] = slots
 
+    def smoothed(self, scales: dict[str, torch.Tensor]) -> None:
+        """`int8` smoothing's scales by projection name (models/smoothing.py): each smoothed
+        projection's adapters multiply its input's channels back, and gate_up's adapters divide
+        their up rows as its weight's are (by down's scales); resident ones reloaded."""
+        for (layer, name), slots in self.projections.items():
+            found = scales.get(f"model.layers.{layer}.{name}")
+            slots.input_scales = None if found is None else found.float().cpu()
+            down = scales.get(f"model.layers.{layer}.mlp.down_proj")
+            slots.output_divisors = None
+            if name == "mlp.gate_up_proj" and down is not None:
+                gate = torch.ones(slots.part_features[0])
+                slots.output_divisors = torch.cat([gate, down.float().cpu()])
+        for slot, name in enumerate(self.slot_names):
+            if name is not None:
+                self._load(slot, self.adapters[name])
+
     # ---------------------------------------------------------------- registry
     def register(self, name: str, path: str) -> None:
         """Read and check an adapter folder; ValueError naming what is wrong."""

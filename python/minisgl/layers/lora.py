@@ -39,6 +39,11 @@ class LoraSlots(nn.Module):
         self.lora_bt = torch.zeros(width, sum(part_features), dtype=dtype, device=device)
         self.kernels = kernels if dtype == torch.float32 and device.type == "cpu" else None
         self.part_rows = torch.tensor(part_features, dtype=torch.int64)  # the C form's
+        # Where smoothing (models/smoothing.py) divides the projection's input channels by
+        # these, A's columns are multiplied by them as adapters load; where it divides output
+        # features (gate_up's up rows, by down's scales), B's rows are divided by these.
+        self.input_scales: torch.Tensor | None = None
+        self.output_divisors: torch.Tensor | None = None
         self.params = ProjectionParams()  # the LoRA fields alone, for kernels.lora_add
         self.fill_params(self.params)
 
@@ -62,6 +67,11 @@ class LoraSlots(nn.Module):
                         f"rank <= {self.rank} and {features} outputs"
                     )
                 cols = self._columns(index, slot)
+                if self.input_scales is not None:
+                    a = a.float() * self.input_scales.to(a.device)
+                if self.output_divisors is not None:
+                    divisors = self.output_divisors[row : row + features].to(b.device)
+                    b = b.float() / divisors[:, None]
                 self.lora_a[cols.start : cols.start + rank] = a.to(self.lora_a.dtype)
                 self.lora_bt[cols.start : cols.start + rank, row : row + features] = b.T.to(
                     self.lora_bt.dtype

@@ -57,11 +57,10 @@ class LayerSmoothing:
 
 def _smoothable(linear: Linear) -> bool:
     """Its input is rounded to int8 per 32 columns (`rounds_x_per_32`) against a weight that
-    `int8` quantized at load, and no adapter reads that input as it was."""
+    `int8` quantized at load (its LoRA adapters' A take the scales too: engine/lora.py)."""
     projection = linear.cpu_projection
     return (
         linear.quantization == "int8"
-        and linear.lora is None
         and isinstance(projection, QuantizedProjection)
         and projection.rounds_x_per_32
     )
