@@ -123,13 +123,14 @@ class Scheduler(RequestsMixin, PreemptionMixin, ResultsMixin, AdaptersMixin):
             self._process(previous)
         if launched is not None and not overlap:
             reqs = launched.batch.reqs
-            lengths = [len(req.input_ids) for req in reqs] if self.speculator is not None else []
+            speculator = self.speculator if launched.batch.is_decode else None
+            lengths = [len(req.input_ids) for req in reqs] if speculator is not None else []
             self._process(launched)
-            if self.speculator is not None and launched.batch.is_decode:
+            if speculator is not None:
                 rows = len(launched.batch.out_loc) if launched.batch.out_loc is not None else 0
-                self.speculator.cost.observe(rows, time.perf_counter() - started)
+                speculator.cost.observe(rows, time.perf_counter() - started)
                 emitted = [len(req.input_ids) - length for req, length in zip(reqs, lengths)]
-                self.speculator.settle(reqs, emitted, rows)
+                speculator.settle(reqs, emitted, rows)
         if batch is None and previous is None:  # nothing ran, nothing was pending
             if self.grammars is not None and self.grammars.pending:
                 pass  # constraints still compiling
